@@ -1,0 +1,63 @@
+"""The compile backend object and the ``moe`` entry point."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.lowering.rewrite import lower
+
+INNER_COMPILERS = ("inductor", "eager", "aot_eager")
+
+
+class MoECompileBackend:
+    """A ``torch.compile`` backend: lowers the MoE ops per ``spec``, then runs ``inner``.
+
+    ``mode`` and ``options`` are Inductor's (``mode="reduce-overhead"`` gives CUDA
+    graphs, as it does for plain Inductor); the other inner compilers take neither.
+    """
+
+    def __init__(self, spec: BackendSpec, inner: str = "inductor", mode: Optional[str] = None,
+                 options: Optional[dict[str, Any]] = None):
+        if inner not in INNER_COMPILERS:
+            raise ValueError(f"inner must be one of {', '.join(map(repr, INNER_COMPILERS))}, "
+                             f"got {inner!r}")
+        if inner != "inductor" and (mode is not None or options):
+            raise ValueError(f"mode and options apply to inner='inductor' only, got "
+                             f"inner={inner!r} with mode={mode!r}, options={options!r}")
+        self.spec = spec
+        self.inner = inner
+        self.mode = mode
+        self.options = dict(options or {})
+        if inner == "inductor":
+            self._compile = torch._TorchCompileInductorWrapper(mode, self.options, None)
+        else:
+            self._compile = torch._dynamo.lookup_backend(inner)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        return self._compile(lower(gm, self.spec), example_inputs)
+
+    def __repr__(self) -> str:
+        return (f"MoECompileBackend(experts={self.spec.experts!r}, a2a={self.spec.a2a!r}, "
+                f"inner={self.inner!r}, mode={self.mode!r})")
+
+
+def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
+            mode: Optional[str] = None, options: Optional[dict[str, Any]] = None
+            ) -> MoECompileBackend:
+    """A ``torch.compile`` backend that runs the MoE ops on the named backends.
+
+    ``experts``: ``"auto"`` (best available for the device and dtype), or a
+    registered name (`available_backends()` lists them); ``a2a``: ``"none"`` on one
+    device. An unregistered or unavailable choice raises ValueError when the
+    model is compiled, naming what is available.
+    """
+    return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a), inner, mode, options)
+
+
+def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
+                options: Optional[dict[str, Any]] = None):
+    """``torch.compile(model, backend="moe", mode=..., options=...)``: automatic choice, Inductor."""
+    return backend(mode=mode, options=options)(gm, example_inputs)

@@ -1,0 +1,77 @@
+"""Rewrite generic ``moe::*`` nodes of an FX graph to concrete backend ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from torch_moe_ops.backends import namespace_for
+from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.ops import GENERIC_NAMESPACE
+
+
+def _op_name(target: object) -> tuple[str, str] | None:
+    """``(namespace, name)`` of a custom-op call target, else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        qualified = target.name()
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        qualified = target._qualified_op_name
+    else:
+        return None
+    namespace, _, name = qualified.partition("::")
+    return namespace, name.split(".")[0]
+
+
+def _example(node: fx.Node) -> torch.Tensor:
+    first = node.args[0]
+    value = first.meta.get("val", first.meta.get("example_value"))
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"cannot lower {node.format_node()}: its first input carries no "
+                           "tensor metadata (was the graph traced by Dynamo?)")
+    return value
+
+
+def check_combination(spec: BackendSpec, device: torch.device, dtype: torch.dtype) -> None:
+    """The a2a backend's output layout must be what the experts backend consumes."""
+    a2a = REGISTRY.choose_a2a(spec, None, device, dtype)
+    experts = REGISTRY.choose_experts(spec, None, device, dtype)
+    if a2a.layout != experts.layout:
+        raise ValueError(f"a2a backend {a2a.name!r} produces the {a2a.layout!r} layout but "
+                         f"experts backend {experts.name!r} consumes {experts.layout!r}, and "
+                         "no adapter between them is registered")
+
+
+def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
+    """Point every generic ``moe::*`` call in ``gm`` at the backend ``spec`` chooses.
+
+    The choice is made per node from the device and dtype of its first input, so
+    a graph that mixes devices gets each device's backend. A graph with no MoE
+    op is returned untouched. Raises ValueError for an unregistered, unavailable
+    or inconsistent choice.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        op = _op_name(node.target) if node.op == "call_function" else None
+        if op is None or op[0] != GENERIC_NAMESPACE:
+            continue
+        example = _example(node)
+        check_combination(spec, example.device, example.dtype)
+        namespace = namespace_for(op[1], spec, example.device, example.dtype)
+        packet = getattr(getattr(torch.ops, namespace), op[1])
+        node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def moe_op_sequence(gm: fx.GraphModule) -> str:
+    """The custom ops ``gm`` calls, one per line, in graph order (for pinning in tests)."""
+    lines = []
+    for node in gm.graph.nodes:
+        op = _op_name(node.target) if node.op == "call_function" else None
+        if op is not None and op[0].startswith(GENERIC_NAMESPACE):
+            lines.append("::".join(op))
+    return "\n".join(lines)

@@ -1,0 +1,10 @@
+"""torch-moe-ops: a Mixture-of-Experts block as ``torch.library`` custom ops that
+``torch.compile`` and CUDA graphs capture whole, with the kernels chosen at compile time."""
+
+from torch_moe_ops.backends import available_backends
+from torch_moe_ops.config import BackendSpec, MoEConfig
+from torch_moe_ops.layer import MoE, SharedExperts
+from torch_moe_ops.lowering import backend
+
+__all__ = ["BackendSpec", "MoE", "MoEConfig", "SharedExperts", "available_backends", "backend"]
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""Backends: each registers concrete ops in its own namespace and a `supports` check.
+
+Importing this package registers every backend and installs the eager kernels
+of the generic ``moe::*`` ops, which forward to the default backend of the
+input's device (the one ``experts="auto"``, ``a2a="none"`` resolves to).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops.backends import local, reference  # noqa: F401  (they register themselves)
+from torch_moe_ops.backends.registry import (A2A_OPS, BACKWARD_NAMESPACE, EXPERTS_OPS,
+                                             REGISTRY, ROUTE_NAMESPACE, BackendTable)
+from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
+from torch_moe_ops.ops.library import implement
+
+DEFAULT_SPEC = BackendSpec()
+
+
+def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
+                  dtype: torch.dtype) -> str:
+    """The namespace whose concrete op runs ``moe::<op_name>`` under ``spec``."""
+    if op_name in EXPERTS_OPS:
+        return REGISTRY.choose_experts(spec, None, device, dtype).namespace
+    if op_name in A2A_OPS:
+        return REGISTRY.choose_a2a(spec, None, device, dtype).namespace
+    return ROUTE_NAMESPACE if op_name == "route" else BACKWARD_NAMESPACE
+
+
+def _forward_to_default(op_name: str):
+    def kernel(first, *args):
+        namespace = namespace_for(op_name, DEFAULT_SPEC, first.device, first.dtype)
+        return op_overload(namespace, op_name)(first, *args)
+
+    return kernel
+
+
+def available_backends(device: torch.device | str | None = None) -> BackendTable:
+    """Every registered backend, whether it runs on ``device`` (default: CUDA if
+    present, else CPU) and, where it does not, why. Prints as a table."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return REGISTRY.status(device, dtype)
+
+
+for _name, _contract in CONTRACTS.items():
+    implement(GENERIC_NAMESPACE, _contract, _forward_to_default(_name))

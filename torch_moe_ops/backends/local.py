@@ -1,0 +1,59 @@
+"""The ``none`` a2a backend: dispatch and combine on one device.
+
+Legend: T tokens, H hidden size, K experts per token, E experts, R = T * K rows.
+
+Dispatch sorts the T*K (token, slot) pairs by expert with a stable sort, so rows
+of one expert keep token order and the result is deterministic; skipped slots
+(id -1) sort last. Everything is sized by T and K alone: no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.ops import CONTRACTS
+from torch_moe_ops.ops.library import define, implement
+
+NAMESPACE = "moe_local"
+
+
+def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
+    top_k = topk_ids_TK.shape[1]
+    ids_R = topk_ids_TK.reshape(-1).long()
+    sort_key_R = torch.where(ids_R < 0, num_experts, ids_R)
+    order_R = torch.sort(sort_key_R, stable=True).indices
+    sorted_ids_R = ids_R[order_R]
+    skip_R = sorted_ids_R < 0
+    token_R = order_R // top_k
+    x_RH = hidden_TH[token_R]
+    weight_R = topk_weights_TK.reshape(-1)[order_R].float().masked_fill(skip_R, 0.0)
+    src_R = token_R.masked_fill(skip_R, -1).to(torch.int32)
+    count_X = torch.zeros(num_experts + 1, dtype=torch.int32, device=hidden_TH.device)
+    count_X.scatter_add_(0, sort_key_R, torch.ones_like(sort_key_R, dtype=torch.int32))
+    return x_RH, sorted_ids_R.to(torch.int32), weight_R, src_R, count_X[:num_experts].clone()
+
+
+def combine(y_RH, weight_R, src_R, num_tokens):
+    skip_R = src_R < 0
+    weighted_RH = y_RH.float() * weight_R.masked_fill(skip_R, 0.0).unsqueeze(1)
+    out_TH = y_RH.new_zeros((num_tokens, y_RH.shape[1]), dtype=torch.float32)
+    out_TH.index_add_(0, src_R.masked_fill(skip_R, 0).long(), weighted_RH)
+    return out_TH.to(y_RH.dtype)
+
+
+def supports(spec, cfg, device, dtype) -> Optional[str]:
+    if cfg is not None and cfg.ep_size != 1:
+        return f"a2a 'none' runs one device, the config has ep_size={cfg.ep_size}"
+    return None
+
+
+for _name, _kernel in (("dispatch", dispatch), ("combine", combine)):
+    define(NAMESPACE, CONTRACTS[_name])
+    implement(NAMESPACE, CONTRACTS[_name], _kernel)
+
+REGISTRY.register_a2a(A2ABackend(
+    name="none", namespace=NAMESPACE, layout="rows", supports=supports,
+    description="single device: sort rows by expert, weighted scatter-add back"))

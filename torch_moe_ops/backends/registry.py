@@ -1,0 +1,159 @@
+"""Which backends exist, what each supports, and how a choice is resolved.
+
+Experts backends implement ``experts``, ``experts_rows`` (and may implement
+``experts_backward``; the reference one is used otherwise). A2A backends
+implement ``dispatch`` and ``combine``. Routing runs on the reference ``route``
+until a routing backend is registered. A fused ``(a2a, experts)`` pair names
+one namespace that implements all of them in one go.
+
+``supports(spec, cfg, device, dtype)`` returns ``None`` when the backend can run
+there, otherwise the reason it cannot; ``cfg`` may be ``None`` when the caller
+(the compile backend, `available_backends`) has no `MoEConfig` at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from torch_moe_ops.config import BackendSpec, MoEConfig
+
+SupportsFn = Callable[[BackendSpec, Optional[MoEConfig], torch.device, torch.dtype],
+                      Optional[str]]
+
+EXPERTS_OPS = ("experts", "experts_rows")
+A2A_OPS = ("dispatch", "combine")
+ROUTE_NAMESPACE = "moe_reference"
+BACKWARD_NAMESPACE = "moe_reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsBackend:
+    """An experts backend: its concrete ops live in ``torch.ops.<namespace>``.
+
+    ``priority`` orders the candidates of ``experts="auto"`` (highest first).
+    """
+
+    name: str
+    namespace: str
+    layout: str
+    supports: SupportsFn
+    priority: int
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class A2ABackend:
+    """An all-to-all backend; ``layout`` is the format its dispatch produces."""
+
+    name: str
+    namespace: str
+    layout: str
+    supports: SupportsFn
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStatus:
+    kind: str
+    name: str
+    available: bool
+    reason: str
+    description: str
+
+
+class BackendTable(list):
+    """`available_backends()`'s answer: a list of `BackendStatus` that prints as a table."""
+
+    def __str__(self) -> str:
+        header = ("kind", "name", "available", "why not / what")
+        rows = [(s.kind, s.name, "yes" if s.available else "no",
+                 s.description if s.available else s.reason) for s in self]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(3)]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]
+                 for r in [header, *rows]]
+        return "\n".join(lines)
+
+
+class Registry:
+    """The backends known to this process, filled when `torch_moe_ops.backends` is imported."""
+
+    def __init__(self) -> None:
+        self.experts: dict[str, ExpertsBackend] = {}
+        self.a2a: dict[str, A2ABackend] = {}
+        self.fused: dict[tuple[str, str], str] = {}
+        self.adapters: dict[tuple[str, str], str] = {}
+
+    def register_experts(self, backend: ExpertsBackend) -> None:
+        self.experts[backend.name] = backend
+
+    def register_a2a(self, backend: A2ABackend) -> None:
+        self.a2a[backend.name] = backend
+
+    def register_fused(self, a2a: str, experts: str, namespace: str) -> None:
+        self.fused[(a2a, experts)] = namespace
+
+    def register_adapter(self, producer_layout: str, consumer_layout: str, op: str) -> None:
+        self.adapters[(producer_layout, consumer_layout)] = op
+
+    def choose_experts(self, spec: BackendSpec, cfg: Optional[MoEConfig],
+                       device: torch.device, dtype: torch.dtype) -> ExpertsBackend:
+        """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here.
+
+        Raises ValueError naming what is registered and why the choice is out.
+        """
+        if spec.experts == "auto":
+            candidates = sorted(self.experts.values(), key=lambda b: -b.priority)
+            for backend in candidates:
+                if backend.supports(spec, cfg, device, dtype) is None:
+                    return backend
+            raise ValueError(f"no experts backend runs on {device} with {dtype}: "
+                             + self._why_not(self.experts, spec, cfg, device, dtype))
+        backend = self._lookup("experts", self.experts, spec.experts)
+        reason = backend.supports(spec, cfg, device, dtype)
+        if reason is not None:
+            raise ValueError(f"experts backend {spec.experts!r} is not available: {reason}; "
+                             + self._available("experts", self.experts, spec, cfg, device,
+                                               dtype))
+        return backend
+
+    def choose_a2a(self, spec: BackendSpec, cfg: Optional[MoEConfig], device: torch.device,
+                   dtype: torch.dtype) -> A2ABackend:
+        backend = self._lookup("a2a", self.a2a, spec.a2a)
+        reason = backend.supports(spec, cfg, device, dtype)
+        if reason is not None:
+            raise ValueError(f"a2a backend {spec.a2a!r} is not available: {reason}; "
+                             + self._available("a2a", self.a2a, spec, cfg, device, dtype))
+        return backend
+
+    def status(self, device: torch.device, dtype: torch.dtype) -> BackendTable:
+        table = BackendTable()
+        for kind, backends in (("experts", self.experts), ("a2a", self.a2a)):
+            for backend in backends.values():
+                reason = backend.supports(BackendSpec(), None, device, dtype)
+                table.append(BackendStatus(kind, backend.name, reason is None, reason or "",
+                                           backend.description))
+        return table
+
+    @staticmethod
+    def _lookup(kind: str, backends: dict, name: str):
+        if name not in backends:
+            raise ValueError(f"{kind} backend {name!r} is not registered; registered: "
+                             f"{', '.join(sorted(backends))}")
+        return backends[name]
+
+    @staticmethod
+    def _available(kind, backends, spec, cfg, device, dtype) -> str:
+        names = [n for n, b in backends.items() if b.supports(spec, cfg, device, dtype) is None]
+        return f"available {kind} backends on {device} with {dtype}: " + (
+            ", ".join(names) or "none")
+
+    @staticmethod
+    def _why_not(backends, spec, cfg, device, dtype) -> str:
+        return "; ".join(f"{n}: {b.supports(spec, cfg, device, dtype)}"
+                         for n, b in backends.items())
+
+
+REGISTRY = Registry()

@@ -1,0 +1,151 @@
+"""Configuration of an MoE block (`MoEConfig`) and of the kernels that run it (`BackendSpec`).
+
+Both are frozen dataclasses validated at construction: a bad value raises
+`ValueError` naming the field, the value received and what is allowed. Their
+fields reach the custom ops as compile-time constants, never as graph inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+EXPERTS_BACKEND_NAMES = ("auto", "reference", "triton", "grouped_mm", "flashinfer")
+A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
+# Dispatch in another dtype than the activations (fp8) and quantized experts have
+# no kernel yet; the fields exist so that specs written today keep their meaning.
+DISPATCH_DTYPES = (None,)
+QUANT_METHODS = (None,)
+
+
+def _fail(field: str, got: object, expected: str) -> None:
+    raise ValueError(f"{field} must be {expected}, got {got!r}")
+
+
+def _check_positive_int(field: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        _fail(field, value, "a positive int")
+
+
+def _check_choice(field: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        _fail(field, value, "one of " + ", ".join(repr(a) for a in allowed))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shapes, routing and activation of one MoE block.
+
+    Routing (``scoring``), with ``logits [T, E]``:
+
+    - ``"softmax"``: ``p = softmax(logits)``; ``w, ids = topk(p, top_k)``;
+      ``w /= w.sum()`` if ``renormalize`` (Mixtral, Qwen-MoE, OLMoE).
+    - ``"topk_softmax"``: ``v, ids = topk(logits, top_k)``; ``w = softmax(v)`` (GPT-OSS).
+    - ``"sigmoid"``: ``s = sigmoid(logits)``; experts are chosen on
+      ``s + correction_bias`` (if ``correction_bias``), the weights are the unbiased
+      ``s[ids]``, renormalized if asked (DeepSeek-V3).
+
+    With ``num_expert_groups > 1`` selection is group-limited: a group's score is
+    the sum of its two best selection scores, only the ``topk_groups`` best groups
+    stay eligible. Every family ends with ``w *= routed_scaling_factor``.
+
+    Experts compute ``act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]`` where
+    ``w13 [E, 2I, H]`` holds the gate rows then the up rows and ``act`` is
+    ``silu(gate) * up``, ``gelu(gate) * up`` or ``swiglu_oai``:
+    ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``.
+
+    Shared experts (``shared_expert_intermediate_size > 0``) are one gated MLP
+    applied to every token, optionally scaled by ``sigmoid(x @ w_gate)``
+    (``shared_expert_gate``, as Qwen2-MoE does).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    correction_bias: bool = False
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "intermediate_size", "num_experts", "top_k",
+                      "num_expert_groups", "topk_groups", "ep_size"):
+            _check_positive_int(field, getattr(self, field))
+        if self.top_k > self.num_experts:
+            _fail("top_k", self.top_k, f"<= num_experts ({self.num_experts})")
+        _check_choice("scoring", self.scoring, SCORINGS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        for field in ("renormalize", "correction_bias", "router_bias", "expert_bias",
+                      "shared_expert_gate"):
+            if not isinstance(getattr(self, field), bool):
+                _fail(field, getattr(self, field), "a bool")
+        if self.num_experts % self.num_expert_groups:
+            _fail("num_expert_groups", self.num_expert_groups,
+                  f"a divisor of num_experts ({self.num_experts})")
+        if self.topk_groups > self.num_expert_groups:
+            _fail("topk_groups", self.topk_groups,
+                  f"<= num_expert_groups ({self.num_expert_groups})")
+        if self.num_expert_groups > 1:
+            group_size = self.num_experts // self.num_expert_groups
+            if group_size < 2:
+                _fail("num_expert_groups", self.num_expert_groups,
+                      "small enough that each group holds at least 2 experts "
+                      f"(num_experts={self.num_experts})")
+            if self.top_k > self.topk_groups * group_size:
+                _fail("top_k", self.top_k,
+                      f"<= topk_groups * experts per group ({self.topk_groups * group_size})")
+        if self.correction_bias and self.scoring != "sigmoid":
+            _fail("correction_bias", self.correction_bias, "False unless scoring='sigmoid'")
+        for field in ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                _fail(field, value, "a positive float")
+        size = self.shared_expert_intermediate_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            _fail("shared_expert_intermediate_size", size, "an int >= 0 (0 means none)")
+        if self.shared_expert_gate and size == 0:
+            _fail("shared_expert_gate", True,
+                  "False when there is no shared expert (shared_expert_intermediate_size=0)")
+        if self.num_experts % self.ep_size:
+            _fail("ep_size", self.ep_size, f"a divisor of num_experts ({self.num_experts})")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """Which kernels run the MoE ops, chosen when the model is compiled.
+
+    ``experts="auto"`` picks the fastest available experts backend for the
+    device and dtype. ``dispatch_dtype=None`` keeps the activation dtype and
+    ``quant=None`` runs unquantized weights: the only values with kernels today.
+    """
+
+    experts: str = "auto"
+    a2a: str = "none"
+    dispatch_dtype: Optional[torch.dtype] = None
+    quant: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES)
+        _check_choice("a2a", self.a2a, A2A_BACKEND_NAMES)
+        _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
+        _check_choice("quant", self.quant, QUANT_METHODS)

@@ -1,0 +1,140 @@
+"""`MoE`: a drop-in ``nn.Module`` for a Mixture-of-Experts block.
+
+Legend: T tokens, H hidden size, I expert intermediate size, S shared-expert
+intermediate size, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
+from torch_moe_ops.backends.reference import activation
+from torch_moe_ops.config import MoEConfig
+
+
+class SharedExperts(nn.Module):
+    """A gated MLP every token goes through: ``act(x @ w13.T) @ w2.T``, optionally
+    scaled by ``sigmoid(x @ gate.T)`` (Qwen2-MoE's ``shared_expert_gate``)."""
+
+    def __init__(self, cfg: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        size = cfg.shared_expert_intermediate_size
+        self.cfg = cfg
+        self.w13 = nn.Parameter(torch.empty(2 * size, cfg.hidden_size, device=device,
+                                            dtype=dtype))  # [2S, H]
+        self.w2 = nn.Parameter(torch.empty(cfg.hidden_size, size, device=device,
+                                           dtype=dtype))  # [H, S]
+        self.gate = (nn.Linear(cfg.hidden_size, 1, bias=False, device=device, dtype=dtype)
+                     if cfg.shared_expert_gate else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.w13, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.w2, a=math.sqrt(5))
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        gate_TS, up_TS = F.linear(x_TH, self.w13).chunk(2, dim=-1)
+        cfg = self.cfg
+        y_TH = F.linear(activation(gate_TS, up_TS, cfg.activation, cfg.swiglu_alpha,
+                                   cfg.swiglu_limit), self.w2)
+        if self.gate is not None:
+            y_TH = torch.sigmoid(self.gate(x_TH)) * y_TH
+        return y_TH
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts block: router, routed experts, optional shared experts.
+
+    ``forward(x [..., H]) -> [..., H]`` in ``x``'s dtype. The router runs in fp32
+    (``gate.weight [E, H]``, optional ``gate.bias [E]``, and for sigmoid scoring
+    with ``correction_bias`` an fp32 buffer ``e_score_correction_bias [E]`` that
+    only steers selection). Expert weights are canonical: ``w13 [E, 2I, H]`` (gate
+    rows then up rows), ``w2 [E, H, I]``, optional ``b13 [E, 2I]``, ``b2 [E, H]``.
+
+    The block calls the generic ops ``moe::route`` and ``moe::experts`` only, so
+    the kernels are chosen when the model is compiled
+    (``torch.compile(model, backend=torch_moe_ops.backend(...))``); eagerly, the
+    default backend of ``x``'s device runs.
+    """
+
+    def __init__(self, cfg: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        if cfg.ep_size != 1:
+            raise ValueError(f"MoE runs experts on one device (ep_size=1), got "
+                             f"ep_size={cfg.ep_size}")
+        self.cfg = cfg
+        num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        factory = {"device": device, "dtype": dtype}
+        self.gate = nn.Linear(hidden, num_experts, bias=cfg.router_bias, **factory)
+        if cfg.correction_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, **factory))
+        self.b13 = (nn.Parameter(torch.empty(num_experts, 2 * inter, **factory))
+                    if cfg.expert_bias else None)
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden, **factory)) if cfg.expert_bias else None
+        self.shared_experts = (SharedExperts(cfg, **factory)
+                               if cfg.shared_expert_intermediate_size else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Same scale as nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
+        for weight, fan_in in ((self.w13, self.cfg.hidden_size),
+                               (self.w2, self.cfg.intermediate_size)):
+            nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        for bias in (self.b13, self.b2):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def route(self, x_TH: torch.Tensor):
+        """Router logits [T, E] (fp32), top-k weights [T, K] (fp32) and ids [T, K] (int32)."""
+        cfg = self.cfg
+        bias_E = None if self.gate.bias is None else self.gate.bias.float()
+        logits_TE = F.linear(x_TH.float(), self.gate.weight.float(), bias_E)
+        topk_weights_TK, topk_ids_TK = torch.ops.moe.route(
+            logits_TE, self.e_score_correction_bias, cfg.top_k, cfg.scoring, cfg.renormalize,
+            cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
+        return logits_TE, topk_weights_TK, topk_ids_TK
+
+    def experts(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
+                topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        """The routed experts alone: ``[T, H]`` from tokens and their routing."""
+        cfg = self.cfg
+        return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, self.w13, self.w2,
+                                     self.b13, self.b2, cfg.activation, cfg.swiglu_alpha,
+                                     cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"x.shape[-1] must equal hidden_size ({self.cfg.hidden_size}), "
+                             f"got shape {tuple(x.shape)}")
+        x_TH = x.reshape(-1, self.cfg.hidden_size)
+        _, topk_weights_TK, topk_ids_TK = self.route(x_TH)
+        y_TH = self.experts(x_TH, topk_weights_TK, topk_ids_TK)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH)
+        return y_TH.view(x.shape)
+
+    def extra_repr(self) -> str:
+        cfg = self.cfg
+        parts = [f"experts={cfg.num_experts}", f"top_k={cfg.top_k}",
+                 f"hidden={cfg.hidden_size}", f"intermediate={cfg.intermediate_size}",
+                 f"scoring={cfg.scoring}", f"activation={cfg.activation}"]
+        if cfg.renormalize:
+            parts.append("renormalize")
+        if cfg.num_expert_groups > 1:
+            parts.append(f"groups={cfg.topk_groups}/{cfg.num_expert_groups}")
+        if cfg.routed_scaling_factor != 1.0:
+            parts.append(f"scale={cfg.routed_scaling_factor}")
+        if cfg.expert_bias:
+            parts.append("expert_bias")
+        return ", ".join(parts)

@@ -1,0 +1,90 @@
+"""One place that turns an op contract into `torch.library` registrations.
+
+An `OpContract` is what every implementation of an op shares: the schema, the
+argument checks, the fake kernel and the autograd formula. The generic op
+(``moe::<name>``) and each backend's concrete op (``moe_triton::<name>``, ...)
+are defined from the same contract, so the lowering can swap one for the other
+without changing a size, a stride or a gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+GENERIC_NAMESPACE = "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpContract:
+    """What every implementation of one op shares.
+
+    ``check(*args)`` validates shapes and dtypes (it sees fake tensors too);
+    ``check_values(*args)`` validates tensor contents and only sees real tensors;
+    ``fake(*args)`` allocates the outputs; ``backward``/``setup_context`` follow
+    `torch.library.register_autograd`.
+    """
+
+    name: str
+    schema: str
+    check: Callable[..., None]
+    fake: Callable[..., object]
+    check_values: Optional[Callable[..., None]] = None
+    backward: Optional[Callable[..., object]] = None
+    setup_context: Optional[Callable[..., None]] = None
+    tags: tuple = ()
+
+
+_LIBRARIES: dict[str, torch.library.Library] = {}
+
+
+def _library(namespace: str) -> torch.library.Library:
+    # torch.library.Library objects unregister their ops when collected: keep one
+    # per namespace for the life of the process.
+    if namespace not in _LIBRARIES:
+        _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _LIBRARIES[namespace]
+
+
+def qualified_name(namespace: str, contract: OpContract) -> str:
+    return f"{namespace}::{contract.name}"
+
+
+def op_overload(namespace: str, name: str) -> torch._ops.OpOverload:
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
+    """Define ``namespace::contract.name`` with the contract's schema, fake and autograd."""
+    qualname = qualified_name(namespace, contract)
+    _library(namespace).define(contract.name + contract.schema, tags=contract.tags)
+
+    def fake(*args):
+        contract.check(*args)
+        return contract.fake(*args)
+
+    torch.library.register_fake(qualname, fake, lib=_library(namespace))
+    if contract.backward is not None:
+        torch.library.register_autograd(
+            qualname, contract.backward, setup_context=contract.setup_context,
+            lib=_library(namespace))
+    return op_overload(namespace, contract.name)
+
+
+def implement(namespace: str, contract: OpContract, kernel: Callable,
+              device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """Register ``kernel`` as ``namespace::contract.name`` for ``device_types``.
+
+    The kernel receives arguments that already passed the contract's checks.
+    """
+
+    def checked_kernel(*args):
+        contract.check(*args)
+        if contract.check_values is not None:
+            contract.check_values(*args)
+        return kernel(*args)
+
+    torch.library.register_kernel(qualified_name(namespace, contract), device_types,
+                                  checked_kernel, lib=_library(namespace))
