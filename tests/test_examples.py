@@ -1,0 +1,22 @@
+"""Every example runs: each is also a smoke test of the public API."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.slow
+def test_quickstart_runs():
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "quickstart.py"), "--device", "cpu", "--tokens", "16",
+         "--layers", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "largest |eager - compiled|" in result.stdout
+    assert "reference" in result.stdout
