@@ -20,20 +20,28 @@ from torch_moe_ops.ops.library import define, implement
 NAMESPACE = "moe_local"
 
 
-def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
-    top_k = topk_ids_TK.shape[1]
+def sort_rows(topk_ids_TK: torch.Tensor, num_experts: int):
+    """Group the T*K (token, slot) pairs by expert, skipped slots last.
+
+    Returns ``order_R`` (int64: row r holds flattened slot ``order_R[r]``),
+    ``sorted_ids_R`` (int64, -1 for skipped rows) and ``count_E`` (int32).
+    """
     ids_R = topk_ids_TK.reshape(-1).long()
     sort_key_R = torch.where(ids_R < 0, num_experts, ids_R)
     order_R = torch.sort(sort_key_R, stable=True).indices
-    sorted_ids_R = ids_R[order_R]
+    count_X = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids_TK.device)
+    count_X.scatter_add_(0, sort_key_R, torch.ones_like(sort_key_R, dtype=torch.int32))
+    return order_R, ids_R[order_R], count_X[:num_experts]
+
+
+def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
+    order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, num_experts)
     skip_R = sorted_ids_R < 0
-    token_R = order_R // top_k
+    token_R = order_R // topk_ids_TK.shape[1]
     x_RH = hidden_TH[token_R]
     weight_R = topk_weights_TK.reshape(-1)[order_R].float().masked_fill(skip_R, 0.0)
     src_R = token_R.masked_fill(skip_R, -1).to(torch.int32)
-    count_X = torch.zeros(num_experts + 1, dtype=torch.int32, device=hidden_TH.device)
-    count_X.scatter_add_(0, sort_key_R, torch.ones_like(sort_key_R, dtype=torch.int32))
-    return x_RH, sorted_ids_R.to(torch.int32), weight_R, src_R, count_X[:num_experts].clone()
+    return x_RH, sorted_ids_R.to(torch.int32), weight_R, src_R, count_E.clone()
 
 
 def combine(y_RH, weight_R, src_R, num_tokens):

@@ -1,0 +1,132 @@
+"""Every experts backend against the reference backend, the oracle.
+
+On the CPU the grouped_mm kernels run through torch._grouped_mm's host loop (its
+`supports` keeps it out of real use there, the arithmetic is the same); on a GPU
+every available backend runs in bf16 with larger shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_moe_ops as tmo
+from torch_moe_ops.backends.registry import REGISTRY
+
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+CPU_NAMESPACES = ("moe_grouped_mm",)
+
+
+def make_inputs(num_tokens, hidden, inter, num_experts, top_k, dtype, device, bias, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
+
+    hidden_TH = randn(num_tokens, hidden)
+    w13_EFH = randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2_EHI = randn(num_experts, hidden, inter, scale=inter ** -0.5)
+    b13_EF = randn(num_experts, 2 * inter, scale=0.1) if bias else None
+    b2_EH = randn(num_experts, hidden, scale=0.1) if bias else None
+    scores_TE = torch.rand(num_tokens, num_experts, generator=generator)
+    topk_ids_TK = scores_TE.topk(top_k, dim=-1).indices.to(torch.int32)
+    # Skip every fifth slot, as padding rows and experts of other ranks do.
+    topk_ids_TK.view(-1)[::5] = -1
+    topk_weights_TK = torch.rand(num_tokens, top_k, generator=generator)
+    return (hidden_TH, topk_weights_TK.to(device), topk_ids_TK.to(device), w13_EFH, w2_EHI,
+            b13_EF, b2_EH)
+
+
+def relative_error(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+
+
+def run_both(namespace, args, act, rows=False):
+    static = (act, 1.702, 7.0)
+    if not rows:
+        return (getattr(torch.ops, namespace).experts(*args, *static),
+                torch.ops.moe_reference.experts(*args, *static))
+    hidden_TH, weights_TK, ids_TK, *weights = args
+    x_RH, expert_R, _, _, count_E = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
+                                                           weights[0].shape[0])
+    y_RH = torch.empty_like(x_RH).fill_(float("nan"))
+    y_RH = getattr(torch.ops, namespace).experts_rows(x_RH, expert_R, count_E, *weights, *static)
+    return y_RH, torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *weights, *static)
+
+
+@pytest.mark.parametrize("namespace", CPU_NAMESPACES)
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_matches_reference(namespace, act, bias, rows, dtype, bound):
+    args = make_inputs(9, 32, 16, 4, 2, dtype, "cpu", bias)
+    out, ref = run_both(namespace, args, act, rows)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert relative_error(out, ref) < bound
+
+
+@pytest.mark.parametrize("namespace", CPU_NAMESPACES)
+def test_zero_tokens(namespace):
+    args = make_inputs(0, 32, 16, 4, 2, torch.float32, "cpu", True)
+    out = getattr(torch.ops, namespace).experts(*args, "silu", 1.702, 7.0)
+    assert out.shape == (0, 32)
+
+
+def test_grouped_mm_rejects_unaligned_sizes():
+    args = make_inputs(3, 12, 16, 4, 2, torch.float32, "cpu", False)
+    with pytest.raises(ValueError, match="needs H and I divisible by 8, got H=12, I=16"):
+        torch.ops.moe_grouped_mm.experts(*args, "silu", 1.702, 7.0)
+
+
+def gpu_backends():
+    if not torch.cuda.is_available():
+        return []
+    device = torch.device("cuda")
+    return [b.namespace for b in REGISTRY.experts.values()
+            if b.name != "reference"
+            and b.supports(tmo.BackendSpec(), None, device, torch.bfloat16) is None]
+
+
+GPU_SHAPES = {  # (T, H, I, E, K)
+    "mixtral-like": (256, 4096, 1024, 8, 2),
+    "qwen3-like": (130, 2048, 768, 128, 8),
+    "gpt-oss-like": (64, 2880, 2880, 32, 4),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("rows", [False, True])
+def test_gpu_matches_reference(shape, rows):
+    num_tokens, hidden, inter, num_experts, top_k = GPU_SHAPES[shape]
+    bias = shape == "gpt-oss-like"
+    act = "swiglu_oai" if bias else "silu"
+    namespaces = gpu_backends()
+    assert namespaces, "no GPU experts backend is available"
+    args = make_inputs(num_tokens, hidden, inter, num_experts, top_k, torch.bfloat16, "cuda",
+                       bias)
+    for namespace in namespaces:
+        out, ref = run_both(namespace, args, act, rows)
+        assert not out.isnan().any(), namespace
+        assert relative_error(out, ref) < 2e-2, namespace
+
+
+@pytest.mark.gpu
+def test_gpu_backends_capture_in_cuda_graph():
+    args = make_inputs(64, 1024, 512, 16, 4, torch.bfloat16, "cuda", True)
+    for namespace in gpu_backends():
+        op = getattr(torch.ops, namespace).experts
+        static = ("silu", 1.702, 7.0)
+        hidden_TH = args[0].clone()
+        op(hidden_TH, *args[1:], *static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_TH = op(hidden_TH, *args[1:], *static)
+        fresh_TH = torch.randn_like(hidden_TH)
+        hidden_TH.copy_(fresh_TH)
+        out_TH.fill_(float("nan"))
+        graph.replay()
+        ref_TH = torch.ops.moe_reference.experts(fresh_TH, *args[1:], *static)
+        assert relative_error(out_TH, ref_TH) < 2e-2, namespace
