@@ -139,18 +139,27 @@ moe_reference::experts""")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_reduce_overhead_replays_cuda_graphs(name):
-    model = make_model(name, device="cuda", dtype=torch.bfloat16, num_layers=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_overhead_replays_cuda_graphs(name, dtype):
+    """CUDA graphs replay fresh inputs with no re-capture. In fp32 the result must
+    match eager; in bf16 (where Inductor's fp32 RMSNorm and near-tied routing make
+    eager a poor yardstick) it must match the same graph compiled without CUDA graphs."""
+    model = make_model(name, device="cuda", dtype=dtype, num_layers=4)
     compiled = torch.compile(model, backend=tmo.backend(mode="reduce-overhead"),
                              fullgraph=True)
+    expected = model if dtype == torch.float32 else torch.compile(
+        model, backend=tmo.backend(), fullgraph=True)
+    tolerance = 1e-3 if dtype == torch.float32 else 1e-2
     torch._dynamo.utils.counters.clear()
-    for step in range(4):
-        ids = _ids(32, "cuda", seed=step)
-        with torch.no_grad():
+    with torch.no_grad():
+        for step in range(4):
+            ids = _ids(32, "cuda", seed=step)
             out = compiled(ids).clone()
-            torch.testing.assert_close(out, model(ids), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(out, expected(ids), rtol=tolerance, atol=tolerance)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # Warm-up, one recording, then replays: the tree records exactly one graph.
+    tree_manager = torch._inductor.cudagraph_trees.get_container(0).tree_manager
+    assert next(tree_manager.graph_counter) == 1
 
 
 @pytest.mark.gpu
