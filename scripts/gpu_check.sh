@@ -16,6 +16,6 @@ python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${PYTEST_ARGS:-} t
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 examples/quickstart.py --tokens 256 2>&1 | tee "$OUT/quickstart.log" | tail -8
 if [ "${BENCH:-0}" = 1 ]; then
-  python3 -m torch_moe_ops.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+  python3 benchmarks/bench_experts.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit $status
