@@ -137,18 +137,24 @@ moe_reference::experts""")
         self.assertEqual(gm.code, before)
 
 
+GPU_CASES = [("reference", torch.float32)] + [
+    (experts, torch.bfloat16) for experts in ("reference", "grouped_mm", "triton")]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", MODEL_NAMES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reduce_overhead_replays_cuda_graphs(name, dtype):
-    """CUDA graphs replay fresh inputs with no re-capture. In fp32 the result must
-    match eager; in bf16 (where Inductor's fp32 RMSNorm and near-tied routing make
-    eager a poor yardstick) it must match the same graph compiled without CUDA graphs."""
+@pytest.mark.parametrize("experts,dtype", GPU_CASES)
+def test_reduce_overhead_replays_cuda_graphs(name, experts, dtype):
+    """A 4-layer model under CUDA graphs replays fresh inputs with no re-capture.
+    In fp32 it must match eager; in bf16 (where Inductor's fp32 RMSNorm and
+    near-tied routing make eager a poor yardstick) it must match the same graph
+    compiled without CUDA graphs."""
     model = make_model(name, device="cuda", dtype=dtype, num_layers=4)
-    compiled = torch.compile(model, backend=tmo.backend(mode="reduce-overhead"),
+    compiled = torch.compile(model, backend=tmo.backend(experts=experts,
+                                                         mode="reduce-overhead"),
                              fullgraph=True)
     expected = model if dtype == torch.float32 else torch.compile(
-        model, backend=tmo.backend(), fullgraph=True)
+        model, backend=tmo.backend(experts=experts), fullgraph=True)
     tolerance = 1e-3 if dtype == torch.float32 else 1e-2
     torch._dynamo.utils.counters.clear()
     with torch.no_grad():

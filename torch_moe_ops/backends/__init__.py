@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends import grouped_mm, local, reference  # noqa: F401  (they register themselves)
+from torch_moe_ops.backends import grouped_mm, local, reference, triton  # noqa: F401  (they register themselves)
 from torch_moe_ops.backends.registry import (A2A_OPS, BACKWARD_NAMESPACE, EXPERTS_OPS,
                                              REGISTRY, ROUTE_NAMESPACE, BackendTable)
 from torch_moe_ops.config import BackendSpec

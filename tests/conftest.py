@@ -1,0 +1,124 @@
+"""Shared fixtures of the CPU unit tests.
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts,
+K experts per token, F = 2*I (gate rows then up rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+import torch_moe_ops  # noqa: F401  (registers the ops and their eager kernels)
+
+# Per-dtype bounds on the error of an op against an fp64 formula evaluated on the
+# same (rounded) inputs: the ops accumulate in fp32 and round the result once.
+TOLERANCES = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+    torch.float16: {"rtol": 5e-3, "atol": 5e-3},
+}
+# Gradients go through two more matmuls than the forward: a looser fp32 bound.
+GRAD_TOLERANCES = {
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    torch.bfloat16: {"rtol": 3e-2, "atol": 3e-2},
+    torch.float16: {"rtol": 1e-2, "atol": 1e-2},
+}
+FLOAT_DTYPES = list(TOLERANCES)
+
+
+def _assert_close(table: dict, actual: torch.Tensor, expected: torch.Tensor,
+                  dtype: torch.dtype) -> None:
+    """``actual`` (any dtype) against an fp64 ``expected``; atol scales with the
+    magnitude of ``expected`` so that one bound serves small and large outputs."""
+    tol = table[dtype]
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol["rtol"],
+                               atol=tol["atol"] * scale)
+
+
+@pytest.fixture
+def assert_close_for_dtype() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
+    """``check(actual, expected_fp64, dtype)`` under `TOLERANCES[dtype]`."""
+    return lambda actual, expected, dtype: _assert_close(TOLERANCES, actual, expected, dtype)
+
+
+@pytest.fixture
+def assert_grad_close_for_dtype() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
+    """``check(actual, expected_fp64, dtype)`` under `GRAD_TOLERANCES[dtype]`."""
+    return lambda actual, expected, dtype: _assert_close(GRAD_TOLERANCES, actual, expected,
+                                                         dtype)
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    """A CPU generator with a fixed seed: every test draws the same numbers each run."""
+    return torch.Generator().manual_seed(1234)
+
+
+@dataclasses.dataclass
+class ExpertInputs:
+    """The tensor arguments of ``moe::experts`` (canonical layouts)."""
+
+    hidden_TH: torch.Tensor
+    topk_weights_TK: torch.Tensor
+    topk_ids_TK: torch.Tensor
+    w13_EFH: torch.Tensor
+    w2_EHI: torch.Tensor
+    b13_EF: Optional[torch.Tensor]
+    b2_EH: Optional[torch.Tensor]
+
+    def args(self, activation: str = "silu", swiglu_alpha: float = 1.702,
+             swiglu_limit: float = 7.0) -> tuple:
+        return (self.hidden_TH, self.topk_weights_TK, self.topk_ids_TK, self.w13_EFH,
+                self.w2_EHI, self.b13_EF, self.b2_EH, activation, swiglu_alpha, swiglu_limit)
+
+
+def random_topk_ids(num_tokens: int, num_experts: int, top_k: int,
+                    generator: torch.Generator, dtype: torch.dtype = torch.int32,
+                    skip_fraction: float = 0.0) -> torch.Tensor:
+    """``[T, K]`` ids, distinct within a token; about ``skip_fraction`` of them -1."""
+    ids_TK = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k]
+                          for _ in range(num_tokens)]) if num_tokens else \
+        torch.empty((0, top_k), dtype=torch.long)
+    if skip_fraction:
+        skip_TK = torch.rand(ids_TK.shape, generator=generator) < skip_fraction
+        ids_TK = ids_TK.masked_fill(skip_TK, -1)
+    return ids_TK.to(dtype)
+
+
+def make_expert_inputs(generator: torch.Generator, num_tokens: int = 6, hidden_size: int = 8,
+                       intermediate_size: int = 4, num_experts: int = 4, top_k: int = 2,
+                       dtype: torch.dtype = torch.float32, bias: bool = False,
+                       ids_dtype: torch.dtype = torch.int32, skip_fraction: float = 0.0,
+                       hidden_scale: float = 1.0) -> ExpertInputs:
+    """Random inputs whose outputs are O(hidden_scale): weights ~ 1/sqrt(fan_in)."""
+    T, H, I, E, K = num_tokens, hidden_size, intermediate_size, num_experts, top_k
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=generator) * scale).to(dtype)
+
+    return ExpertInputs(
+        hidden_TH=randn(T, H, scale=hidden_scale),
+        topk_weights_TK=torch.rand((T, K), generator=generator),
+        topk_ids_TK=random_topk_ids(T, E, K, generator, ids_dtype, skip_fraction),
+        w13_EFH=randn(E, 2 * I, H, scale=H ** -0.5),
+        w2_EHI=randn(E, H, I, scale=I ** -0.5),
+        b13_EF=randn(E, 2 * I, scale=0.5) if bias else None,
+        b2_EH=randn(E, H, scale=0.5) if bias else None,
+    )
+
+
+@pytest.fixture
+def expert_inputs(generator) -> Callable[..., ExpertInputs]:
+    """``expert_inputs(**sizes)``: see `make_expert_inputs`."""
+    return lambda **kwargs: make_expert_inputs(generator, **kwargs)
+
+
+@pytest.fixture
+def topk_ids(generator) -> Callable[..., torch.Tensor]:
+    """``topk_ids(T, E, K, dtype=int32, skip_fraction=0.0)``: see `random_topk_ids`."""
+    return lambda *args, **kwargs: random_topk_ids(*args, generator=generator, **kwargs)

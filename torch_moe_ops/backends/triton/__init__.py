@@ -1,0 +1,53 @@
+"""The ``triton`` experts backend: fused MoE kernels written in Triton.
+
+Align (group slots by expert, padded to GEMM blocks, on the device), a grouped
+GEMM of ``w13`` with the activation fused, a grouped GEMM of ``w2`` that applies
+the routing weight, and a deterministic sum over the K slots of each token.
+Tile sizes come from tuned JSON files (`configs`), read on the first call of a
+shape. Weights are used in the canonical layout.
+
+Runs on CUDA; on the CPU only under the Triton interpreter (``TRITON_INTERPRET=1``),
+which is how the kernels' indexing is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+
+NAMESPACE = "moe_triton"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def supports(spec, cfg, device, dtype) -> Optional[str]:
+    if not INSTALLED:
+        return "triton is not installed (pip install triton)"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "needs a CUDA GPU (on the CPU only under TRITON_INTERPRET=1)"
+    if device.type == "cpu" and spec.experts == "auto":
+        return "the Triton interpreter is for tests: name experts='triton' to use it on the CPU"
+    if device.type not in ("cpu", "cuda"):
+        return f"needs a CUDA GPU, got device {device.type}"
+    if dtype not in DTYPES:
+        return f"needs float32, float16 or bfloat16, got {dtype}"
+    return None
+
+
+if INSTALLED:
+    from torch_moe_ops.backends.triton.fused import fused_experts, fused_experts_rows
+    from torch_moe_ops.ops import CONTRACTS
+    from torch_moe_ops.ops.library import define, implement
+
+    for _name, _kernel in (("experts", fused_experts), ("experts_rows", fused_experts_rows)):
+        define(NAMESPACE, CONTRACTS[_name])
+        implement(NAMESPACE, CONTRACTS[_name], _kernel)
+
+REGISTRY.register_experts(ExpertsBackend(
+    name="triton", namespace=NAMESPACE, layout="rows", supports=supports, priority=20,
+    description="fused Triton kernels: align, GEMM + activation, GEMM + weighted sum"))

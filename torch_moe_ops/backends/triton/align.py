@@ -1,0 +1,183 @@
+"""Group routed slots by expert and pad each group to whole GEMM blocks.
+
+Legend: T tokens, K experts per token, S = T * K slots (slot ``s`` is token
+``s // K``'s ``s % K``-th choice), E experts, M rows per GEMM block
+(``block_m``), P padded capacity, B = P // M blocks.
+
+    order = stable sort of the slots s with topk_ids[s] >= 0 by expert
+    for e in experts: its slots fill [start_e, start_e + count_e), then
+                      the sentinel S up to start_e + round_up(count_e, M)
+    block_expert[b] = e if block b lies in e's range, -1 past the last range
+
+P is a static bound (``padded_capacity``), so every size depends only on input
+sizes and nothing waits on the host: the real number of padded rows stays on
+the device (``num_padded_rows``) and the GEMM kernels skip blocks past it.
+
+Three Triton launches: count each tile's slots per expert, scan those counts
+(one program), then scatter each slot to its place and write the padding and
+``block_expert``. No float math and no atomics, so the result is exact and the
+same on every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
+# one-hot tile [SLOT_TILE, EXPERT_CHUNK] stays at 8K elements whatever E is.
+SLOT_TILE = 256
+EXPERT_CHUNK = 32
+# The scan program walks the [tiles, E] count table in [TILE_CHUNK, SCAN_EXPERT_CHUNK] pieces.
+TILE_CHUNK = 64
+SCAN_EXPERT_CHUNK = 64
+
+
+def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Worst-case padded rows: each expert that gets a slot adds at most
+    ``block_m - 1`` rows of padding, and at most ``min(E, S)`` experts get one."""
+    worst = num_slots + min(num_experts, num_slots) * (block_m - 1)
+    return triton.cdiv(worst, block_m) * block_m
+
+
+@triton.jit
+def moe_align_count_kernel(ids_ptr, tile_counts_ptr, num_slots, num_experts,
+                           SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    tile = tl.program_id(0)
+    slots = tile * SLOT_TILE + tl.arange(0, SLOT_TILE)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
+    for first in range(0, num_experts, EXPERT_CHUNK):
+        experts = first + tl.arange(0, EXPERT_CHUNK)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+        tl.store(tile_counts_ptr + tile * num_experts + experts, tl.sum(hits, axis=0),
+                 mask=experts < num_experts)
+
+
+@triton.jit
+def moe_align_scan_kernel(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
+                          expert_start_ptr, num_padded_ptr, num_tiles, num_experts,
+                          BLOCK_M: tl.constexpr, TILE_CHUNK: tl.constexpr,
+                          EXPERT_CHUNK: tl.constexpr):
+    total = 0
+    for first in range(0, num_experts, EXPERT_CHUNK):
+        experts = first + tl.arange(0, EXPERT_CHUNK)
+        expert_ok = experts < num_experts
+        seen = tl.zeros((EXPERT_CHUNK,), dtype=tl.int32)
+        for first_tile in range(0, num_tiles, TILE_CHUNK):
+            tiles = first_tile + tl.arange(0, TILE_CHUNK)
+            where = tiles[:, None] * num_experts + experts[None, :]
+            ok = (tiles[:, None] < num_tiles) & expert_ok[None, :]
+            counts = tl.load(tile_counts_ptr + where, mask=ok, other=0)
+            # Exclusive prefix over tiles: a slot's place among its expert's slots
+            # is this plus its rank inside its own tile, which keeps the sort stable.
+            tl.store(tile_offsets_ptr + where, tl.cumsum(counts, axis=0) - counts + seen[None, :],
+                     mask=ok)
+            seen += tl.sum(counts, axis=0)
+        padded = (seen + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = total + tl.cumsum(padded, axis=0)
+        tl.store(expert_count_ptr + experts, seen, mask=expert_ok)
+        tl.store(expert_start_ptr + experts, end - padded, mask=expert_ok)
+        total += tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+
+
+@triton.jit
+def moe_align_scatter_kernel(ids_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr,
+                             num_padded_ptr, sorted_row_ids_ptr, block_expert_ptr, num_slots,
+                             num_tiles, num_blocks, num_experts, BLOCK_M: tl.constexpr,
+                             SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    # Programs [0, num_tiles) place slots and programs [0, num_blocks) write one
+    # block's padding and expert; the two sets of rows written never overlap.
+    if pid < num_tiles:
+        slots = pid * SLOT_TILE + tl.arange(0, SLOT_TILE)
+        ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
+        routed = (ids >= 0) & (ids < num_experts)
+        rank = tl.zeros((SLOT_TILE,), dtype=tl.int32)
+        for first in range(0, num_experts, EXPERT_CHUNK):
+            experts = first + tl.arange(0, EXPERT_CHUNK)
+            hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+            rank += tl.sum((tl.cumsum(hits, axis=0) - hits) * hits, axis=1)
+        earlier = tl.load(tile_offsets_ptr + pid * num_experts + ids, mask=routed, other=0)
+        start = tl.load(expert_start_ptr + ids, mask=routed, other=0)
+        tl.store(sorted_row_ids_ptr + start + earlier + rank, slots, mask=routed)
+    if pid < num_blocks:
+        block_start = pid * BLOCK_M
+        # The block's expert is the number of experts whose padded range ends at
+        # or before the block's first row.
+        expert = 0
+        for first in range(0, num_experts, EXPERT_CHUNK):
+            experts = first + tl.arange(0, EXPERT_CHUNK)
+            expert_ok = experts < num_experts
+            count = tl.load(expert_count_ptr + experts, mask=expert_ok, other=0)
+            end = (tl.load(expert_start_ptr + experts, mask=expert_ok, other=0)
+                   + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+            expert += tl.sum(((end <= block_start) & expert_ok).to(tl.int32), axis=0)
+        num_padded = tl.load(num_padded_ptr)
+        in_use = block_start < num_padded
+        safe_expert = tl.where(in_use, expert, 0)
+        rows = block_start + tl.arange(0, BLOCK_M)
+        padding = ((rows >= num_padded)
+                   | (rows - tl.load(expert_start_ptr + safe_expert)
+                      >= tl.load(expert_count_ptr + safe_expert)))
+        tl.store(sorted_row_ids_ptr + rows, tl.zeros((BLOCK_M,), dtype=tl.int32) + num_slots,
+                 mask=padding)
+        tl.store(block_expert_ptr + pid, tl.where(in_use, expert, -1))
+
+
+def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the ``S = T * K`` routed slots by expert into blocks of ``block_m`` rows.
+
+    Args:
+        topk_ids_TK: ``[T, K]`` int32 or int64, expert of each slot; -1 skips it
+            (so does any id outside ``[0, num_experts)``: it gets no row).
+        num_experts: E.
+        block_m: rows per GEMM block, a power of two >= 16.
+
+    Returns:
+        ``sorted_row_ids_P`` int32 ``[P]``, ``P = padded_capacity(S, E, block_m)``:
+        slot indices grouped by expert (ascending), in slot order inside a
+        group, each group padded with the sentinel ``S`` to a multiple of
+        ``block_m``; every row from ``num_padded_rows`` on holds ``S`` too.
+        ``block_expert_B`` int32 ``[P // block_m]``: each block's expert, -1 for
+        blocks from ``num_padded_rows`` on.
+        ``num_padded_rows_1`` int32 ``[1]``: rows in use, a multiple of ``block_m``.
+    """
+    if topk_ids_TK.dim() != 2 or topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be a 2-D int32 or int64 tensor, got shape "
+                         f"{tuple(topk_ids_TK.shape)} and dtype {topk_ids_TK.dtype}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be > 0, got {num_experts}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    num_slots = topk_ids_TK.numel()
+    if num_slots >= 2**31 - 1:
+        raise ValueError(f"topk_ids must have fewer than 2**31 - 1 slots (int32 row ids), "
+                         f"got {num_slots}")
+    device = topk_ids_TK.device
+    capacity = padded_capacity(num_slots, num_experts, block_m)
+    num_blocks = capacity // block_m
+    sorted_row_ids_P = torch.empty((capacity,), dtype=torch.int32, device=device)
+    block_expert_B = torch.empty((num_blocks,), dtype=torch.int32, device=device)
+    num_padded_rows_1 = torch.empty((1,), dtype=torch.int32, device=device)
+    num_tiles = triton.cdiv(num_slots, SLOT_TILE)
+    # One workspace: per-tile counts and offsets [tiles, E] each, then per-expert
+    # counts and padded starts [E] each.
+    table = num_tiles * num_experts
+    workspace = torch.empty((2 * table + 2 * num_experts,), dtype=torch.int32, device=device)
+    tile_counts, tile_offsets, expert_count, expert_start = workspace.split(
+        [table, table, num_experts, num_experts])
+    ids_S = topk_ids_TK.reshape(-1)
+    if num_tiles:
+        moe_align_count_kernel[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
+                                             SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)
+    moe_align_scan_kernel[(1,)](tile_counts, tile_offsets, expert_count, expert_start,
+                                num_padded_rows_1, num_tiles, num_experts, BLOCK_M=block_m,
+                                TILE_CHUNK=TILE_CHUNK, EXPERT_CHUNK=SCAN_EXPERT_CHUNK)
+    if max(num_tiles, num_blocks):
+        moe_align_scatter_kernel[(max(num_tiles, num_blocks),)](
+            ids_S, tile_offsets, expert_count, expert_start, num_padded_rows_1,
+            sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
+            BLOCK_M=block_m, SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)
+    return sorted_row_ids_P, block_expert_B, num_padded_rows_1
