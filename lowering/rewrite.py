@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from torch_moe_ops.backends import namespace_for
-from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.backends.registry import A2A_OPS, EXPERTS_OPS, REGISTRY
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 
@@ -56,7 +56,10 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
         if op is None or op[0] != GENERIC_NAMESPACE:
             continue
         example = _example(node)
-        check_combination(spec, example.device, example.dtype)
+        # Routing runs on fp32 logits: only the ops that carry activations decide
+        # (and must agree on) the experts and a2a backends.
+        if op[1] in EXPERTS_OPS or op[1] in A2A_OPS:
+            check_combination(spec, example.device, example.dtype)
         namespace = namespace_for(op[1], spec, example.device, example.dtype)
         packet = getattr(getattr(torch.ops, namespace), op[1])
         node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet

@@ -81,9 +81,10 @@ def random_topk_ids(num_tokens: int, num_experts: int, top_k: int,
                     generator: torch.Generator, dtype: torch.dtype = torch.int32,
                     skip_fraction: float = 0.0) -> torch.Tensor:
     """``[T, K]`` ids, distinct within a token; about ``skip_fraction`` of them -1."""
-    ids_TK = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k]
-                          for _ in range(num_tokens)]) if num_tokens else \
-        torch.empty((0, top_k), dtype=torch.long)
+    ids_TK = torch.empty((0, top_k), dtype=torch.long)
+    if num_tokens:
+        ids_TK = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k]
+                              for _ in range(num_tokens)])
     if skip_fraction:
         skip_TK = torch.rand(ids_TK.shape, generator=generator) < skip_fraction
         ids_TK = ids_TK.masked_fill(skip_TK, -1)

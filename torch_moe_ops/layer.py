@@ -38,6 +38,10 @@ class SharedExperts(nn.Module):
         nn.init.kaiming_uniform_(self.w13, a=math.sqrt(5))
         nn.init.kaiming_uniform_(self.w2, a=math.sqrt(5))
 
+    def extra_repr(self) -> str:
+        return (f"intermediate={self.cfg.shared_expert_intermediate_size}, "
+                f"activation={self.cfg.activation}, gated={self.gate is not None}")
+
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         gate_TS, up_TS = F.linear(x_TH, self.w13).chunk(2, dim=-1)
         cfg = self.cfg
@@ -99,9 +103,13 @@ class MoE(nn.Module):
         """Router logits [T, E] (fp32), top-k weights [T, K] (fp32) and ids [T, K] (int32)."""
         cfg = self.cfg
         bias_E = None if self.gate.bias is None else self.gate.bias.float()
+        # .to(dtype) casts buffers too; the correction bias must stay fp32 to steer
+        # selection as the checkpoint meant.
+        correction_E = (None if self.e_score_correction_bias is None
+                        else self.e_score_correction_bias.float())
         logits_TE = F.linear(x_TH.float(), self.gate.weight.float(), bias_E)
         topk_weights_TK, topk_ids_TK = torch.ops.moe.route(
-            logits_TE, self.e_score_correction_bias, cfg.top_k, cfg.scoring, cfg.renormalize,
+            logits_TE, correction_E, cfg.top_k, cfg.scoring, cfg.renormalize,
             cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
         return logits_TE, topk_weights_TK, topk_ids_TK
 

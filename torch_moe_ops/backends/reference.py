@@ -120,7 +120,7 @@ def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2
     num_experts = w13_EFH.shape[0]
     weights_TE = _weights_per_expert(topk_weights_TK, topk_ids_TK, num_experts)
     x_TH = hidden_TH.float()
-    out_TH = torch.zeros_like(x_TH)
+    out_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)
     for e in range(num_experts):
         y_TH = _expert_forward(x_TH, w13_EFH[e], w2_EHI[e], _bias(b13_EF, e), _bias(b2_EH, e),
                                act, alpha, limit)[0]
@@ -133,10 +133,12 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
     num_experts = w13_EFH.shape[0]
     weights_TE = _weights_per_expert(topk_weights_TK, topk_ids_TK, num_experts)
     x_TH, grad_TH = hidden_TH.float(), grad_out_TH.float()
-    grad_x_TH = torch.zeros_like(x_TH)
+    grad_x_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)
     grad_weights_TE = torch.zeros_like(weights_TE)
-    grad_w13_EFH = torch.empty_like(w13_EFH, dtype=torch.float32)
-    grad_w2_EHI = torch.empty_like(w2_EHI, dtype=torch.float32)
+    grad_w13_EFH = torch.empty_like(w13_EFH, dtype=torch.float32,
+                                    memory_format=torch.contiguous_format)
+    grad_w2_EHI = torch.empty_like(w2_EHI, dtype=torch.float32,
+                                   memory_format=torch.contiguous_format)
     grad_b13_EF = torch.zeros(w13_EFH.shape[:2], dtype=torch.float32, device=x_TH.device)
     grad_b2_EH = torch.zeros(w2_EHI.shape[:2], dtype=torch.float32, device=x_TH.device)
     for e in range(num_experts):
@@ -152,7 +154,7 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
         grad_w13_EFH[e] = grad_h_TF.t() @ x_TH
         grad_b13_EF[e] = grad_h_TF.sum(0)
         grad_x_TH += grad_h_TF @ w13_EFH[e].float()
-    ids_TK = topk_ids_TK.long()
+    ids_TK = topk_ids_TK.long().contiguous()
     grad_topk_weights_TK = torch.where(
         ids_TK < 0, 0.0, grad_weights_TE.gather(1, ids_TK.clamp(min=0)))
 

@@ -1,7 +1,7 @@
 """Which backends exist, what each supports, and how a choice is resolved.
 
-Experts backends implement ``experts``, ``experts_rows`` (and may implement
-``experts_backward``; the reference one is used otherwise). A2A backends
+Experts backends implement ``experts`` and ``experts_rows``; the gradient
+(``experts_backward``) runs on the reference backend whichever one ran forward. A2A backends
 implement ``dispatch`` and ``combine``. Routing runs on the reference ``route``
 until a routing backend is registered. A fused ``(a2a, experts)`` pair names
 one namespace that implements all of them in one go.

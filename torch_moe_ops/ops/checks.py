@@ -67,12 +67,12 @@ def value_checks_enabled(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TORCH_MOE_OPS_CHECK_VALUES") == "1"
 
 
-def check_ids_in_range(name: str, ids: torch.Tensor, num_experts: int) -> None:
-    """Every id must be -1 (skip) or in ``[0, num_experts)``."""
+def check_ids_in_range(name: str, ids: torch.Tensor, bound: int, what: str = "expert ids"
+                       ) -> None:
+    """Every id must be -1 (skip) or in ``[0, bound)``."""
     if ids.numel() == 0 or not value_checks_enabled(ids.device):
         return
     lowest, highest = int(ids.min()), int(ids.max())
-    if lowest < -1 or highest >= num_experts:
+    if lowest < -1 or highest >= bound:
         bad = lowest if lowest < -1 else highest
-        raise ValueError(f"{name} must hold -1 (skip) or expert ids in [0, {num_experts}), "
-                         f"got {bad}")
+        raise ValueError(f"{name} must hold -1 (skip) or {what} in [0, {bound}), got {bad}")

@@ -41,6 +41,10 @@ def check(router_logits_TE, correction_bias_E, top_k, scoring, renormalize,
     if num_expert_groups > 1 and num_experts // num_expert_groups < 2:
         raise ValueError(f"num_expert_groups must leave at least 2 experts per group "
                          f"(num_experts={num_experts}), got {num_expert_groups}")
+    eligible = topk_groups * (num_experts // num_expert_groups)
+    if top_k > eligible:
+        raise ValueError(f"top_k must be <= topk_groups * experts per group ({eligible}), "
+                         f"got {top_k}")
     checks.check_positive("routed_scaling_factor", routed_scaling_factor)
 
 

@@ -82,7 +82,7 @@ def check_combine(y_RH, weight_R, src_R, num_tokens) -> None:
 
 
 def check_combine_values(y_RH, weight_R, src_R, num_tokens) -> None:
-    checks.check_ids_in_range("src_rows", src_R, num_tokens)
+    checks.check_ids_in_range("src_rows", src_R, num_tokens, "token indices")
 
 
 def fake_combine(y_RH, weight_R, src_R, num_tokens):

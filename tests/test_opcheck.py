@@ -1,0 +1,162 @@
+"""`torch.library.opcheck` on every generic op (``moe::*``) and every concrete op of
+the reference and local backends: schema, fake kernel (sizes, strides, dtypes),
+autograd registration and AOT dispatch.
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts,
+K experts per token, F = 2*I, R rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
+
+H, I, E, K = 8, 4, 4, 2
+REFERENCE = REGISTRY.experts["reference"].namespace  # moe_reference
+LOCAL = REGISTRY.a2a["none"].namespace  # moe_local
+NAMESPACES = {
+    "route": (GENERIC_NAMESPACE, REFERENCE),
+    "experts": (GENERIC_NAMESPACE, REFERENCE),
+    "experts_backward": (GENERIC_NAMESPACE, REFERENCE),
+    "experts_rows": (GENERIC_NAMESPACE, REFERENCE),
+    "dispatch": (GENERIC_NAMESPACE, LOCAL),
+    "combine": (GENERIC_NAMESPACE, LOCAL),
+}
+
+ROUTE_CASES = {  # name: (T, E, top_k, scoring, renormalize, groups, topk_groups, scale, dtype)
+    "softmax": (5, E, 2, "softmax", False, 1, 1, 1.0, torch.float32),
+    "softmax_renormalize_bf16": (5, E, 2, "softmax", True, 1, 1, 1.0, torch.bfloat16),
+    "topk_softmax_fp16": (5, E, 2, "topk_softmax", False, 1, 1, 1.0, torch.float16),
+    "deepseek_v3": (5, 16, 4, "sigmoid", True, 4, 2, 2.5, torch.float32),
+    "sigmoid_T0": (0, E, 2, "sigmoid", False, 1, 1, 1.0, torch.float32),
+    "noncontiguous_logits": (5, E, 2, "softmax", True, 1, 1, 1.0, torch.float32),
+}
+EXPERT_CASES = {  # name: make_expert_inputs arguments, static (activation, alpha, limit)
+    "silu_bias": ({"bias": True, "skip_fraction": 0.2}, ("silu", 1.702, 7.0)),
+    "gelu_bias": ({"bias": True, "skip_fraction": 0.2}, ("gelu", 1.702, 7.0)),
+    "swiglu_oai_bias": ({"bias": True, "skip_fraction": 0.2}, ("swiglu_oai", 1.702, 0.5)),
+    "bf16": ({"dtype": torch.bfloat16}, ("silu", 1.702, 7.0)),
+    "fp16_int64_ids": ({"dtype": torch.float16, "ids_dtype": torch.int64},
+                       ("silu", 1.702, 7.0)),
+    "T0_bias": ({"num_tokens": 0, "bias": True}, ("silu", 1.702, 7.0)),
+    "all_skipped": ({"skip_fraction": 1.0}, ("silu", 1.702, 7.0)),
+}
+# The same values as a contiguous case, stored transposed: a fake kernel must give
+# the real kernel's strides for these too.
+NONCONTIGUOUS_CASES = ("noncontiguous_hidden", "noncontiguous_routing", "noncontiguous_weights")
+def transposed_storage(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dimensions' strides swapped (non-contiguous)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def with_grad(args: tuple) -> tuple:
+    """Floating-point tensors require grad, so that autograd registration is checked."""
+    return tuple(a.requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                 else a for a in args)
+
+
+def route_args(case: str, generator: torch.Generator) -> tuple:
+    T, num_experts, top_k, scoring, renormalize, groups, topk_groups, scale, dtype = \
+        ROUTE_CASES[case]
+    logits_TE = torch.randn((T, num_experts), generator=generator).to(dtype)
+    if case == "noncontiguous_logits":
+        logits_TE = transposed_storage(logits_TE)
+    bias_E = torch.rand(num_experts, generator=generator) if scoring == "sigmoid" else None
+    return with_grad((logits_TE, bias_E, top_k, scoring, renormalize, groups, topk_groups,
+                      scale))
+
+
+def expert_args(case: str, expert_inputs) -> tuple:
+    """The arguments of ``moe::experts`` for ``case``."""
+    if case in NONCONTIGUOUS_CASES:
+        inputs = expert_inputs(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K)
+        if case == "noncontiguous_hidden":
+            inputs.hidden_TH = transposed_storage(inputs.hidden_TH)
+        elif case == "noncontiguous_routing":
+            inputs.topk_weights_TK = transposed_storage(inputs.topk_weights_TK)
+            inputs.topk_ids_TK = transposed_storage(inputs.topk_ids_TK)
+        else:
+            inputs.w13_EFH = transposed_storage(inputs.w13_EFH)
+            inputs.w2_EHI = transposed_storage(inputs.w2_EHI)
+        return inputs.args()
+    sizes, static = EXPERT_CASES[case]
+    inputs = expert_inputs(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, **sizes)
+    return inputs.args(*static)
+
+
+def op_args(op_name: str, case: str, generator, expert_inputs) -> tuple:
+    if op_name == "route":
+        return route_args(case, generator)
+    if case == "minus_one_rows":  # rows built by hand, -1 rows not at the end
+        rows_RH = torch.randn((6, H), generator=generator)  # x_rows or y_rows
+        if op_name == "experts_rows":
+            expert_R = torch.tensor([0, -1, 2, 3, -1, 0], dtype=torch.int32)
+            count_E = torch.tensor([2, 0, 1, 1], dtype=torch.int32)
+            return (rows_RH, expert_R, count_E, *expert_args("silu_bias", expert_inputs)[3:])
+        weight_R = torch.tensor([0.5, 1.0, 2.0, 0.0, 3.0, 0.0])
+        src_R = torch.tensor([1, 0, 1, -1, 2, -1], dtype=torch.int32)
+        return rows_RH, weight_R, src_R, 3
+    args = expert_args(case, expert_inputs)
+    hidden_TH, weights_TK, ids_TK, *expert_weights_and_static = args
+    if op_name == "experts":
+        return with_grad(args)
+    if op_name == "experts_backward":
+        grad_out_TH = torch.randn(hidden_TH.shape, generator=generator).to(hidden_TH.dtype)
+        return (grad_out_TH, *args)
+    if op_name == "dispatch":
+        return hidden_TH, weights_TK, ids_TK, E
+    x_RH, expert_R, weight_R, src_R, count_E = torch.ops.moe.dispatch(
+        hidden_TH, weights_TK, ids_TK, E)
+    if case == "noncontiguous_hidden":
+        x_RH = transposed_storage(x_RH)
+    if op_name == "experts_rows":
+        return (x_RH, expert_R, count_E, *expert_weights_and_static)
+    assert op_name == "combine"
+    y_RH = torch.randn(x_RH.shape, generator=generator).to(x_RH.dtype)
+    if case == "noncontiguous_hidden":
+        y_RH = transposed_storage(y_RH)
+    return y_RH, weight_R, src_R, hidden_TH.shape[0]
+
+
+def case_names(op_name: str) -> list:
+    if op_name == "route":
+        return list(ROUTE_CASES)
+    names = list(EXPERT_CASES)
+    if op_name in ("experts_rows", "combine"):
+        names.append("minus_one_rows")
+    return names
+
+
+def params():
+    for op_name, namespaces in NAMESPACES.items():
+        for namespace in namespaces:
+            for case in case_names(op_name):
+                yield pytest.param(namespace, op_name, case,
+                                   id=f"{namespace}::{op_name}-{case}")
+            if op_name != "route":
+                for case in NONCONTIGUOUS_CASES:
+                    yield pytest.param(namespace, op_name, case,
+                                       id=f"{namespace}::{op_name}-{case}")
+
+
+@pytest.mark.parametrize("namespace, op_name, case", list(params()))
+def test_opcheck(namespace, op_name, case, generator, expert_inputs):
+    args = op_args(op_name, case, generator, expert_inputs)
+    torch.library.opcheck(op_overload(namespace, op_name), args)
+
+
+def test_every_op_is_covered():
+    assert set(NAMESPACES) == set(CONTRACTS)
+
+
+@pytest.mark.parametrize("op_name", sorted(CONTRACTS))
+def test_concrete_ops_share_the_generic_schema(op_name):
+    generic = op_overload(GENERIC_NAMESPACE, op_name)._schema
+    for namespace in NAMESPACES[op_name][1:]:
+        concrete = op_overload(namespace, op_name)._schema
+        assert [(a.name, str(a.type)) for a in concrete.arguments] == \
+            [(a.name, str(a.type)) for a in generic.arguments]
+        assert [str(r.type) for r in concrete.returns] == [str(r.type) for r in generic.returns]
