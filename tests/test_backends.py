@@ -137,3 +137,24 @@ def test_gpu_backends_capture_in_cuda_graph():
         graph.replay()
         ref_TH = torch.ops.moe_reference.experts(fresh_TH, *args[1:], *static)
         assert relative_error(out_TH, ref_TH) < 2e-2, namespace
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                    reason="exercises the prefill hand-off on the CPU, under the interpreter")
+@pytest.mark.parametrize("rows", [False, True])
+def test_triton_hands_prefill_to_grouped_mm(monkeypatch, rows):
+    from torch_moe_ops.backends import grouped_mm
+    from torch_moe_ops.backends.triton import fused
+
+    calls = []
+    monkeypatch.setattr(grouped_mm, "supports", lambda *args: None)
+    for name in ("experts", "experts_rows"):
+        real = getattr(grouped_mm, name)
+        monkeypatch.setattr(grouped_mm, name,
+                            lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    # 9 tokens * 2 slots over 4 experts: 4.5 rows per expert, over a threshold of 4.
+    monkeypatch.setattr(fused, "GROUPED_MM_MIN_ROWS_PER_EXPERT", 4)
+    args = make_inputs(9, 32, 16, 4, 2, torch.float32, "cpu", True)
+    out, ref = run_both("moe_triton", args, "swiglu_oai", rows)
+    assert calls == ["experts_rows" if rows else "experts"]
+    assert relative_error(out, ref) < 1e-5

@@ -1,0 +1,51 @@
+"""Turn ``experts.json`` (from bench_experts.py) into the Markdown of a results page.
+
+    python benchmarks/summarize.py results/experts.json > benchmarks/results/<device>-<date>.md
+
+Per shape, one row per token count: each backend's time and fraction of the
+floor, the best of ours against the best peer (transformers' implementations).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    header, rows = data["header"], data["rows"]
+    print(f"# Experts benchmark: {header['device']}, {header['date']}\n")
+    print(f"torch {header['torch']}, triton {header['triton']}. Ceilings measured in the same "
+          f"run: HBM read {header['read_tb_per_s']:.2f} TB/s, dense bf16 "
+          f"{header['bf16_tflop_per_s']:.0f} TFLOP/s. Times are medians of CUDA-graph replays "
+          "(ours) or eager calls (transformers' `hf-*`), L2 flushed between runs; "
+          "`%` is the floor over the time.\n")
+    by_shape = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        by_shape[r["shape"]][r["tokens"]][r["backend"]] = r
+    for shape, per_tokens in by_shape.items():
+        backends = sorted({b for t in per_tokens.values() for b in t},
+                          key=lambda b: (b.startswith("hf-"), b))
+        print(f"## {shape}\n")
+        print("| T | floor us | " + " | ".join(backends) + " | ours vs best peer |")
+        print("|---|---|" + "---|" * len(backends) + "---|")
+        for tokens in sorted(per_tokens):
+            cells = per_tokens[tokens]
+            floor = next(iter(cells.values()))["floor_us"]
+            line = [str(tokens), f"{floor:.1f}"]
+            for b in backends:
+                r = cells.get(b)
+                line.append("-" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
+            ours = [r["us"] for b, r in cells.items()
+                    if not b.startswith("hf-") and b != "reference"]
+            peers = [r["us"] for b, r in cells.items() if b.startswith("hf-")]
+            line.append(f"{min(peers) / min(ours):.2f}x" if ours and peers else "-")
+            print("| " + " | ".join(line) + " |")
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
