@@ -6,5 +6,15 @@ from torch_moe_ops.config import BackendSpec, MoEConfig
 from torch_moe_ops.layer import MoE, SharedExperts
 from torch_moe_ops.lowering import backend
 
-__all__ = ["BackendSpec", "MoE", "MoEConfig", "SharedExperts", "available_backends", "backend"]
+__all__ = ["BackendSpec", "MoE", "MoEConfig", "SharedExperts", "available_backends", "backend",
+           "hf"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `tmo.hf` imports transformers (about 1.5 s): only when it is asked for.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("torch_moe_ops.hf")
+    raise AttributeError(f"module 'torch_moe_ops' has no attribute {name!r}")

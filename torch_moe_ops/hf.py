@@ -10,14 +10,18 @@ intermediate size, E experts, K experts per token, F = 2 * I.
 `HFMoEBlock` that routes with ``moe::route`` and runs the experts with
 ``moe::experts``; attention, norms and dense MLP layers are not touched.
 
-| family      | transformers block       | routing (`MoEConfig`)                                   | experts            |
-|-------------|--------------------------|---------------------------------------------------------|--------------------|
-| mixtral     | MixtralSparseMoeBlock    | softmax, top-k, always renormalized                      | shared             |
-| qwen2_moe   | Qwen2MoeSparseMoeBlock   | softmax, top-k, renormalized if ``norm_topk_prob``       | shared; gated shared expert kept |
-| qwen3_moe   | Qwen3MoeSparseMoeBlock   | softmax, top-k, renormalized if ``norm_topk_prob``       | shared             |
-| olmoe       | OlmoeSparseMoeBlock      | softmax, top-k, renormalized if ``norm_topk_prob``       | shared             |
-| deepseek_v3 | DeepseekV3MoE            | sigmoid + correction bias, groups, renormalize, scaling  | shared; shared experts kept |
-| gpt_oss     | GptOssMLP                | top-k of biased logits, softmax over the k               | converted once     |
+Families (transformers block class: routing as `MoEConfig` options; expert weights):
+
+- mixtral (MixtralSparseMoeBlock): softmax, top-k, always renormalized; used in place.
+- qwen2_moe (Qwen2MoeSparseMoeBlock): softmax, top-k, renormalized if
+  ``norm_topk_prob``; used in place; the sigmoid-gated shared expert is kept.
+- qwen3_moe (Qwen3MoeSparseMoeBlock), olmoe (OlmoeSparseMoeBlock): softmax,
+  top-k, renormalized if ``norm_topk_prob``; used in place.
+- deepseek_v3 (DeepseekV3MoE): sigmoid, selection on ``+ e_score_correction_bias``,
+  ``n_group``/``topk_group`` groups, renormalized if ``norm_topk_prob``, times
+  ``routed_scaling_factor``; used in place; the shared experts are kept.
+- gpt_oss (GptOssMLP): top-k of the biased logits, softmax over those k;
+  swiglu_oai with the experts' ``alpha``/``limit``, expert biases; converted once.
 
 What the rest of the model relies on is kept:
 
@@ -39,8 +43,9 @@ What the rest of the model relies on is kept:
   GPT-OSS stores ``gate_up_proj [E, H, 2I]`` with gate and up interleaved and
   ``down_proj [E, I, H]``: those are copied once, at patch time, into non-persistent
   buffers. The copies do not follow later changes of the originals (reloading
-  weights or training needs a fresh model and a new `patch`); the patched block
-  counts them in `PatchReport.converted_weights`.
+  weights needs a fresh model and a new `patch`); the report counts them in
+  `PatchReport.converted_weights`, and the block raises in training mode with
+  gradients enabled rather than train a copy.
 
 Routing is computed exactly as transformers does, with two differences that do
 not change results: DeepSeek-V3 renormalizes with ``sum + 1e-20`` and we divide
@@ -83,14 +88,14 @@ EXPERTS_IMPLEMENTATION = "torch_moe_ops"
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 
 
-class Unsupported(Exception):
+class _Unsupported(Exception):
     """A block `patch` leaves as it is; the message goes to `PatchReport.skipped`."""
 
 
 def _activation(hidden_act: object) -> str:
     if hidden_act not in ACTIVATIONS:
-        raise Unsupported(f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                          f"got {hidden_act!r}")
+        raise _Unsupported(f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                           f"got {hidden_act!r}")
     return ACTIVATIONS[hidden_act]
 
 
@@ -218,6 +223,21 @@ class RoutedRouter(nn.Module):
             cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
         return logits_TE, topk_weights_TK, topk_ids_TK
 
+    def __reduce_ex__(self, protocol):
+        # The class is made at patch time and cannot be found by name: pickle (torch.save,
+        # deepcopy) rebuilds it from the transformers class it extends.
+        return _unpickle_router, (type(self).__bases__[1],), self.__dict__
+
+
+def _routed_router_class(hf_class: type) -> type:
+    """A subclass of the transformers router class ``hf_class`` whose forward is
+    `RoutedRouter.forward`, with the same name so the model prints as before."""
+    return type(hf_class.__name__, (RoutedRouter, hf_class), {"__module__": __name__})
+
+
+def _unpickle_router(hf_class: type) -> nn.Module:
+    return nn.Module.__new__(_routed_router_class(hf_class))
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights:
@@ -263,13 +283,13 @@ EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
 def _check_shape(experts: nn.Module, name: str, expected: tuple[int, ...]) -> None:
     tensor = getattr(experts, name, None)
     if not isinstance(tensor, torch.Tensor):
-        raise Unsupported(f"{type(experts).__name__} has no tensor {name!r}")
+        raise _Unsupported(f"{type(experts).__name__} has no tensor {name!r}")
     if tuple(tensor.shape) != expected:
-        raise Unsupported(f"{type(experts).__name__}.{name} must have shape {expected} (from the "
-                          f"config), got {tuple(tensor.shape)}")
+        raise _Unsupported(f"{type(experts).__name__}.{name} must have shape {expected} "
+                           f"(from the config), got {tuple(tensor.shape)}")
     if tensor.dtype not in FLOAT_DTYPES:
-        raise Unsupported(f"{type(experts).__name__}.{name} must be float32/float16/bfloat16 "
-                          f"(quantized experts are not supported), got {tensor.dtype}")
+        raise _Unsupported(f"{type(experts).__name__}.{name} must be float32/float16/bfloat16 "
+                           f"(quantized experts are not supported), got {tensor.dtype}")
 
 
 class HFMoEBlock(nn.Module):
@@ -405,27 +425,31 @@ def _looks_like_moe(module: nn.Module) -> bool:
 
 
 def _prepare(block: nn.Module, family: Family, model_config):
-    """The block's `MoEConfig` and expert weights, or `Unsupported` with the reason."""
+    """The block's `MoEConfig` and expert weights, or `_Unsupported` with the reason."""
     experts = getattr(block, "experts", None)
     if isinstance(experts, nn.ModuleList):
-        raise Unsupported("per-expert nn.ModuleList experts (the transformers 4.x layout) are not "
-                          "supported; transformers >= 5.0 builds fused [E, 2I, H] experts")
+        raise _Unsupported("per-expert nn.ModuleList experts (the transformers 4.x layout) "
+                           "are not supported; transformers >= 5.0 builds fused [E, 2I, H] "
+                           "experts")
     if experts is None or not isinstance(getattr(block, family.router, None), nn.Module):
-        raise Unsupported(f"expected submodules 'experts' and {family.router!r}, got "
-                          f"{[name for name, _ in block.named_children()]}")
+        raise _Unsupported(f"expected submodules 'experts' and {family.router!r}, got "
+                           f"{[name for name, _ in block.named_children()]}")
     if getattr(experts, "_is_expert_parallel", False):
-        raise Unsupported("expert-parallel experts (tp_plan / distributed_config) are not "
-                          "supported")
+        raise _Unsupported("expert-parallel experts (tp_plan / distributed_config) are not "
+                           "supported")
     if (block._forward_hooks or block._forward_pre_hooks or hasattr(block, "_hf_hook")):
-        raise Unsupported("the block carries hooks (e.g. accelerate offloading) that a "
-                          "replacement would lose; patch before adding them")
+        raise _Unsupported("the block carries hooks (e.g. accelerate offloading) that a "
+                           "replacement would lose; patch before adding them")
     config = getattr(experts, "config", None) or model_config
     if config is None:
-        raise Unsupported("no transformers config on the experts module or the model")
+        raise _Unsupported("no transformers config on the experts module or the model")
     try:
         cfg = family.make_config(config, experts)
+    except AttributeError as error:
+        raise _Unsupported(f"the {family.name} config or experts module lacks a field: "
+                           f"{error}") from None
     except ValueError as error:
-        raise Unsupported(f"routing not expressible with moe::route: {error}") from None
+        raise _Unsupported(f"routing not expressible with moe::route: {error}") from None
     return cfg, LAYOUTS[family.layout](experts, cfg)
 
 
@@ -434,8 +458,7 @@ def _route_with_ops(router: nn.Module, family: Family, cfg: MoEConfig,
     """Give ``router`` a subclass of its own class whose forward calls ``moe::route``."""
     hf_class = type(router)
     if hf_class not in routed_classes:
-        routed_classes[hf_class] = type(hf_class.__name__, (RoutedRouter, hf_class),
-                                        {"__module__": __name__})
+        routed_classes[hf_class] = _routed_router_class(hf_class)
     router.__class__ = routed_classes[hf_class]
     router.moe_config = cfg
     router.logits_in_fp32 = family.logits_in_fp32
@@ -472,7 +495,7 @@ def patch(model: nn.Module) -> PatchReport:
                              f"{type(block).__name__}; patch the model that holds it")
         try:
             cfg, weights = _prepare(block, family, model_config)
-        except Unsupported as reason:
+        except _Unsupported as reason:
             skipped[name] = str(reason)
             continue
         _route_with_ops(getattr(block, family.router), family, cfg, routed_classes)
@@ -510,12 +533,11 @@ def _interface_weights(experts: nn.Module):
                          f"{', '.join(map(repr, ACTIVATIONS))}, got "
                          f"{getattr(experts.config, 'hidden_act', None)!r} for {name}")
     has_bias = getattr(experts, "has_bias", False)
-    # alpha and limit only shape swiglu_oai: pass MoEConfig's defaults.
-    defaults = {field.name: field.default for field in dataclasses.fields(MoEConfig)}
+    # alpha and limit only shape swiglu_oai: pass MoEConfig's defaults (class attributes).
     return (experts.gate_up_proj, experts.down_proj,
             experts.gate_up_proj_bias if has_bias else None,
             experts.down_proj_bias if has_bias else None, activation,
-            defaults["swiglu_alpha"], defaults["swiglu_limit"])
+            MoEConfig.swiglu_alpha, MoEConfig.swiglu_limit)
 
 
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
