@@ -219,12 +219,14 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     shapes = sorted({r["shape"] for r in rows})
+    backends = sorted({r["backend"] for r in rows})
+    colors = dict(zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for backend in sorted({r["backend"] for r in rows if r["shape"] == shape}):
             points = sorted((r["tokens"], r["us"]) for r in rows
                             if r["shape"] == shape and r["backend"] == backend)
-            ax.plot(*zip(*points), marker="o", label=backend)
+            ax.plot(*zip(*points), marker="o", label=backend, color=colors[backend])
         floor = sorted({(r["tokens"], r["floor_us"]) for r in rows if r["shape"] == shape})
         ax.plot(*zip(*floor), "k--", label="floor")
         ax.set(xscale="log", yscale="log", title=shape, xlabel="tokens", ylabel="us")
@@ -238,7 +240,13 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--plot-only", metavar="JSON",
+                        help="redraw experts.png from an earlier run's experts.json")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            plot(json.load(f)["rows"], os.path.join(args.out, "experts.png"))
+        return
     os.makedirs(args.out, exist_ok=True)
     ceilings = measure_ceilings()
     header = {
