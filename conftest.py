@@ -33,3 +33,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_multigpu)
         elif item.get_closest_marker("gpu") is not None and num_gpus < 1:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compile caches emptied before and after: compilation counts start at zero."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

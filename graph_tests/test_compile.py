@@ -12,19 +12,14 @@ import torch_moe_ops as tmo
 from graph_tests.toy_model import CONFIGS, make_model
 from torch_moe_ops.lowering import lower, moe_op_sequence
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 MODEL_NAMES = sorted(CONFIGS)
 
 
 def _ids(num_tokens: int, device="cpu", seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 64, (1, num_tokens), generator=generator).to(device)  # [B=1, S=T]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

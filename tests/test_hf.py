@@ -23,6 +23,8 @@ import torch_moe_ops as tmo  # noqa: E402
 from torch_moe_ops import hf  # noqa: E402
 from torch_moe_ops.lowering import moe_op_sequence  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -107,13 +109,6 @@ class OpLog(TorchDispatchMode):
 def _moe_blocks(model) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in model.named_modules()
             if isinstance(module, hf.HFMoEBlock)}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,8 +22,7 @@ import torch
 
 from torch_moe_ops.backends.local import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
-from torch_moe_ops.ops import CONTRACTS
-from torch_moe_ops.ops.library import define, implement
+from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_grouped_mm"
 # torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
@@ -95,9 +94,7 @@ def supports(spec, cfg, device, dtype) -> Optional[str]:
 
 
 if TRITON_INSTALLED:
-    for _name, _kernel in (("experts", experts), ("experts_rows", experts_rows)):
-        define(NAMESPACE, CONTRACTS[_name])
-        implement(NAMESPACE, CONTRACTS[_name], _kernel)
+    define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows})
 
 REGISTRY.register_experts(ExpertsBackend(
     name="grouped_mm", namespace=NAMESPACE, layout="rows", supports=supports, priority=10,

@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
-from torch_moe_ops.ops import CONTRACTS
-from torch_moe_ops.ops.library import define, implement
+from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_local"
 
@@ -58,9 +57,7 @@ def supports(spec, cfg, device, dtype) -> Optional[str]:
     return None
 
 
-for _name, _kernel in (("dispatch", dispatch), ("combine", combine)):
-    define(NAMESPACE, CONTRACTS[_name])
-    implement(NAMESPACE, CONTRACTS[_name], _kernel)
+define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine})
 
 REGISTRY.register_a2a(A2ABackend(
     name="none", namespace=NAMESPACE, layout="rows", supports=supports,

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
-from torch_moe_ops.ops import CONTRACTS
-from torch_moe_ops.ops.library import define, implement
+from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_reference"
 
@@ -177,11 +176,9 @@ def supports(spec, cfg, device, dtype) -> Optional[str]:
     return None
 
 
-OPS = {"route": route, "experts": experts, "experts_backward": experts_backward,
-       "experts_rows": experts_rows}
-for _name, _kernel in OPS.items():
-    define(NAMESPACE, CONTRACTS[_name])
-    implement(NAMESPACE, CONTRACTS[_name], _kernel)
+define_backend_ops(NAMESPACE, {"route": route, "experts": experts,
+                               "experts_backward": experts_backward,
+                               "experts_rows": experts_rows})
 
 REGISTRY.register_experts(ExpertsBackend(
     name="reference", namespace=NAMESPACE, layout="rows", supports=supports, priority=0,

@@ -5,7 +5,7 @@ kernels are installed by `torch_moe_ops.backends`.
 """
 
 from torch_moe_ops.ops import experts, route, rows
-from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, op_overload
+from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, implement, op_overload
 
 CONTRACTS = {
     contract.name: contract
@@ -13,4 +13,14 @@ CONTRACTS = {
                      rows.DISPATCH, rows.EXPERTS_ROWS, rows.COMBINE)
 }
 
-__all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "op_overload"]
+
+
+def define_backend_ops(namespace: str, kernels: dict) -> None:
+    """Define ``namespace::<name>`` from each op's contract and implement it with
+    ``kernels[name]`` (CPU and CUDA): what every backend does to register."""
+    for name, kernel in kernels.items():
+        define(namespace, CONTRACTS[name])
+        implement(namespace, CONTRACTS[name], kernel)
+
+
+__all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "define_backend_ops", "op_overload"]

@@ -41,12 +41,9 @@ def supports(spec, cfg, device, dtype) -> Optional[str]:
 
 if INSTALLED:
     from torch_moe_ops.backends.triton.fused import fused_experts, fused_experts_rows
-    from torch_moe_ops.ops import CONTRACTS
-    from torch_moe_ops.ops.library import define, implement
+    from torch_moe_ops.ops import define_backend_ops
 
-    for _name, _kernel in (("experts", fused_experts), ("experts_rows", fused_experts_rows)):
-        define(NAMESPACE, CONTRACTS[_name])
-        implement(NAMESPACE, CONTRACTS[_name], _kernel)
+    define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows})
 
 REGISTRY.register_experts(ExpertsBackend(
     name="triton", namespace=NAMESPACE, layout="rows", supports=supports, priority=20,

@@ -37,6 +37,21 @@ def _tile_of_program(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _rows_of_program(num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_slots,
+                     num_blocks_m, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """The tile of this program: whether it has work, its expert, its slots and columns."""
+    pid_m, pid_n = _tile_of_program(tl.program_id(0), num_blocks_m, tl.cdiv(num_cols, BLOCK_N),
+                                    GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    # Blocks past the padded rows, or of no expert, hold no row to compute.
+    active = (pid_m * BLOCK_M < tl.load(num_padded_ptr)) & (expert >= 0)
+    slots = tl.load(sorted_row_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return active, expert, slots, slots < num_slots, cols, cols < num_cols
+
+
+@triton.jit
 def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:
         return gate * tl.sigmoid(gate) * up
@@ -62,17 +77,11 @@ def moe_gate_up_act_kernel(
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """inter[s, n] = act(gate, up) with gate / up = hidden[s // K] @ w13[e, n (+ I)].T (+ b13)."""
-    pid_m, pid_n = _tile_of_program(tl.program_id(0), num_blocks_m,
-                                    tl.cdiv(inter_size, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    active, expert, slots, slot_ok, cols, col_ok = _rows_of_program(
+        num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_slots, num_blocks_m,
+        inter_size, BLOCK_M, BLOCK_N, GROUP_M)
+    if not active:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    slots = tl.load(sorted_row_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    slot_ok = slots < num_slots
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter_size
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = (hidden_ptr + (slots // TOP_K)[:, None] * stride_hidden_t
               + ks[None, :] * stride_hidden_h)
@@ -117,17 +126,11 @@ def moe_down_weighted_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])), weight 1 without weights."""
-    pid_m, pid_n = _tile_of_program(tl.program_id(0), num_blocks_m,
-                                    tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    active, expert, slots, slot_ok, cols, col_ok = _rows_of_program(
+        num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_slots, num_blocks_m,
+        hidden_size, BLOCK_M, BLOCK_N, GROUP_M)
+    if not active:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    slots = tl.load(sorted_row_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    slot_ok = slots < num_slots
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden_size
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
     w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
