@@ -158,3 +158,48 @@ def test_triton_hands_prefill_to_grouped_mm(monkeypatch, rows):
     out, ref = run_both("moe_triton", args, "swiglu_oai", rows)
     assert calls == ["experts_rows" if rows else "experts"]
     assert relative_error(out, ref) < 1e-5
+
+
+LISTED_SHAPES = {  # (E, K, H, I, activation, bias): the benchmark's real model shapes
+    "mixtral-8x7b": (8, 2, 4096, 14336, "silu", False),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu", False),
+    "olmoe": (64, 8, 2048, 1024, "silu", False),
+    "gpt-oss-20b": (32, 4, 2880, 2880, "swiglu_oai", True),
+    "deepseek-v3": (256, 8, 7168, 2048, "silu", False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(LISTED_SHAPES))
+def test_gpu_real_shapes_match_reference(shape, monkeypatch):
+    """Every GPU backend at real model shapes, T in {1, 16, 256, 4096}, bf16, with
+    every buffer the backends allocate poisoned (NaN), so an unwritten row fails."""
+    num_experts, top_k, hidden, inter, act, bias = LISTED_SHAPES[shape]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+
+    weights = (randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5),
+               randn(num_experts, hidden, inter, scale=inter ** -0.5),
+               randn(num_experts, 2 * inter, scale=0.1) if bias else None,
+               randn(num_experts, hidden, scale=0.1) if bias else None)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    for num_tokens in (1, 16, 256, 4096):
+        hidden_TH = randn(num_tokens, hidden)
+        logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
+        topk_weights_TK, topk_ids_TK = torch.ops.moe.route(logits_TE, None, top_k, "softmax",
+                                                           True, 1, 1, 1.0)
+        args = (hidden_TH, topk_weights_TK, topk_ids_TK, *weights, act, 1.702, 7.0)
+        ref_TH = torch.ops.moe_reference.experts(*args)
+        for namespace in gpu_backends():
+            with monkeypatch.context() as patch:
+                patch.setattr(torch, "empty", poisoned_empty)
+                out_TH = getattr(torch.ops, namespace).experts(*args)
+            error = relative_error(out_TH, ref_TH)
+            assert error < 2e-2, (namespace, num_tokens, error)
