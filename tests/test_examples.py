@@ -20,3 +20,13 @@ def test_quickstart_runs():
     assert result.returncode == 0, result.stderr
     assert "largest |eager - compiled|" in result.stdout
     assert "reference" in result.stdout
+
+
+@pytest.mark.slow
+def test_hf_generate_runs():
+    pytest.importorskip("transformers")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hf_generate.py"), "--family", "qwen2_moe"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "new tokens equal to the original's, patched eager: 100%" in result.stdout
