@@ -63,10 +63,9 @@ def run_both(namespace, args, act, rows=False):
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [False, True])
-@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+# The Triton interpreter mishandles bf16: bf16 runs in the GPU tests.
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
 def test_cpu_matches_reference(namespace, act, bias, rows, dtype, bound):
-    if dtype == torch.bfloat16:
-        pytest.skip("the Triton interpreter mishandles bf16; bf16 runs in the GPU tests")
     args = make_inputs(9, 32, 16, 4, 2, dtype, "cpu", bias)
     out, ref = run_both(namespace, args, act, rows)
     assert out.shape == ref.shape and out.dtype == ref.dtype

@@ -15,11 +15,11 @@ on sm90+; elsewhere it loops on the host, which a CUDA graph cannot capture:
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
 
+from torch_moe_ops.backends import triton as triton_backend
 from torch_moe_ops.backends.local import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import define_backend_ops
@@ -27,14 +27,17 @@ from torch_moe_ops.ops import define_backend_ops
 NAMESPACE = "moe_grouped_mm"
 # torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
 ALIGNMENT = 8
-TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-if TRITON_INSTALLED:
+if triton_backend.INSTALLED:
     from torch_moe_ops.backends.triton.epilogues import bias_act_rows, gather_weighted_sum
+
+
+def aligned(hidden: int, intermediate: int) -> bool:
+    return not (hidden % ALIGNMENT or intermediate % ALIGNMENT)
 
 
 def _check_alignment(w13_EFH: torch.Tensor) -> None:
     hidden, intermediate = w13_EFH.shape[2], w13_EFH.shape[1] // 2
-    if hidden % ALIGNMENT or intermediate % ALIGNMENT:
+    if not aligned(hidden, intermediate):
         raise ValueError(f"experts backend 'grouped_mm' needs H and I divisible by "
                          f"{ALIGNMENT}, got H={hidden}, I={intermediate}")
 
@@ -77,7 +80,7 @@ def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2
 
 
 def supports(spec, cfg, device, dtype) -> Optional[str]:
-    if not TRITON_INSTALLED:
+    if not triton_backend.INSTALLED:
         return "its activation and gather kernels need triton (pip install triton)"
     if device.type != "cuda":
         return f"needs a CUDA GPU of sm90 or newer, got device {device.type}"
@@ -87,13 +90,13 @@ def supports(spec, cfg, device, dtype) -> Optional[str]:
                 f"got sm{major}{minor}")
     if dtype != torch.bfloat16:
         return f"needs bfloat16 (other dtypes loop on the host), got {dtype}"
-    if cfg is not None and (cfg.hidden_size % ALIGNMENT or cfg.intermediate_size % ALIGNMENT):
+    if cfg is not None and not aligned(cfg.hidden_size, cfg.intermediate_size):
         return (f"needs hidden_size and intermediate_size divisible by {ALIGNMENT}, got "
                 f"{cfg.hidden_size} and {cfg.intermediate_size}")
     return None
 
 
-if TRITON_INSTALLED:
+if triton_backend.INSTALLED:
     define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows})
 
 REGISTRY.register_experts(ExpertsBackend(

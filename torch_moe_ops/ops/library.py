@@ -74,10 +74,12 @@ def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
 
 
 def implement(namespace: str, contract: OpContract, kernel: Callable,
-              device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+              device_types: tuple[str, ...] = ("cpu", "cuda"), checked: bool = True) -> None:
     """Register ``kernel`` as ``namespace::contract.name`` for ``device_types``.
 
-    The kernel receives arguments that already passed the contract's checks.
+    The kernel receives arguments that already passed the contract's checks,
+    unless ``checked=False``: for a kernel that only forwards to another op
+    defined from the same contract, which checks them itself.
     """
 
     def checked_kernel(*args):
@@ -87,4 +89,4 @@ def implement(namespace: str, contract: OpContract, kernel: Callable,
         return kernel(*args)
 
     torch.library.register_kernel(qualified_name(namespace, contract), device_types,
-                                  checked_kernel, lib=_library(namespace))
+                                  checked_kernel if checked else kernel, lib=_library(namespace))

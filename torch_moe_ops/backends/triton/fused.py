@@ -45,8 +45,8 @@ def _use_grouped_mm(num_rows: int, hidden_TH: torch.Tensor, w13_EFH: torch.Tenso
     if num_rows < GROUPED_MM_MIN_ROWS_PER_EXPERT * w13_EFH.shape[0]:
         return False
     device = hidden_TH.device
-    return grouped_mm.supports(None, None, device, hidden_TH.dtype) is None and not (
-        w13_EFH.shape[2] % grouped_mm.ALIGNMENT or (w13_EFH.shape[1] // 2) % grouped_mm.ALIGNMENT)
+    return (grouped_mm.supports(None, None, device, hidden_TH.dtype) is None
+            and grouped_mm.aligned(w13_EFH.shape[2], w13_EFH.shape[1] // 2))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
