@@ -3,8 +3,9 @@
     python benchmarks/bench_experts.py --out results/ [--shapes mixtral,qwen3] [--tokens 1,16]
 
 For each shape and token count: routing weights and ids in, ``[T, H]`` out. Our
-backends run as captured CUDA graphs (what a server replays), peers as they
-come (transformers' experts implementations may sync with the host, which a
+backends run as captured CUDA graphs (what a server replays), and so does vLLM's
+Triton kernel where its source is at hand (see peer_vllm.py); transformers'
+experts implementations run as they come (they may sync with the host, which a
 graph cannot capture). Each time is ``triton.testing.do_bench``'s median, with
 the L2 cache flushed between runs. The floor of a row is the larger of the
 bytes of the experts it touches over the HBM read bandwidth and its FLOPs over
@@ -30,6 +31,9 @@ import triton.testing
 
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.registry import REGISTRY
+
+# A sibling of this script, whose folder is on sys.path when it runs.
+from peer_vllm import source_version, vllm_peers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +187,8 @@ def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights, ceilings:
                                               *weights, *static), True)
     for name, fn in transformers_peers(shape, num_tokens, problem).items():
         candidates[name] = (fn, False)
+    for name, fn in vllm_peers(shape, num_tokens, problem).items():
+        candidates[name] = (fn, True)
     baseline: Optional[torch.Tensor] = None
     rows = []
     for name, (fn, capture) in candidates.items():
@@ -252,6 +258,8 @@ def main() -> None:
     header = {
         "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "triton": triton.__version__,
+        # The vLLM release the vllm-triton peer ran from; None when there was none.
+        "vllm": source_version(),
         "read_tb_per_s": ceilings.read_bytes_per_s / 1e12,
         "bf16_tflop_per_s": ceilings.bf16_flops_per_s / 1e12,
     }

@@ -3,7 +3,8 @@
     python benchmarks/summarize.py results/experts.json > benchmarks/results/<device>-<date>.md
 
 Per shape, one row per token count: each backend's time and fraction of the
-floor, the best of ours against the best peer (transformers' implementations).
+floor, the best of ours against the best peer (transformers' implementations
+``hf-*``, vLLM's Triton kernel ``vllm-triton``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+
+PEER_PREFIXES = ("hf-", "vllm-")
+
+
+def is_peer(backend: str) -> bool:
+    return backend.startswith(PEER_PREFIXES)
 
 
 def main(path: str) -> None:
@@ -21,14 +28,18 @@ def main(path: str) -> None:
     print(f"torch {header['torch']}, triton {header['triton']}. Ceilings measured in the same "
           f"run: HBM read {header['read_tb_per_s']:.2f} TB/s, dense bf16 "
           f"{header['bf16_tflop_per_s']:.0f} TFLOP/s. Times are medians of CUDA-graph replays "
-          "(ours) or eager calls (transformers' `hf-*`), L2 flushed between runs; "
-          "`%` is the floor over the time.\n")
+          "(ours and `vllm-triton`) or eager calls (transformers' `hf-*`), L2 flushed "
+          "between runs; `%` is the floor over the time.\n")
+    if header.get("vllm"):
+        print(f"`vllm-triton`: {header['vllm']}, its Triton kernel and tuned configs, "
+              "with its CUDA align, activation and sum replaced by equivalents "
+              "(benchmarks/peer_vllm.py).\n")
     by_shape = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         by_shape[r["shape"]][r["tokens"]][r["backend"]] = r
     for shape, per_tokens in by_shape.items():
         backends = sorted({b for t in per_tokens.values() for b in t},
-                          key=lambda b: (b.startswith("hf-"), b))
+                          key=lambda b: (is_peer(b), b))
         print(f"## {shape}\n")
         print("| T | floor us | " + " | ".join(backends) + " | ours vs best peer |")
         print("|---|---|" + "---|" * len(backends) + "---|")
@@ -39,9 +50,8 @@ def main(path: str) -> None:
             for b in backends:
                 r = cells.get(b)
                 line.append("-" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
-            ours = [r["us"] for b, r in cells.items()
-                    if not b.startswith("hf-") and b != "reference"]
-            peers = [r["us"] for b, r in cells.items() if b.startswith("hf-")]
+            ours = [r["us"] for b, r in cells.items() if not is_peer(b) and b != "reference"]
+            peers = [r["us"] for b, r in cells.items() if is_peer(b)]
             line.append(f"{min(peers) / min(ours):.2f}x" if ours and peers else "-")
             print("| " + " | ".join(line) + " |")
         print()

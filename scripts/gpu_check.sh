@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call: install, GPU tests, quickstart, then (with
-# BENCH=1) the experts benchmark. Logs go to $OUT when it is set.
+# The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
+# skips them), then with TUNE=<shapes> the config tuning of those benchmark
+# shapes, and with BENCH=1 the experts benchmark. Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -12,10 +13,19 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 status=0
-python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${PYTEST_ARGS:-} tests graph_tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 examples/quickstart.py --tokens 256 2>&1 | tee "$OUT/quickstart.log" | tail -8
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${PYTEST_ARGS:-} ${TEST_PATHS:-tests graph_tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 examples/quickstart.py --tokens 256 2>&1 | tee "$OUT/quickstart.log" | tail -8
+fi
+if [ -n "${TUNE:-}" ]; then
+  tuned=$(mktemp -d)
+  timeout "${TUNE_SECONDS:-86400}" python3 benchmarks/tune_shapes.py --out "$tuned" --shapes "$TUNE" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
+  # Names in $OUT come back only without '=' or ',': E-8.N-14336.K-4096.dtype-bfloat16.device-X.json
+  mkdir -p "$OUT/tuned"
+  for f in "$tuned"/*.json; do [ -e "$f" ] && cp "$f" "$OUT/tuned/$(basename "$f" | tr '=,' '-.')"; done
+fi
 if [ "${BENCH:-0}" = 1 ]; then
-  python3 benchmarks/bench_experts.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+  python3 benchmarks/bench_experts.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
 fi
 exit $status

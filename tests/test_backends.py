@@ -143,7 +143,7 @@ def test_gpu_backends_capture_in_cuda_graph():
 @pytest.mark.parametrize("rows", [False, True])
 def test_triton_hands_prefill_to_grouped_mm(monkeypatch, rows):
     from torch_moe_ops.backends import grouped_mm
-    from torch_moe_ops.backends.triton import fused
+    from torch_moe_ops.backends.triton import configs, fused
 
     calls = []
     monkeypatch.setattr(grouped_mm, "supports", lambda *args: None)
@@ -152,7 +152,9 @@ def test_triton_hands_prefill_to_grouped_mm(monkeypatch, rows):
         monkeypatch.setattr(grouped_mm, name,
                             lambda *a, real=real, name=name: calls.append(name) or real(*a))
     # 9 tokens * 2 slots over 4 experts: 4.5 rows per expert, over a threshold of 4.
-    monkeypatch.setattr(fused, "GROUPED_MM_MIN_ROWS_PER_EXPERT", 4)
+    monkeypatch.setattr(configs, "GROUPED_MM_MIN_ROWS_PER_EXPERT", 4)
+    # Uncached, so the lowered threshold decides.
+    monkeypatch.setattr(fused, "get_config", configs.get_config.__wrapped__)
     args = make_inputs(9, 32, 16, 4, 2, torch.float32, "cpu", True)
     out, ref = run_both("moe_triton", args, "swiglu_oai", rows)
     assert calls == ["experts_rows" if rows else "experts"]

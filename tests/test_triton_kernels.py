@@ -9,6 +9,7 @@ and fp16/fp32 only: the interpreter mishandles bf16. ``gpu`` tests add bf16,
 larger shapes and CUDA-graph capture.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -54,6 +55,14 @@ def poisoned_empty(monkeypatch):
         return t.fill_(math.nan if t.is_floating_point() else INT_POISON)
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(params=["direct", "tiled"])
+def kernel_path(request, monkeypatch):
+    """Runs the test on each path's kernels, whatever a call's size would pick."""
+    monkeypatch.setattr(fused, "get_config", lambda *key: dataclasses.replace(
+        configs.default_config(*key), path=request.param))
+    return request.param
 
 
 def activation(gate, up, name):
@@ -179,20 +188,20 @@ def run_and_compare(T, E, K, H, I, dtype, name, bias, id_dtype, seed=0):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("name", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_fused_experts(T, bias, name, dtype, poisoned_empty):
+def test_fused_experts(T, bias, name, dtype, poisoned_empty, kernel_path):
     run_and_compare(T, E=4, K=2, H=32, I=16, dtype=dtype, name=name, bias=bias,
                     id_dtype=torch.int32)
 
 
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-def test_fused_experts_top_k_and_id_dtype(K, id_dtype, poisoned_empty):
+def test_fused_experts_top_k_and_id_dtype(K, id_dtype, poisoned_empty, kernel_path):
     # H and I off the tile size leave partial tiles in both GEMMs.
     run_and_compare(7, E=4, K=K, H=40, I=24, dtype=torch.float32, name="swiglu_oai", bias=True,
                     id_dtype=id_dtype, seed=K)
 
 
-def test_fused_experts_strided_hidden_and_fp16_weights(poisoned_empty):
+def test_fused_experts_strided_hidden_and_fp16_weights(poisoned_empty, kernel_path):
     w13_EFH, w2_EHI, b13_EF, b2_EH = make_experts(4, 32, 16, torch.float32, bias=True)
     topk_weights_TK, topk_ids_TK = make_routing(5, 4, 2, torch.int64)
     hidden_TH = torch.randn(5, 64, device=DEVICE)[:, ::2]
@@ -203,7 +212,7 @@ def test_fused_experts_strided_hidden_and_fp16_weights(poisoned_empty):
     torch.testing.assert_close(out_TH.double().cpu(), expected_TH, **TOLERANCE[torch.float32])
 
 
-def test_fused_experts_is_deterministic():
+def test_fused_experts_is_deterministic(kernel_path):
     w13_EFH, w2_EHI, b13_EF, b2_EH = make_experts(4, 32, 16, torch.float16, bias=True)
     topk_weights_TK, topk_ids_TK = make_routing(5, 4, 2, torch.int32)
     hidden_TH = torch.randn(5, 32, device=DEVICE, dtype=torch.float16)
@@ -253,7 +262,7 @@ def rows_case(counts, num_skipped, dtype, name, bias, H=32, I=16, seed=0):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("name", ["silu", "swiglu_oai"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_fused_experts_rows(bias, name, dtype, poisoned_empty):
+def test_fused_experts_rows(bias, name, dtype, poisoned_empty, kernel_path):
     # Expert 1 gets no row; expert 2 gets more than one block.
     y_RH, expected_RH, expert_R = rows_case([3, 0, 18, 1], 6, dtype, name, bias)
     assert y_RH.shape == expected_RH.shape and y_RH.dtype == dtype
@@ -261,7 +270,7 @@ def test_fused_experts_rows(bias, name, dtype, poisoned_empty):
     assert (y_RH[expert_R < 0] == 0).all()
 
 
-def test_fused_experts_rows_all_skipped(poisoned_empty):
+def test_fused_experts_rows_all_skipped(poisoned_empty, kernel_path):
     y_RH, _, _ = rows_case([0, 0], 5, torch.float32, "silu", bias=True)
     assert (y_RH == 0).all()
 
@@ -284,20 +293,68 @@ def test_config_lookup(tmp_path):
 
 
 def test_config_defaults_and_shipped_files():
-    config = configs.get_config(3, 5, 7, torch.float16, 1, "no-such-device")
-    assert config == configs.default_config(3, 5, 7, torch.float16, 1, "no-such-device")
-    assert configs.get_config(3, 5, 7, torch.float16, 1, "cpu").BLOCK_M == 16
+    config = configs.get_config(3, 5, 7, torch.float16, 1, 2, "no-such-device")
+    assert config == configs.default_config(3, 5, 7, torch.float16, 1, 2, "no-such-device")
+    assert configs.get_config(3, 5, 7, torch.float16, 1, 2, "cpu").BLOCK_M == 16
     shipped = sorted(configs.CONFIG_DIR.glob("*.json"))
     assert shipped, "the package ships no tuned config"
     for path in shipped:
         assert configs.load_config_file(path)
 
 
-@pytest.mark.parametrize("field,value", [("BLOCK_M", 8), ("BLOCK_K", 48), ("num_warps", 0)])
+@pytest.mark.parametrize("field,value", [("BLOCK_M", 8), ("BLOCK_K", 48), ("num_warps", 0),
+                                         ("path", "fused"), ("BLOCK_N", 8)])
 def test_kernel_config_rejects_bad_values(field, value):
     good = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
     with pytest.raises(ValueError, match=field):
         configs.KernelConfig(**dict(good, **{field: value}))
+
+
+def test_direct_config_takes_narrow_tiles():
+    # tl.sum, unlike tl.dot, takes any power of two; BLOCK_M stays a tl.dot size.
+    config = configs.KernelConfig(BLOCK_M=16, BLOCK_N=4, BLOCK_K=8, GROUP_M=1, num_warps=1,
+                                  num_stages=1, path="direct")
+    assert config.BLOCK_N == 4
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        dataclasses.replace(config, BLOCK_M=4)
+
+
+@pytest.mark.parametrize("E,M,top_k,path", [
+    (8, 1, 2, "direct"),        # one token: its slots never share an expert
+    (128, 4, 8, "direct"),      # 32 slots over 128 experts
+    (128, 5, 8, "tiled"),
+    (8, 512, 2, "grouped_mm"),  # 128 slots per expert
+    (8, 511, 2, "tiled"),
+])
+def test_default_path(E, M, top_k, path):
+    assert configs.default_path(E, M, top_k) == path
+
+
+def test_file_entry_without_path_gets_the_default(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs._tuned_entries.cache_clear()
+    configs.get_config.cache_clear()
+    entry = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    (tmp_path / configs.config_file_name(8, 64, 128, torch.float16, "X")).write_text(
+        json.dumps({"1": entry, "64": dict(entry, path="direct")}))
+    try:
+        assert configs.get_config(8, 64, 128, torch.float16, 1, 2, "X").path == "direct"
+        assert configs.get_config(8, 64, 128, torch.float16, 63, 2, "X").path == "tiled"
+        assert configs.get_config(8, 64, 128, torch.float16, 600, 2, "X").path == "direct"
+    finally:
+        configs._tuned_entries.cache_clear()
+        configs.get_config.cache_clear()
+
+
+def test_grouped_mm_config_falls_back_to_tiled_where_it_cannot_run(monkeypatch):
+    # grouped_mm needs bf16 on sm90+: fp32 here takes the tiled kernels, same tiles.
+    grouped = dataclasses.replace(configs.default_config(4, 16, 32, torch.float32, 5, 2, "cpu"),
+                                  path="grouped_mm")
+    monkeypatch.setattr(fused, "get_config", lambda *key: grouped)
+    hidden_TH = torch.randn(5, 32, device=DEVICE)
+    _, topk_ids_TK = make_routing(5, 4, 2, torch.int32)
+    plan = fused._plan(hidden_TH, topk_ids_TK, torch.empty(4, 32, 32, device=DEVICE))
+    assert plan == dataclasses.replace(grouped, path="tiled")
 
 
 @gpu
@@ -305,7 +362,7 @@ def test_kernel_config_rejects_bad_values(field, value):
 @pytest.mark.parametrize("T", [1, 7, 333, 2048])
 @pytest.mark.parametrize("name", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_experts_gpu(T, name, dtype):
+def test_fused_experts_gpu(T, name, dtype, kernel_path):
     # H and I off every tile size; E=64, K=8 sends several blocks to some experts.
     run_and_compare(T, E=64, K=8, H=576, I=320, dtype=dtype, name=name, bias=name != "silu",
                     id_dtype=torch.int32 if T % 2 else torch.int64, seed=T)
@@ -314,7 +371,7 @@ def test_fused_experts_gpu(T, name, dtype):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_experts_rows_gpu(dtype):
+def test_fused_experts_rows_gpu(dtype, kernel_path):
     y_RH, expected_RH, expert_R = rows_case([70, 0, 3, 200, 1], 50, dtype, "swiglu_oai",
                                             bias=True, H=256, I=192)
     torch.testing.assert_close(y_RH.double().cpu(), expected_RH, **TOLERANCE[dtype])
@@ -323,7 +380,7 @@ def test_fused_experts_rows_gpu(dtype):
 
 @gpu
 @needs_cuda
-def test_fused_experts_cuda_graph():
+def test_fused_experts_cuda_graph(kernel_path):
     w13_EFH, w2_EHI, b13_EF, b2_EH = make_experts(16, 256, 128, torch.bfloat16, bias=True)
     topk_weights_TK, topk_ids_TK = make_routing(64, 16, 4, torch.int32, seed=1)
     hidden_TH = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16)

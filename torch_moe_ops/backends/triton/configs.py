@@ -6,13 +6,14 @@ of one call.
 Tuned configs live in ``configs/E={E},N={N},K={K},dtype={dtype},device={device}.json``
 beside this module (package data). Each file maps a token count to a config:
 
-    {"1": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
-           "num_warps": 4, "num_stages": 4}, "64": {...}, ...}
+    {"1": {"path": "direct", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1,
+           "num_warps": 4, "num_stages": 3}, "64": {...}, ...}
 
 A call with M tokens takes the entry of the largest key <= M (the smallest key
 when M is below all of them); with no file for the shape, `default_config`
-decides. One config serves both GEMMs of a layer: they must share BLOCK_M,
-since one `align_rows` serves both.
+decides. ``path`` names the kernels a call runs (see `PATHS`); an entry without
+one gets `default_path`'s. One config serves both GEMMs of a layer: they must
+share BLOCK_M, since one `align_rows` serves both.
 
 Files are read on first use and cached (`functools.lru_cache`), so a warm-up
 call with each token count before CUDA-graph capture keeps file reads and
@@ -32,11 +33,28 @@ import torch
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 # The device name used for tensors off CUDA (the Triton interpreter on CPU).
 INTERPRETER_DEVICE = "cpu"
+# The kernels one call can run:
+#   direct      each slot multiplied on its own, no align: 2 launches, for a
+#               few tokens, where each expert gets at most about one slot;
+#   tiled       align, then grouped GEMMs over expert-sorted tiles of BLOCK_M rows;
+#   grouped_mm  align, then torch._grouped_mm (bf16, sm90+); where it cannot
+#               run the call takes `tiled` with this config's tiles.
+PATHS = ("direct", "tiled", "grouped_mm")
+# Without a tuned file, from this many slots per expert on `grouped_mm` (cuBLAS,
+# wgmma) beats the tiled kernels' tl.dot on sm90 in bf16. Measured on an H200
+# (2026-11-21) for Mixtral, Qwen3-30B-A3B, OLMoE, GPT-OSS-20B and DeepSeek-V3
+# shapes: the crossover lay between 32 and 256 slots per expert, at 128 for most.
+GROUPED_MM_MIN_ROWS_PER_EXPERT = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters shared by the two grouped GEMMs of one call."""
+    """Which kernels one call runs (``path``) and the launch parameters they share.
+
+    The ``direct`` kernels use BLOCK_N (output columns per program), BLOCK_K,
+    num_warps and num_stages only. ``path=None`` (an entry of a file that names
+    none) is resolved by `get_config`.
+    """
 
     BLOCK_M: int
     BLOCK_N: int
@@ -44,13 +62,20 @@ class KernelConfig:
     GROUP_M: int
     num_warps: int
     num_stages: int
+    path: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.path is not None and self.path not in PATHS:
+            raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))} or None, "
+                             f"got {self.path!r}")
         for field in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
             value = getattr(self, field)
-            # tl.dot needs every dimension of a tile to be a power of two >= 16.
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{field} must be a power of two >= 16, got {value!r}")
+            # tl.dot needs every dimension of a tile to be a power of two >= 16;
+            # the direct kernels reduce with tl.sum, which takes any power of two.
+            least = 1 if self.path == "direct" and field != "BLOCK_M" else 16
+            if (not isinstance(value, int) or isinstance(value, bool) or value < least
+                    or value & (value - 1)):
+                raise ValueError(f"{field} must be a power of two >= {least}, got {value!r}")
         for field in ("GROUP_M", "num_warps", "num_stages"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -104,39 +129,63 @@ def pick_entry(entries: tuple[tuple[int, KernelConfig], ...], M: int) -> KernelC
     return chosen
 
 
-def default_config(E: int, N: int, K: int, dtype: torch.dtype, M: int,
+def default_path(E: int, M: int, top_k: int) -> str:
+    """The kernels for M tokens of top_k among E experts, without a tuned file.
+
+    One token, or few enough slots that experts rarely repeat (at most one in
+    four experts gets a slot), reads no more weight bytes slot by slot than
+    grouped, and saves the align's launches.
+    """
+    num_slots = M * top_k
+    if M == 1 or 4 * num_slots <= E:
+        return "direct"
+    if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
+        return "grouped_mm"
+    return "tiled"
+
+
+def default_config(E: int, N: int, K: int, dtype: torch.dtype, M: int, top_k: int,
                    device_name: str) -> KernelConfig:
     """A config for shapes without a tuned file.
 
-    Rows per expert (M * top_k / E, with top_k unknown here: M / E) decide
-    BLOCK_M, since few rows waste most of a tall tile on padding. fp32 tiles
-    are half as deep: they take twice the shared memory per element.
+    Slots per expert (M * top_k / E) decide BLOCK_M, since few rows waste most
+    of a tall tile on padding. fp32 tiles are half as deep: they take twice the
+    shared memory per element.
     """
+    path = default_path(E, M, top_k)
     if device_name == INTERPRETER_DEVICE:
         # The interpreter runs each program with numpy: the smallest tiles that
         # tl.dot takes cost least, and GROUP_M=2 keeps the grouped order exercised.
         return KernelConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1,
-                            num_stages=1)
+                            num_stages=1, path=path)
+    if path == "direct":
+        return KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128 if dtype == torch.float32
+                            else 256, GROUP_M=1, num_warps=4, num_stages=3, path=path)
     block_k = 32 if dtype == torch.float32 else 64
-    if M <= E:
+    slots_per_expert = M * top_k / E
+    if slots_per_expert <= 8:
         return KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, num_warps=4,
-                            num_stages=4)
-    if M <= 16 * E:
+                            num_stages=4, path=path)
+    if slots_per_expert <= 64:
         return KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=4, num_warps=4,
-                            num_stages=4)
+                            num_stages=4, path=path)
     return KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, num_warps=8,
-                        num_stages=3)
+                        num_stages=3, path=path)
 
 
 @functools.lru_cache(maxsize=4096)
-def get_config(E: int, N: int, K: int, dtype: torch.dtype, M: int,
+def get_config(E: int, N: int, K: int, dtype: torch.dtype, M: int, top_k: int,
                device_name: str) -> KernelConfig:
-    """The kernel config for E experts, intermediate size N, hidden size K and M tokens.
+    """The kernel config for E experts, intermediate size N, hidden size K and
+    M tokens of top_k experts each; its ``path`` is never None.
 
     Reads ``configs/E={E},N={N},K={K},dtype={dtype},device={device_name}.json``
     on the first call for that file (a tuned table), else uses `default_config`.
     """
     entries = _tuned_entries(config_file_name(E, N, K, dtype, device_name))
     if entries is None:
-        return default_config(E, N, K, dtype, M, device_name)
-    return pick_entry(entries, M)
+        return default_config(E, N, K, dtype, M, top_k, device_name)
+    config = pick_entry(entries, M)
+    if config.path is None:
+        config = dataclasses.replace(config, path=default_path(E, M, top_k))
+    return config

@@ -6,14 +6,18 @@ Legend: E experts, N expert intermediate size (I), K hidden size (H), M tokens.
         --hidden 2048 --top-k 8 --dtype bfloat16 [--tokens 1 16 256 4096] [--out DIR]
 
 For each token count it times `fused_experts` replayed from a CUDA graph
-(median of `triton.testing.do_bench`) with every candidate config on random routing and
-writes the fastest into ``E=..,N=..,K=..,dtype=..,device=...json`` (the file
-`configs.get_config` reads). Only for machines with a CUDA GPU.
+(median of `triton.testing.do_bench`) on random routing with every candidate:
+the direct kernels where experts get about one slot each, the tiled kernels,
+and ``torch._grouped_mm`` where it can run. The fastest goes into
+``E=..,N=..,K=..,dtype=..,device=...json`` (the file `configs.get_config`
+reads); a ``grouped_mm`` entry keeps the best tiles for when it cannot run.
+Only for machines with a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -23,23 +27,48 @@ from unittest import mock
 import torch
 import triton.testing
 
+from torch_moe_ops.backends import grouped_mm
 from torch_moe_ops.backends.triton import configs, fused
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def candidates(rows_per_expert: float):
-    """Configs worth timing: BLOCK_M near the expected rows per expert. Short
-    tiles get narrow, deep options, which give decode more programs per weight byte."""
-    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows_per_expert)]
+def direct_candidates():
+    """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert."""
+    for block_n, block_k, num_warps, num_stages in itertools.product(
+            (4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,)):
+        yield configs.KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                                   num_warps=num_warps, num_stages=num_stages, path="direct")
+
+
+def tiled_candidates(slots_per_expert: float):
+    """BLOCK_M near the expected slots per expert: few rows waste most of a tall tile."""
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * slots_per_expert)]
     for block_m in block_ms[-2:]:
         short = block_m <= 32
         for block_n, block_k, num_warps, num_stages in itertools.product(
-                (32, 64, 128) if short else (64, 128, 256), (64, 128, 256) if short else (64, 128),
-                (4, 8), (3, 4, 5) if short else (3, 4)):
+                (32, 64, 128) if short else (64, 128), (64, 128), (4, 8), (3, 4)):
             yield configs.KernelConfig(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                        GROUP_M=1 if block_m == 16 else 8, num_warps=num_warps,
-                                       num_stages=num_stages)
+                                       num_stages=num_stages, path="tiled")
+
+
+def precompile(candidates, args, threads: int = 16) -> None:
+    """Compile every candidate's kernels for these sizes before any is timed.
+
+    Compiling dominates a tuning run and runs largely outside the GIL (ptxas is a
+    subprocess), so threads overlap it. Failures are left for `time_config`,
+    which runs each candidate again on its own."""
+    def run_once(config):
+        try:
+            if config.path != "grouped_mm":
+                fused._RUNNERS[config.path](config, args[0], args[1].reshape(-1), *args[2:])
+        except Exception:  # noqa: BLE001 (reported when the candidate is timed)
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run_once, candidates))
+    torch.cuda.synchronize()
 
 
 def time_config(config, args) -> float:
@@ -57,13 +86,36 @@ def time_config(config, args) -> float:
                 fused.fused_experts(*args)
         except triton.runtime.errors.OutOfResources:
             return float("inf")
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=20)
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=15)
+
+
+def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool):
+    """The fastest config for M tokens and its time in ms."""
+    E = args[3].shape[0]
+    slots_per_expert = M * top_k / E
+    candidates = list(tiled_candidates(slots_per_expert))
+    if slots_per_expert <= 1:
+        candidates += direct_candidates()
+    precompile(candidates, args)
+    timed = [(time_config(c, args), c) for c in candidates]
+    best_ms, best = min(timed, key=lambda pair: pair[0])
+    if grouped_mm_runs and slots_per_expert >= 8:
+        # Its tiles are those of the best tiled config, for where grouped_mm cannot run.
+        _, tiled = min((pair for pair in timed if pair[1].path == "tiled"),
+                       key=lambda pair: pair[0])
+        grouped = dataclasses.replace(tiled, path="grouped_mm")
+        grouped_ms = time_config(grouped, args)
+        if grouped_ms < best_ms:
+            best_ms, best = grouped_ms, grouped
+    return best_ms, best
 
 
 def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir):
     device = torch.device("cuda")
     w13_EFH = torch.randn(E, 2 * N, K, device=device, dtype=dtype) / K ** 0.5
     w2_EHI = torch.randn(E, K, N, device=device, dtype=dtype) / N ** 0.5
+    grouped_mm_runs = (grouped_mm.supports(None, None, device, dtype) is None
+                       and grouped_mm.aligned(K, N))
     table = {}
     for M in tokens:
         hidden_TH = torch.randn(M, K, device=device, dtype=dtype)
@@ -71,16 +123,13 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
         topk_weights_TK, topk_ids_TK = torch.topk(logits_TE.softmax(-1), top_k, dim=-1)
         args = (hidden_TH, topk_weights_TK, topk_ids_TK.to(torch.int32), w13_EFH, w2_EHI, None,
                 None, "silu", 1.702, 7.0)
-        timed = [(time_config(c, args), c) for c in candidates(M * top_k / E)]
-        best_ms, best = min(timed, key=lambda pair: pair[0])
+        best_ms, best = tune_token_count(M, top_k, args, grouped_mm_runs)
         table[str(M)] = dataclasses.asdict(best)
         print(f"M={M}: {best_ms * 1e3:.1f} us {best}", flush=True)
     name = configs.config_file_name(E, N, K, dtype, configs.device_name(device))
     path = pathlib.Path(out_dir) / name
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, required=True)

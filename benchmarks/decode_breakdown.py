@@ -1,0 +1,87 @@
+"""Where the time of a few-token experts call goes, kernel by kernel.
+
+    python benchmarks/decode_breakdown.py [--shapes qwen3-30b-a3b,olmoe] [--tokens 1,4]
+
+For each shape and token count, the `triton` backend's call is captured in a
+CUDA graph and timed three ways: as bench_experts.py does (``do_bench``, whose
+L2 flush writes 256 MB, so the call starts with that much dirty L2 to write
+back), after a flush that only reads (clean L2, as after other layers'
+kernels), and per kernel from a profile of the replays. Each is set against the
+row's floor (bench_experts' ceilings, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+import triton.testing
+
+from bench_experts import SHAPES, floor_seconds, graph_timer, make_problem, make_weights, \
+    measure_ceilings
+
+REPLAYS = 50
+
+
+def read_flushed_us(replay, flush_buffer: torch.Tensor) -> float:
+    """Median time of ``replay`` after a read of ``flush_buffer`` (evicts L2, leaves it clean)."""
+    times = []
+    for _ in range(REPLAYS):
+        flush_buffer.sum()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_us(replay, flush_buffer: torch.Tensor) -> dict[str, float]:
+    """Mean device time per replay of each kernel the graph runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            flush_buffer.sum()
+            replay()
+        torch.cuda.synchronize()
+    totals = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and "reduce" not in event.name:
+            totals[event.name] += event.device_time / REPLAYS
+    return dict(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default="1,4,16")
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    flush_buffer = torch.empty(2**28, device="cuda", dtype=torch.int32)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lines = []
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        weights = make_weights(shape, generator)
+        for num_tokens in map(int, args.tokens.split(",")):
+            problem = make_problem(shape, num_tokens, weights, generator)
+            floor_s = floor_seconds(shape, num_tokens, problem[2], ceilings)[0]
+            static = (shape.activation, 1.702, 7.0)
+            replay, _ = graph_timer(lambda: torch.ops.moe_triton.experts(*problem, *static))
+            write_flushed = triton.testing.do_bench(replay, return_mode="median") * 1e3
+            read_flushed = read_flushed_us(replay, flush_buffer)
+            kernels = kernel_us(replay, flush_buffer)
+            parts = ", ".join(f"{k[:28]} {v:.1f}" for k, v in kernels.items())
+            lines.append(f"{name:14} T={num_tokens:<5} floor {floor_s * 1e6:7.1f} us | "
+                         f"do_bench {write_flushed:7.1f} ({floor_s * 1e6 / write_flushed:4.0%}) | "
+                         f"read-flushed {read_flushed:7.1f} ({floor_s * 1e6 / read_flushed:4.0%})"
+                         f" | kernels: {parts}")
+        del weights
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

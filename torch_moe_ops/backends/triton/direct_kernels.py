@@ -1,0 +1,117 @@
+"""Triton kernels of the fused MoE for a few tokens: each slot on its own, no align.
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts,
+K experts per token, S = T * K slots, N columns of one program's output.
+
+    for each slot s with e = topk_ids[s] >= 0:
+        inter[s] = act(hidden[s // K] @ w13[e].T + b13[e])                  moe_direct_gate_up_kernel
+    out[t] = sum over k with e = topk_ids[t, k] >= 0 of
+             weight[t, k] * (inter[t * K + k] @ w2[e].T + b2[e])           moe_direct_down_sum_kernel
+
+In decode each expert gets about one slot, so a grouped GEMM's tiles would be
+mostly padding and the align's three launches cost more than the kernels'
+work: here a program multiplies one slot's row by a [N, H] slice of its
+expert's weights (a matrix-vector product, reduced with tl.sum, so no tile
+needs 16 rows), and a down program sums all K slots of its token in fp32 in a
+fixed order, so the output needs no third kernel and no float atomics.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from torch_moe_ops.backends.triton.kernels import _activate
+
+
+@triton.jit
+def moe_direct_gate_up_kernel(
+        hidden_ptr, ids_ptr, w13_ptr, b13_ptr, inter_ptr,
+        hidden_size, inter_size,
+        stride_hidden_t, stride_hidden_h, stride_ids_t, stride_ids_k,
+        stride_w13_e, stride_w13_f, stride_w13_h,
+        stride_b13_e, stride_b13_f,
+        stride_inter_s, stride_inter_i,
+        swiglu_alpha, swiglu_limit,
+        TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """inter[s, n] = act(gate, up) for slot s = program 0, columns n of program 1."""
+    slot = tl.program_id(0).to(tl.int64)
+    token = slot // TOP_K
+    expert = tl.load(ids_ptr + token * stride_ids_t + (slot % TOP_K) * stride_ids_k).to(tl.int64)
+    # A skipped slot's row is never read by the down kernel: nothing to write.
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
+    gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
+                 + ks[None, :] * stride_w13_h)
+    up_ptrs = gate_ptrs + inter_size * stride_w13_f
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+        k_ok = ks < hidden_size - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        gate += tl.sum(tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x, axis=1)
+        x_ptrs += BLOCK_K * stride_hidden_h
+        gate_ptrs += BLOCK_K * stride_w13_h
+        up_ptrs += BLOCK_K * stride_w13_h
+    if HAS_BIAS:
+        bias_ptrs = b13_ptr + expert * stride_b13_e + cols * stride_b13_f
+        gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptrs + inter_size * stride_b13_f, mask=col_ok,
+                      other=0.0).to(tl.float32)
+    act = _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION)
+    tl.store(inter_ptr + slot * stride_inter_s + cols * stride_inter_i,
+             act.to(inter_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def moe_direct_down_sum_kernel(
+        inter_ptr, ids_ptr, weights_ptr, w2_ptr, b2_ptr, out_ptr,
+        hidden_size, inter_size,
+        stride_inter_s, stride_inter_i, stride_ids_t, stride_ids_k,
+        stride_w2_e, stride_w2_h, stride_w2_i,
+        stride_b2_e, stride_b2_h,
+        stride_out_t, stride_out_h,
+        TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, n] for token t = program 0, columns n of program 1; zeros for a
+    token whose slots are all skipped. ``weights`` is ``[S]``, weight 1 without."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden_size
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # The K slots are the inner, unrolled loop: each step issues the loads of all
+    # K experts at once, so one program keeps K weight tiles in flight instead of
+    # walking its experts one after the other.
+    for k in range(0, tl.cdiv(inter_size, BLOCK_K)):
+        for j in tl.static_range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+            # A skipped slot's inter row was never written: no column of it is read.
+            k_ok = ks < tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
+            a = tl.load(inter_ptr + slot * stride_inter_s + (k * BLOCK_K + ks) * stride_inter_i,
+                        mask=k_ok, other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                a *= tl.load(weights_ptr + slot).to(tl.float32)
+            w = tl.load(w2_ptr + tl.maximum(expert, 0) * stride_w2_e
+                        + cols[:, None] * stride_w2_h + (k * BLOCK_K + ks)[None, :] * stride_w2_i,
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    if HAS_BIAS:
+        for j in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+            if expert >= 0:
+                bias = tl.load(b2_ptr + expert * stride_b2_e + cols * stride_b2_h, mask=col_ok,
+                               other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    bias *= tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
+                acc += bias
+    tl.store(out_ptr + token * stride_out_t + cols * stride_out_h,
+             acc.to(out_ptr.dtype.element_ty), mask=col_ok)
