@@ -3,40 +3,25 @@
     python benchmarks/decode_breakdown.py [--shapes qwen3-30b-a3b,olmoe] [--tokens 1,4]
 
 For each shape and token count, the `triton` backend's call is captured in a
-CUDA graph and timed three ways: as bench_experts.py does (``do_bench``, whose
-L2 flush writes 256 MB, so the call starts with that much dirty L2 to write
-back), after a flush that only reads (clean L2, as after other layers'
-kernels), and per kernel from a profile of the replays. Each is set against the
+CUDA graph and timed three ways: with ``do_bench`` (whose L2 flush writes 256 MB, so the
+call starts with that much dirty L2 to write back), as bench_experts.py does
+(after a flush that only reads: clean L2, as after other layers' kernels), and
+per kernel from a profile of the replays. Each is set against the
 row's floor (bench_experts' ceilings, measured in the same run).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections import defaultdict
 
 import torch
 import triton.testing
 
-from bench_experts import SHAPES, floor_seconds, graph_timer, make_problem, make_weights, \
-    measure_ceilings
+from bench_experts import (SHAPES, cold_median_seconds, floor_seconds, graph_timer,
+                           make_problem, make_weights, measure_ceilings)
 
 REPLAYS = 50
-
-
-def read_flushed_us(replay, flush_buffer: torch.Tensor) -> float:
-    """Median time of ``replay`` after a read of ``flush_buffer`` (evicts L2, leaves it clean)."""
-    times = []
-    for _ in range(REPLAYS):
-        flush_buffer.sum()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_us(replay, flush_buffer: torch.Tensor) -> dict[str, float]:
@@ -59,7 +44,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,4,16")
     args = parser.parse_args()
     ceilings = measure_ceilings()
-    flush_buffer = torch.empty(2**28, device="cuda", dtype=torch.int32)
+    flush_buffer = torch.empty(2**28, device="cuda", dtype=torch.float32)
     generator = torch.Generator(device="cuda").manual_seed(0)
     lines = []
     for name in args.shapes.split(","):
@@ -71,7 +56,7 @@ def main() -> None:
             static = (shape.activation, 1.702, 7.0)
             replay, _ = graph_timer(lambda: torch.ops.moe_triton.experts(*problem, *static))
             write_flushed = triton.testing.do_bench(replay, return_mode="median") * 1e3
-            read_flushed = read_flushed_us(replay, flush_buffer)
+            read_flushed = cold_median_seconds(replay, flush_buffer) * 1e6
             kernels = kernel_us(replay, flush_buffer)
             parts = ", ".join(f"{k[:28]} {v:.1f}" for k, v in kernels.items())
             lines.append(f"{name:14} T={num_tokens:<5} floor {floor_s * 1e6:7.1f} us | "

@@ -28,8 +28,8 @@ def main(path: str) -> None:
     print(f"torch {header['torch']}, triton {header['triton']}. Ceilings measured in the same "
           f"run: HBM read {header['read_tb_per_s']:.2f} TB/s, dense bf16 "
           f"{header['bf16_tflop_per_s']:.0f} TFLOP/s. Times are medians of CUDA-graph replays "
-          "(ours and `vllm-triton`) or eager calls (transformers' `hf-*`), L2 flushed "
-          "between runs; `%` is the floor over the time.\n")
+          "(ours and `vllm-triton`) or eager calls (transformers' `hf-*`), each run after a "
+          "1 GiB read that evicts L2 and leaves it clean; `%` is the floor over the time.\n")
     if header.get("vllm"):
         print(f"`vllm-triton`: {header['vllm']}, its Triton kernel and tuned configs, "
               "with its CUDA align, activation and sum replaced by equivalents "

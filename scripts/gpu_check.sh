@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
 # skips them), then with TUNE=<shapes> the config tuning of those benchmark
-# shapes, and with BENCH=1 the experts benchmark. Logs go to $OUT when it is set.
+# shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the experts
+# benchmark, one shape at a time. Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -24,8 +25,13 @@ if [ -n "${TUNE:-}" ]; then
   # Names in $OUT come back only without '=' or ',': E-8.N-14336.K-4096.dtype-bfloat16.device-X.json
   mkdir -p "$OUT/tuned"
   for f in "$tuned"/*.json; do [ -e "$f" ] && cp "$f" "$OUT/tuned/$(basename "$f" | tr '=,' '-.')"; done
+  # So that a benchmark in the same call runs on the new configs.
+  [ "${BENCH:-0}" = 1 ] && cp "$tuned"/*.json torch_moe_ops/backends/triton/configs/
 fi
 if [ "${BENCH:-0}" = 1 ]; then
-  python3 benchmarks/bench_experts.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
+  # One run per shape, each written as it ends, so a time limit keeps the shapes done.
+  for shape in ${BENCH_SHAPES:-mixtral-8x7b qwen3-30b-a3b olmoe gpt-oss-20b deepseek-v3}; do
+    python3 benchmarks/bench_experts.py --out "$OUT/bench-$shape" --shapes "$shape" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$shape.log" | tail -12
+  done
 fi
 exit $status

@@ -36,7 +36,7 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 def direct_candidates():
     """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert."""
     for block_n, block_k, num_warps, num_stages in itertools.product(
-            (4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,)):
+            (1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,)):
         yield configs.KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                                    num_warps=num_warps, num_stages=num_stages, path="direct")
 
