@@ -231,6 +231,10 @@ def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights, ceilings:
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             continue
+        except Exception as e:  # noqa: BLE001 (one backend failing must not end the run)
+            print(f"{shape_name} T={num_tokens} {name}: failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[-1] if str(e) else ''}", flush=True)
+            continue
         rows.append({
             "shape": shape_name, "tokens": num_tokens, "backend": name,
             "us": seconds * 1e6, "floor_us": floor_s * 1e6, "bound": bound,

@@ -93,7 +93,8 @@ def load_kernel(path: str) -> triton.JITFunction:
     module = ast.Module(body=sorted(wanted.values(), key=lambda n: n.lineno), type_ignores=[])
     # Compiled under the file's own name and line numbers: triton.jit reads each
     # function's source back from the file.
-    namespace = {"triton": triton, "tl": tl, "torch": torch}
+    # A module name, too: Triton's code generator reads each callee's __module__.
+    namespace = {"__name__": "vllm_fused_moe_peer", "triton": triton, "tl": tl, "torch": torch}
     exec(compile(module, path, "exec"), namespace)
     return namespace[KERNEL]
 

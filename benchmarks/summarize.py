@@ -1,6 +1,11 @@
-"""Turn ``experts.json`` (from bench_experts.py) into the Markdown of a results page.
+"""Turn ``experts.json`` files (from bench_experts.py) into the Markdown of a results page.
 
-    python benchmarks/summarize.py results/experts.json > benchmarks/results/<device>-<date>.md
+    python benchmarks/summarize.py [--merged PREFIX] run1/experts.json [run2/experts.json ...] \
+        > benchmarks/results/<device>-<date>.md
+
+Several files (say, one run per shape) are merged; ``--merged PREFIX`` also writes
+their rows as ``PREFIX.json`` and ``PREFIX.csv`` (``bench_experts.py --plot-only``
+draws the plot from the JSON).
 
 Per shape, one row per token count: each backend's time and fraction of the
 floor, the best of ours against the best peer (transformers' implementations
@@ -9,8 +14,9 @@ floor, the best of ours against the best peer (transformers' implementations
 
 from __future__ import annotations
 
+import argparse
+import csv
 import json
-import sys
 from collections import defaultdict
 
 PEER_PREFIXES = ("hf-", "vllm-")
@@ -20,14 +26,37 @@ def is_peer(backend: str) -> bool:
     return backend.startswith(PEER_PREFIXES)
 
 
-def main(path: str) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    header, rows = data["header"], data["rows"]
+def _span(values, fmt: str) -> str:
+    low, high = min(values), max(values)
+    return format(low, fmt) if format(low, fmt) == format(high, fmt) else \
+        f"{format(low, fmt)}-{format(high, fmt)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--merged")
+    args = parser.parse_args()
+    headers, rows = [], []
+    for path in args.runs:
+        with open(path) as f:
+            data = json.load(f)
+        headers.append(data["header"])
+        rows += data["rows"]
+    if args.merged:
+        with open(args.merged + ".json", "w") as f:
+            json.dump({"header": headers[0], "rows": rows}, f, indent=1)
+        with open(args.merged + ".csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    header = headers[0]
     print(f"# Experts benchmark: {header['device']}, {header['date']}\n")
     print(f"torch {header['torch']}, triton {header['triton']}. Ceilings measured in the same "
-          f"run: HBM read {header['read_tb_per_s']:.2f} TB/s, dense bf16 "
-          f"{header['bf16_tflop_per_s']:.0f} TFLOP/s. Times are medians of CUDA-graph replays "
+          f"run as each row: HBM read "
+          f"{_span([h['read_tb_per_s'] for h in headers], '.2f')} TB/s, dense bf16 "
+          f"{_span([h['bf16_tflop_per_s'] for h in headers], '.0f')} TFLOP/s. "
+          "Times are medians of CUDA-graph replays "
           "(ours and `vllm-triton`) or eager calls (transformers' `hf-*`), each run after a "
           "1 GiB read that evicts L2 and leaves it clean; `%` is the floor over the time.\n")
     if header.get("vllm"):
@@ -58,4 +87,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

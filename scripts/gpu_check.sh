@@ -22,16 +22,16 @@ fi
 if [ -n "${TUNE:-}" ]; then
   tuned=$(mktemp -d)
   timeout "${TUNE_SECONDS:-86400}" python3 benchmarks/tune_shapes.py --out "$tuned" --shapes "$TUNE" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
-  # Names in $OUT come back only without '=' or ',': E-8.N-14336.K-4096.dtype-bfloat16.device-X.json
-  mkdir -p "$OUT/tuned"
-  for f in "$tuned"/*.json; do [ -e "$f" ] && cp "$f" "$OUT/tuned/$(basename "$f" | tr '=,' '-.')"; done
+  # One archive: few files come back from a call, and none whose name holds '=' or ','.
+  tar czf "$OUT/tuned.tgz" -C "$tuned" .
   # So that a benchmark in the same call runs on the new configs.
   [ "${BENCH:-0}" = 1 ] && cp "$tuned"/*.json torch_moe_ops/backends/triton/configs/
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   # One run per shape, each written as it ends, so a time limit keeps the shapes done.
   for shape in ${BENCH_SHAPES:-mixtral-8x7b qwen3-30b-a3b olmoe gpt-oss-20b deepseek-v3}; do
-    python3 benchmarks/bench_experts.py --out "$OUT/bench-$shape" --shapes "$shape" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$shape.log" | tail -12
+    python3 benchmarks/bench_experts.py --out "$OUT/bench/$shape" --shapes "$shape" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$shape.log" | tail -12
+    tar czf "$OUT/bench.tgz" -C "$OUT" bench
   done
 fi
 exit $status
