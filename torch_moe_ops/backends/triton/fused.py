@@ -12,8 +12,9 @@ K experts per token, S = T * K slots, R rows (rows format).
 The config of a call (`configs.get_config`) names its kernels: ``direct``,
 ``tiled`` (`kernels`) or ``grouped_mm`` (the `grouped_mm` backend's GEMMs).
 Both entry points run `_run_direct` or `_run_tiled` alike: the rows format is
-the K = 1 case without routing weights. Nothing here reads a tensor's values on the host, so a call
-can be captured in a CUDA graph once its config is cached (see `configs`).
+the K = 1 case without routing weights. Nothing here reads a tensor's values
+on the host, so a call can be captured in a CUDA graph once its config is
+cached (see `configs`).
 Arguments are expected to have passed the op contract's checks
 (`torch_moe_ops.ops.experts.check`); only what the kernels themselves rely on
 is checked again here.
@@ -184,7 +185,7 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
 
     Returns ``out_TH [T, H]`` in ``hidden_TH``'s dtype, contiguous; a token whose
     slots are all skipped gets zeros. Deterministic: no float atomics, the sum
-    over k runs in k order in fp32. ``T == 0`` launches nothing.
+    over k runs in a fixed order in fp32. ``T == 0`` launches nothing.
 
     Where the config says so (prefill, bf16 on sm90+), the two GEMMs run on
     ``torch._grouped_mm`` with Triton epilogues instead (the `grouped_mm` backend).
