@@ -24,18 +24,30 @@ from bench_experts import (SHAPES, cold_median_seconds, floor_seconds, graph_tim
 REPLAYS = 50
 
 
-def kernel_us(replay, flush_buffer: torch.Tensor) -> dict[str, float]:
-    """Mean device time per replay of each kernel the graph runs."""
+def _device_us(fn, repeats: int) -> dict[str, float]:
+    """Device microseconds per repeat of each kernel ``fn`` runs, by kernel name."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
-            flush_buffer.sum()
-            replay()
+        for _ in range(repeats):
+            fn()
         torch.cuda.synchronize()
     totals = defaultdict(float)
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and "reduce" not in event.name:
-            totals[event.name] += event.device_time / REPLAYS
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / repeats
     return dict(totals)
+
+
+def kernel_us(replay, flush_buffer: torch.Tensor) -> dict[str, float]:
+    """Mean device time per replay of each kernel the graph runs, cold: the
+    kernels of the flush between replays are left out by name."""
+    flush_kernels = set(_device_us(flush_buffer.sum, 1))
+
+    def flushed_replay():
+        flush_buffer.sum()
+        replay()
+
+    return {name: us for name, us in _device_us(flushed_replay, REPLAYS).items()
+            if name not in flush_kernels}
 
 
 def main() -> None:

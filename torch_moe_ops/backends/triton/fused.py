@@ -194,7 +194,19 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     if topk_ids_TK.shape[0] == 0:
         return torch.empty((0, hidden_TH.shape[1]), dtype=hidden_TH.dtype,
                            device=hidden_TH.device)
-    config = _plan(hidden_TH, topk_ids_TK, w13_EFH)
+    return experts_with_config(_plan(hidden_TH, topk_ids_TK, w13_EFH), hidden_TH,
+                               topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
+                               activation, swiglu_alpha, swiglu_limit)
+
+
+def experts_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
+                        topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
+                        w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
+                        b13_EF: Optional[torch.Tensor], b2_EH: Optional[torch.Tensor],
+                        activation: str, swiglu_alpha: float,
+                        swiglu_limit: float) -> torch.Tensor:
+    """`fused_experts` on the kernels ``config`` names, for ``T >= 1``; its path
+    must be able to run here (the tuner times candidates through this)."""
     if config.path == "grouped_mm":
         return grouped_mm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
                                   b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)

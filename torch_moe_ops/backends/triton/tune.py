@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 import json
 import pathlib
-from unittest import mock
 
 import torch
 import triton.testing
@@ -61,8 +60,7 @@ def precompile(candidates, args, threads: int = 16) -> None:
     which runs each candidate again on its own."""
     def run_once(config):
         try:
-            if config.path != "grouped_mm":
-                fused._RUNNERS[config.path](config, args[0], args[1].reshape(-1), *args[2:])
+            fused.experts_with_config(config, *args)
         except Exception:  # noqa: BLE001 (reported when the candidate is timed)
             pass
 
@@ -74,18 +72,17 @@ def precompile(candidates, args, threads: int = 16) -> None:
 def time_config(config, args) -> float:
     """Milliseconds per call, replayed from a CUDA graph: eager timing of small
     token counts would measure Python launch overhead, not the kernels."""
-    with mock.patch.object(fused, "get_config", lambda *_: config):
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fused.fused_experts(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fused.fused_experts(*args)
-        except triton.runtime.errors.OutOfResources:
-            return float("inf")
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fused.experts_with_config(config, *args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused.experts_with_config(config, *args)
+    except triton.runtime.errors.OutOfResources:
+        return float("inf")
     return triton.testing.do_bench(graph.replay, warmup=5, rep=15)
 
 
