@@ -1,7 +1,9 @@
 """Repository-wide pytest hooks (cover tests/ and graph_tests/ alike).
 
-``@pytest.mark.gpu`` tests skip without a CUDA GPU and ``@pytest.mark.multigpu``
-tests skip with fewer than two; the markers are declared in pyproject.toml.
+``@pytest.mark.gpu`` tests skip without a CUDA GPU, ``@pytest.mark.multigpu``
+tests skip with fewer than two, and ``@pytest.mark.triton`` tests (Triton
+kernels) skip without the triton package; the markers are declared in
+pyproject.toml.
 """
 
 from __future__ import annotations
@@ -22,10 +24,22 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _why_triton_cannot_run() -> str | None:
+    from torch_moe_ops.backends.common import TRITON_INSTALLED
+
+    if not TRITON_INSTALLED:
+        return "runs Triton kernels: the triton package is not installed (pip install triton)"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("runs Triton kernels: needs a CUDA GPU or TRITON_INTERPRET=1, found no GPU "
+                f"and TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     num_gpus = _cuda_device_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU, found none")
     skip_multigpu = pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {num_gpus}")
+    triton_reason = _why_triton_cannot_run()
     for item in items:
         # get_closest_marker, not `in item.keywords`: keywords also hold test and
         # parameter names, so a test called test_gpu_... would match.
@@ -33,6 +47,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_multigpu)
         elif item.get_closest_marker("gpu") is not None and num_gpus < 1:
             item.add_marker(skip_gpu)
+        elif item.get_closest_marker("triton") is not None and triton_reason is not None:
+            item.add_marker(pytest.mark.skip(reason=triton_reason))
 
 
 @pytest.fixture

@@ -6,11 +6,12 @@ For each shape and token count: routing weights and ids in, ``[T, H]`` out. Our
 backends run as captured CUDA graphs (what a server replays), and so does vLLM's
 Triton kernel where its source is at hand (see peer_vllm.py); transformers'
 experts implementations run as they come (they may sync with the host, which a
-graph cannot capture). Each time is the median of cold runs (`cold_median_seconds`):
-before each run a read of 1 GiB evicts L2 and leaves it clean. (``do_bench``
-flushes by writing 256 MB, so a run begins by writing back the dirty L2; on a
-20-50 us decode call that added 8-10 us on an H200, work no model step does.) The floor of a row is the larger of the
-bytes of the experts it touches over the HBM read bandwidth and its FLOPs over
+graph cannot capture) and compiled by Inductor, captured like ours. Each time
+is the median of cold runs (`cold_median_seconds`): before each run a read of
+1 GiB evicts L2 and leaves it clean. (``do_bench`` flushes by writing 256 MB, so
+a run begins by writing back the dirty L2; on a 20-50 us decode call that added
+8-10 us on an H200, work no model step does.) The floor of a row is the larger
+of the bytes of the experts it touches over the HBM read bandwidth and its FLOPs over
 the dense bf16 rate, both measured at the start of the same run.
 
 Writes ``experts.csv``, ``experts.json`` and ``experts.png`` (latency against
@@ -26,17 +27,17 @@ import datetime
 import json
 import os
 import statistics
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.testing
 
-import torch_moe_ops as tmo
-from torch_moe_ops.backends.registry import REGISTRY
-
 # A sibling of this script, whose folder is on sys.path when it runs.
 from peer_vllm import source_version, vllm_peers
+
+import torch_moe_ops as tmo
+from torch_moe_ops.backends.registry import REGISTRY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +73,8 @@ class Ceilings:
 def measure_ceilings() -> Ceilings:
     """HBM read bandwidth (sum over 4 GiB of bf16) and dense bf16 matmul rate (8192^3)."""
     data = torch.randn(2**31, device="cuda", dtype=torch.bfloat16)
-    read_ms = triton.testing.do_bench(lambda: data.sum(), return_mode="median")
-    del data
+    read_ms = triton.testing.do_bench(data.sum, return_mode="median")
+    data = None  # 4 GiB: free it before the matmul's inputs
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
@@ -161,7 +162,11 @@ def our_backends(shape: Shape, num_tokens: int) -> dict[str, str]:
 
 
 def transformers_peers(shape: Shape, num_tokens: int, problem):
-    """transformers' experts implementations on the same weights (shared, same layout)."""
+    """transformers' experts implementations on the same weights (shared, same layout),
+    eager (``hf-<impl>``: run as they come, they may sync with the host) and compiled
+    (``hf-<impl>-compiled``: Inductor with ``fullgraph=True``, captured in a CUDA
+    graph as ours are; that is what ``mode="reduce-overhead"`` replays, without its
+    per-call host cost). Returns ``{name: (fn, capture)}``."""
     try:
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts
@@ -170,24 +175,27 @@ def transformers_peers(shape: Shape, num_tokens: int, problem):
     if shape.activation != "silu" or shape.bias:
         return {}
     hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, _, _ = problem
-    config = MixtralConfig(hidden_size=shape.hidden, intermediate_size=shape.inter,
-                           num_local_experts=shape.num_experts,
-                           num_experts_per_tok=shape.top_k)
-    with torch.device("meta"):
-        experts = MixtralExperts(config)
-    experts.gate_up_proj = torch.nn.Parameter(w13_EFH, requires_grad=False)
-    experts.down_proj = torch.nn.Parameter(w2_EHI, requires_grad=False)
+    ids_TK, weights_TK = topk_ids_TK.long(), topk_weights_TK.to(hidden_TH.dtype)
     peers = {}
     gathered_bytes = num_tokens * shape.top_k * 3 * shape.hidden * shape.inter * 2
     for impl in ("grouped_mm", "batched_mm", "eager"):
         if impl == "batched_mm" and gathered_bytes > PEER_MAX_BYTES:
             continue
-
-        def run(impl=impl):
-            config._experts_implementation = impl
-            return experts(hidden_TH, topk_ids_TK.long(), topk_weights_TK.to(hidden_TH.dtype))
-
-        peers[f"hf-{impl}"] = run
+        # One module per implementation: the choice is read from its config.
+        config = MixtralConfig(hidden_size=shape.hidden, intermediate_size=shape.inter,
+                               num_local_experts=shape.num_experts,
+                               num_experts_per_tok=shape.top_k)
+        config._experts_implementation = impl
+        with torch.device("meta"):
+            experts = MixtralExperts(config)
+        experts.gate_up_proj = torch.nn.Parameter(w13_EFH, requires_grad=False)
+        experts.down_proj = torch.nn.Parameter(w2_EHI, requires_grad=False)
+        peers[f"hf-{impl}"] = (lambda experts=experts: experts(hidden_TH, ids_TK, weights_TK),
+                               False)
+        if impl != "eager":
+            compiled = torch.compile(experts, fullgraph=True)
+            peers[f"hf-{impl}-compiled"] = (
+                lambda compiled=compiled: compiled(hidden_TH, ids_TK, weights_TK), True)
     return peers
 
 
@@ -208,11 +216,10 @@ def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights, ceilings:
         op = getattr(torch.ops, namespace).experts
         candidates[name] = (lambda op=op: op(hidden_TH, topk_weights_TK, topk_ids_TK,
                                               *weights, *static), True)
-    for name, fn in transformers_peers(shape, num_tokens, problem).items():
-        candidates[name] = (fn, False)
+    candidates.update(transformers_peers(shape, num_tokens, problem))
     for name, fn in vllm_peers(shape, num_tokens, problem).items():
         candidates[name] = (fn, True)
-    baseline: Optional[torch.Tensor] = None
+    baseline: torch.Tensor | None = None
     rows = []
     for name, (fn, capture) in candidates.items():
         try:
@@ -281,6 +288,8 @@ def main() -> None:
             plot(json.load(f)["rows"], os.path.join(args.out, "experts.png"))
         return
     os.makedirs(args.out, exist_ok=True)
+    # The compiled peers recompile per shape and token count.
+    torch._dynamo.config.recompile_limit = 1024
     ceilings = measure_ceilings()
     header = {
         "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),

@@ -17,9 +17,15 @@ from collections import defaultdict
 
 import torch
 import triton.testing
-
-from bench_experts import (SHAPES, cold_median_seconds, floor_seconds, graph_timer,
-                           make_problem, make_weights, measure_ceilings)
+from bench_experts import (
+    SHAPES,
+    cold_median_seconds,
+    floor_seconds,
+    graph_timer,
+    make_problem,
+    make_weights,
+    measure_ceilings,
+)
 
 REPLAYS = 50
 
@@ -66,7 +72,9 @@ def main() -> None:
             problem = make_problem(shape, num_tokens, weights, generator)
             floor_s = floor_seconds(shape, num_tokens, problem[2], ceilings)[0]
             static = (shape.activation, 1.702, 7.0)
-            replay, _ = graph_timer(lambda: torch.ops.moe_triton.experts(*problem, *static))
+            replay, _ = graph_timer(
+                lambda problem=problem, static=static: torch.ops.moe_triton.experts(*problem,
+                                                                                    *static))
             write_flushed = triton.testing.do_bench(replay, return_mode="median") * 1e3
             read_flushed = cold_median_seconds(replay, flush_buffer) * 1e6
             kernels = kernel_us(replay, flush_buffer)

@@ -30,7 +30,7 @@ import functools
 import json
 import os
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +50,13 @@ def source_root() -> str:
     return os.environ.get("TMO_VLLM_SRC") or os.path.join(REPO, ".peers", "vllm")
 
 
-def kernel_file() -> Optional[str]:
+def kernel_file() -> str | None:
     """Path of vLLM's ``fused_moe.py`` under ``source_root()``, None when there is none."""
     path = os.path.join(source_root(), FUSED_MOE_DIR, "fused_moe.py")
     return path if os.path.isfile(path) else None
 
 
-def source_version() -> Optional[str]:
+def source_version() -> str | None:
     """What the peer runs, for a results header: the first line of the folder's
     ``SOURCE`` note, or None without a kernel file."""
     if kernel_file() is None:
@@ -95,7 +95,7 @@ def load_kernel(path: str) -> triton.JITFunction:
     # function's source back from the file.
     # A module name, too: Triton's code generator reads each callee's __module__.
     namespace = {"__name__": "vllm_fused_moe_peer", "triton": triton, "tl": tl, "torch": torch}
-    exec(compile(module, path, "exec"), namespace)
+    exec(compile(module, path, "exec"), namespace)  # noqa: S102  (the peer's own kernel source)
     return namespace[KERNEL]
 
 
@@ -108,7 +108,7 @@ def device_file_name() -> str:
 
 @functools.cache
 def tuned_configs(root: str, num_experts: int, inter: int,
-                  device: str) -> Optional[dict[int, dict]]:
+                  device: str) -> dict[int, dict] | None:
     """vLLM's tuned configs for bf16/fp16 experts of this shape on ``device``, by token count."""
     path = os.path.join(root, FUSED_MOE_DIR, "configs",
                         f"E={num_experts},N={inter},device_name={device}.json")

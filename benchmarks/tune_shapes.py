@@ -13,8 +13,8 @@ import argparse
 import time
 
 import torch
-
 from bench_experts import SHAPES, TOKENS
+
 from torch_moe_ops.backends.triton.tune import tune
 
 

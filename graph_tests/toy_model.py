@@ -33,7 +33,8 @@ class Block(nn.Module):
 
 
 class ToyMoEModel(nn.Module):
-    """Embedding, ``num_layers`` attention + MoE blocks, tied LM head: ``ids [B, S] -> logits [B, S, V]``."""
+    """Embedding, ``num_layers`` attention + MoE blocks, tied LM head:
+    ``ids [B, S] -> logits [B, S, V]``."""
 
     def __init__(self, cfg: tmo.MoEConfig, vocab_size: int = 64, num_layers: int = 2,
                  num_heads: int = 2, device=None, dtype=None):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -19,8 +19,8 @@ class MoECompileBackend:
     graphs, as it does for plain Inductor); the other inner compilers take neither.
     """
 
-    def __init__(self, spec: BackendSpec, inner: str = "inductor", mode: Optional[str] = None,
-                 options: Optional[dict[str, Any]] = None):
+    def __init__(self, spec: BackendSpec, inner: str = "inductor", mode: str | None = None,
+                 options: dict[str, Any] | None = None):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner must be one of {', '.join(map(repr, INNER_COMPILERS))}, "
                              f"got {inner!r}")
@@ -45,7 +45,7 @@ class MoECompileBackend:
 
 
 def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
-            mode: Optional[str] = None, options: Optional[dict[str, Any]] = None
+            mode: str | None = None, options: dict[str, Any] | None = None
             ) -> MoECompileBackend:
     """A ``torch.compile`` backend that runs the MoE ops on the named backends.
 
@@ -57,7 +57,8 @@ def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
     return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a), inner, mode, options)
 
 
-def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
-                options: Optional[dict[str, Any]] = None):
-    """``torch.compile(model, backend="moe", mode=..., options=...)``: automatic choice, Inductor."""
+def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+                options: dict[str, Any] | None = None):
+    """``torch.compile(model, backend="moe", mode=..., options=...)``: automatic choice,
+    Inductor."""
     return backend(mode=mode, options=options)(gm, example_inputs)

@@ -27,8 +27,8 @@ def _example(node: fx.Node) -> torch.Tensor:
     first = node.args[0]
     value = first.meta.get("val", first.meta.get("example_value"))
     if not isinstance(value, torch.Tensor):
-        raise RuntimeError(f"cannot lower {node.format_node()}: its first input carries no "
-                           "tensor metadata (was the graph traced by Dynamo?)")
+        raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
+                        "tensor metadata (was the graph traced by Dynamo?)")
     return value
 
 

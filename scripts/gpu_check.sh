@@ -2,7 +2,8 @@
 # The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
 # skips them), then with TUNE=<shapes> the config tuning of those benchmark
 # shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the experts
-# benchmark, one shape at a time. Logs go to $OUT when it is set.
+# benchmark, one shape at a time; with MODEL=<shapes> the whole-model benchmark
+# (bench_model.py, MODEL_ARGS passed on). Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -32,6 +33,13 @@ if [ "${BENCH:-0}" = 1 ]; then
   for shape in ${BENCH_SHAPES:-mixtral-8x7b qwen3-30b-a3b olmoe gpt-oss-20b deepseek-v3}; do
     python3 benchmarks/bench_experts.py --out "$OUT/bench/$shape" --shapes "$shape" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$shape.log" | tail -12
     tar czf "$OUT/bench.tgz" -C "$OUT" bench
+  done
+fi
+if [ -n "${MODEL:-}" ]; then
+  # One process per shape: each builds its models at real widths.
+  for shape in ${MODEL//,/ }; do
+    python3 benchmarks/bench_model.py --shapes "$shape" --out "$OUT/model/$shape" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model-$shape.log" | tail -30
+    tar czf "$OUT/model.tgz" -C "$OUT" model
   done
 fi
 exit $status

@@ -7,7 +7,8 @@ K experts per token, F = 2*I (gate rows then up rows).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ GRAD_TOLERANCES = {
     torch.float16: {"rtol": 1e-2, "atol": 1e-2},
 }
 FLOAT_DTYPES = list(TOLERANCES)
+# What `poisoned_empty` fills integer buffers with: no valid id, row or count.
+INT_POISON = -777
 
 
 def _assert_close(table: dict, actual: torch.Tensor, expected: torch.Tensor,
@@ -68,8 +71,8 @@ class ExpertInputs:
     topk_ids_TK: torch.Tensor
     w13_EFH: torch.Tensor
     w2_EHI: torch.Tensor
-    b13_EF: Optional[torch.Tensor]
-    b2_EH: Optional[torch.Tensor]
+    b13_EF: torch.Tensor | None
+    b2_EH: torch.Tensor | None
 
     def args(self, activation: str = "silu", swiglu_alpha: float = 1.702,
              swiglu_limit: float = 7.0) -> tuple:
@@ -123,3 +126,20 @@ def expert_inputs(generator) -> Callable[..., ExpertInputs]:
 def topk_ids(generator) -> Callable[..., torch.Tensor]:
     """``topk_ids(T, E, K, dtype=int32, skip_fraction=0.0)``: see `random_topk_ids`."""
     return lambda *args, **kwargs: random_topk_ids(*args, generator=generator, **kwargs)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch) -> None:
+    """Every buffer ``torch.empty`` / ``torch.empty_like`` make during the test starts
+    as NaN (floats) or `INT_POISON` (integers), so a row a kernel forgets to write
+    shows up in its output."""
+
+    def poisoned(allocate):
+        def allocate_poisoned(*args, **kwargs):
+            t = allocate(*args, **kwargs)
+            return t.fill_(math.nan if t.is_floating_point() else INT_POISON)
+
+        return allocate_poisoned
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))

@@ -91,17 +91,17 @@ CONFIG_CASES = {
                                  "topk_groups must be <= num_expert_groups (2), got 3"),
     "groups_of_one_expert": (
         lambda: config(num_expert_groups=8),
-        "num_expert_groups must be small enough that each group holds at least 2 experts "
-        "(num_experts=8), got 8"),
+        ("num_expert_groups must be small enough that each group holds at least 2 experts "
+         "(num_experts=8), got 8")),
     "top_k_above_kept_group_experts": (
         lambda: config(top_k=5, num_expert_groups=4, topk_groups=2),
         "top_k must be <= topk_groups * experts per group (4), got 5"),
     "unknown_scoring": (lambda: config(scoring="relu"),
-                        "scoring must be one of 'softmax', 'topk_softmax', 'sigmoid', "
-                        "got 'relu'"),
+                        ("scoring must be one of 'softmax', 'topk_softmax', 'sigmoid', "
+                         "got 'relu'")),
     "unknown_activation": (lambda: config(activation="tanh"),
-                           "activation must be one of 'silu', 'gelu', 'swiglu_oai', "
-                           "got 'tanh'"),
+                           ("activation must be one of 'silu', 'gelu', 'swiglu_oai', "
+                            "got 'tanh'")),
     "correction_bias_with_softmax": (
         lambda: config(correction_bias=True),
         "correction_bias must be False unless scoring='sigmoid', got True"),
@@ -111,8 +111,8 @@ CONFIG_CASES = {
                              "renormalize must be a bool, got 1"),
     "shared_gate_without_shared_expert": (
         lambda: config(shared_expert_gate=True),
-        "shared_expert_gate must be False when there is no shared expert "
-        "(shared_expert_intermediate_size=0), got True"),
+        ("shared_expert_gate must be False when there is no shared expert "
+         "(shared_expert_intermediate_size=0), got True")),
     "ep_size_does_not_divide_experts": (lambda: config(ep_size=3),
                                         "ep_size must be a divisor of num_experts (8), got 3"),
     "module_with_ep_size": (lambda: tmo.MoE(config(ep_size=2)),
@@ -123,30 +123,30 @@ CONFIG_CASES = {
 
 BACKEND_CASES = {
     "spec_unknown_experts": (lambda: BackendSpec(experts="nope"),
-                             "experts must be one of 'auto', 'reference', 'triton', "
-                             "'grouped_mm', 'flashinfer', got 'nope'"),
+                             ("experts must be one of 'auto', 'reference', 'cpu', 'triton', "
+                              "'grouped_mm', 'flashinfer', got 'nope'")),
     "backend_unknown_experts": (lambda: tmo.backend(experts="nope"),
-                                "experts must be one of 'auto', 'reference', 'triton', "
-                                "'grouped_mm', 'flashinfer', got 'nope'"),
+                                ("experts must be one of 'auto', 'reference', 'cpu', 'triton', "
+                                 "'grouped_mm', 'flashinfer', got 'nope'")),
     "backend_unknown_a2a": (lambda: tmo.backend(a2a="nccl"),
-                            "a2a must be one of 'none', 'allgather', 'all_to_all', 'deepep', "
-                            "'flashinfer', got 'nccl'"),
+                            ("a2a must be one of 'none', 'allgather', 'all_to_all', 'deepep', "
+                             "'flashinfer', got 'nccl'")),
     "spec_dispatch_dtype": (lambda: BackendSpec(dispatch_dtype=torch.float8_e4m3fn),
                             "dispatch_dtype must be one of None, got torch.float8_e4m3fn"),
     "unknown_inner_compiler": (lambda: tmo.backend(inner="tvm"),
-                               "inner must be one of 'inductor', 'eager', 'aot_eager', "
-                               "got 'tvm'"),
+                               ("inner must be one of 'inductor', 'eager', 'aot_eager', "
+                                "got 'tvm'")),
     "mode_with_eager_inner": (lambda: tmo.backend(inner="eager", mode="reduce-overhead"),
-                              "mode and options apply to inner='inductor' only, got "
-                              "inner='eager' with mode='reduce-overhead', options=None"),
+                              ("mode and options apply to inner='inductor' only, got "
+                               "inner='eager' with mode='reduce-overhead', options=None")),
 }
 
 OP_CASES = {
     "hidden_3d": (experts(hidden=torch.randn(1, T, H)),
                   "hidden must be 2-D, got shape (1, 3, 8)"),
     "w13_2d": (experts(w13=torch.randn(2 * I, H)), "w13 must be 3-D, got shape (8, 8)"),
-    "hidden_fp64": (experts(hidden=torch.randn(T, H, dtype=torch.float64)),
-                    "hidden must have dtype in (float32, float16, bfloat16), got float64"),
+    "hidden_int": (experts(hidden=torch.zeros(T, H, dtype=torch.int32)),
+                   "hidden must have dtype in (float32, float16, bfloat16, float64), got int32"),
     "float_ids": (experts(topk_ids=torch.zeros(T, K)),
                   "topk_ids must have dtype in (int32, int64), got float32"),
     "weights_dtype_mismatch": (experts(w13=torch.randn(E, 2 * I, H, dtype=torch.bfloat16)),
@@ -165,8 +165,8 @@ OP_CASES = {
     "E_mismatch_w2": (experts(w2=torch.randn(E + 1, H, I)),
                       "w2.shape[0] must equal w13.shape[0] (E) (4), got shape (5, 8, 4)"),
     "odd_w13_rows": (experts(w13=torch.randn(E, 2 * I + 1, H)),
-                     "w13.shape[1] must be even (gate rows then up rows, 2*I), got shape "
-                     "(4, 9, 8)"),
+                     ("w13.shape[1] must be even (gate rows then up rows, 2*I), got shape "
+                      "(4, 9, 8)")),
     "b13_shape": (experts(b13=torch.randn(E, I)),
                   "b13.shape[1] must equal w13.shape[1] (2*I) (8), got shape (4, 4)"),
     "weights_ids_shape_mismatch": (
@@ -193,15 +193,15 @@ OP_CASES = {
     "route_logits_1d": (route(torch.randn(8), None, *ROUTE_STATIC),
                         "router_logits must be 2-D, got shape (8,)"),
     "route_int_logits": (route(torch.zeros(T, 8, dtype=torch.int64), None, *ROUTE_STATIC),
-                         "router_logits must have dtype in (float32, float16, bfloat16), "
-                         "got int64"),
+                         ("router_logits must have dtype in (float32, float16, bfloat16, float64), "
+                          "got int64")),
     "route_unknown_scoring": (route(logits(), None, 2, "relu", False, 1, 1, 1.0),
-                              "scoring must be one of 'softmax', 'topk_softmax', 'sigmoid', "
-                              "got 'relu'"),
+                              ("scoring must be one of 'softmax', 'topk_softmax', 'sigmoid', "
+                               "got 'relu'")),
     "route_correction_bias_with_softmax": (
         route(logits(), torch.zeros(8), *ROUTE_STATIC),
-        "correction_bias must be None unless scoring='sigmoid', got a tensor with "
-        "scoring='softmax'"),
+        ("correction_bias must be None unless scoring='sigmoid', got a tensor with "
+         "scoring='softmax'")),
     "route_correction_bias_bf16": (
         route(logits(), torch.zeros(8, dtype=torch.bfloat16), 2, "sigmoid", False, 1, 1, 1.0),
         "correction_bias must have dtype in (float32), got bfloat16"),

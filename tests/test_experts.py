@@ -7,51 +7,13 @@ K experts per token, F = 2*I, R rows.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from formulas import experts_formula
+
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def activation_formula(gate_I, up_I, name, alpha, limit):
-    if name == "silu":
-        return gate_I / (1 + torch.exp(-gate_I)) * up_I
-    if name == "gelu":  # exact (erf) GELU
-        return 0.5 * gate_I * (1 + torch.erf(gate_I / math.sqrt(2))) * up_I
-    assert name == "swiglu_oai"
-    gate_I = torch.where(gate_I > limit, limit, gate_I)  # upper bound only
-    up_I = torch.where(up_I > limit, limit, torch.where(up_I < -limit, -limit, up_I))
-    return (up_I + 1) * gate_I / (1 + torch.exp(-alpha * gate_I))
-
-
-def experts_formula(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
-                    activation, alpha, limit):
-    """fp64, one token and one slot at a time; differentiable in every float input."""
-    num_tokens, hidden_size = hidden_TH.shape
-    intermediate_size = w13_EFH.shape[1] // 2
-    rows = []
-    for t in range(num_tokens):
-        out_H = torch.zeros(hidden_size, dtype=torch.float64)
-        for k in range(topk_ids_TK.shape[1]):
-            e = int(topk_ids_TK[t, k])
-            if e == -1:
-                continue
-            h_F = w13_EFH[e].double() @ hidden_TH[t].double()
-            if b13_EF is not None:
-                h_F = h_F + b13_EF[e].double()
-            gate_I, up_I = h_F[:intermediate_size], h_F[intermediate_size:]
-            y_H = w2_EHI[e].double() @ activation_formula(gate_I, up_I, activation, alpha,
-                                                          limit)
-            if b2_EH is not None:
-                y_H = y_H + b2_EH[e].double()
-            out_H = out_H + topk_weights_TK[t, k].double() * y_H
-        rows.append(out_H)
-    if not rows:
-        return torch.zeros((0, hidden_size), dtype=torch.float64)
-    return torch.stack(rows)
 
 
 # swiglu_oai runs with hidden scaled up so that many pre-activations pass the clamp

@@ -19,15 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-import torch_moe_ops as tmo  # noqa: E402
-from torch_moe_ops import hf  # noqa: E402
-from torch_moe_ops.lowering import moe_op_sequence  # noqa: E402
+import torch_moe_ops as tmo
+from torch_moe_ops import hf
+from torch_moe_ops.lowering import moe_op_sequence
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def _config(family: str, **overrides):
@@ -74,7 +74,7 @@ EXPECTED = {
 }
 FAMILIES = sorted(EXPECTED)
 CANONICAL = [family for family in FAMILIES if family != "gpt_oss"]
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def make_model(family: str, dtype=torch.float32, **overrides):
@@ -89,7 +89,7 @@ def make_model(family: str, dtype=torch.float32, **overrides):
     return model.to(dtype)
 
 
-def _ids(batch: int = 2, seq: int = 7, seed: int = 1) -> torch.Tensor:
+def token_ids(batch: int = 2, seq: int = 7, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, COMMON["vocab_size"], (batch, seq), generator=generator)  # [B, S]
 
@@ -114,7 +114,7 @@ def _moe_blocks(model) -> dict[str, torch.nn.Module]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_matches_original(family):
     model = make_model(family)
-    ids = _ids()
+    ids = token_ids()
     keys = list(model.state_dict())
     with torch.no_grad():
         # Before patching: also installs transformers' output hooks on the routers.
@@ -141,7 +141,7 @@ def test_patched_model_matches_original(family):
 def test_report_and_weight_sharing(family):
     model = make_model(family)
     before = {name: module.experts for name, module in model.named_modules()
-              if hf._qualified_name(type(module)) in hf.FAMILIES}
+              if hf.family_of(module) is not None}
     report = hf.patch(model)
     num_blocks, num_shared, num_converted = EXPECTED[family]
     assert report.patched == sorted(before) and len(before) == num_blocks
@@ -162,14 +162,14 @@ def test_report_and_weight_sharing(family):
         assert type(model.model.layers[0].mlp).__name__ == "DeepseekV3MLP"
     # Patched before transformers installed its output hooks: they find the routers.
     with torch.no_grad():
-        router_logits = model(_ids(), output_router_logits=True).get("router_logits")
+        router_logits = model(token_ids(), output_router_logits=True).get("router_logits")
     assert router_logits is None or len(router_logits) == num_blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generate_matches_original(family):
     model = make_model(family)
-    ids = _ids(batch=1, seq=6)
+    ids = token_ids(batch=1, seq=6)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
         hf.patch(model)
@@ -185,7 +185,7 @@ def test_bf16_matches_original(family):
     accumulate in fp32). Whole models stay close on average, but a near tie that
     rounds the other way in a later layer can route one token differently."""
     model = make_model(family, dtype=torch.bfloat16)
-    ids = _ids()
+    ids = token_ids()
     name = "model.layers.1.mlp"
     original = copy.deepcopy(model.get_submodule(name))
     x_BSH = torch.randn(2, 7, COMMON["hidden_size"], dtype=torch.bfloat16)
@@ -205,11 +205,37 @@ def test_bf16_matches_original(family):
     assert mean_error <= 0.02 * want_logits.abs().mean()
 
 
+@pytest.mark.parametrize("family, dtype", [*((family, torch.float32) for family in FAMILIES),
+                                           ("deepseek_v3", torch.bfloat16)])
+def test_router_ignores_autocast(family, dtype):
+    """Under autocast the patched router computes the logits as transformers does
+    without it (in the router weight's dtype; DeepSeek-V3 in fp32): autocast does
+    not round them to bf16, so it cannot change which experts a token goes to."""
+    model = make_model(family, dtype=dtype)
+    name = "model.layers.1.mlp"
+    router_name = hf.family_of(model.get_submodule(name)).router
+    original = copy.deepcopy(getattr(model.get_submodule(name), router_name))
+    hf.patch(model)
+    router = getattr(model.get_submodule(name), router_name)
+    generator = torch.Generator().manual_seed(2)
+    # Many tokens: some have near ties between experts that bf16 logits would flip.
+    x_TH = torch.randn(512, COMMON["hidden_size"], generator=generator).to(dtype)
+    with torch.no_grad():
+        want_logits_TE = original(x_TH)[0]
+        want = router(x_TH)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got_logits_TE, got_weights_TK, got_ids_TK = router(x_TH)
+    assert got_logits_TE.dtype == (torch.float32 if family == "deepseek_v3" else dtype)
+    torch.testing.assert_close(got_logits_TE, want_logits_TE, rtol=0, atol=0)
+    torch.testing.assert_close(got_ids_TK, want[2], rtol=0, atol=0)
+    torch.testing.assert_close(got_weights_TK, want[1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", CANONICAL)
 def test_gradients_match_original(family):
     model = make_model(family).train()
     original = copy.deepcopy(model)
-    ids = _ids()
+    ids = token_ids()
     original(ids, labels=ids).loss.backward()
     hf.patch(model)
     model(ids, labels=ids).loss.backward()
@@ -225,16 +251,16 @@ def test_converted_blocks_refuse_to_train():
     hf.patch(model)
     model.train()
     with pytest.raises(RuntimeError, match="gradients would not reach"):
-        model(_ids())
+        model(token_ids())
     with torch.no_grad():
-        model(_ids())
+        model(token_ids())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_compiles_whole(family):
     model = make_model(family)
     hf.patch(model)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(ids)
         assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -262,7 +288,7 @@ def test_token_count_compiles_once(family):
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with torch.no_grad():
         for seq in (2, 7, 30, 5):
-            ids = _ids(seq=seq)
+            ids = token_ids(seq=seq)
             torch._dynamo.mark_dynamic(ids, 1)
             torch.testing.assert_close(compiled(ids, use_cache=False).logits,
                                        model(ids, use_cache=False).logits, **FP32_TOL)
@@ -274,7 +300,7 @@ def test_patched_model_pickles(tmp_path):
     hf.patch(model)
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     assert isinstance(loaded.model.layers[1].mlp.gate, hf.RoutedRouter)
@@ -283,7 +309,7 @@ def test_patched_model_pickles(tmp_path):
 @pytest.mark.parametrize("family", CANONICAL)
 def test_experts_implementation(family):
     model = make_model(family)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         want = model(ids).logits
         model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
@@ -298,7 +324,7 @@ def test_experts_implementation_compiles_whole():
     model = make_model("qwen2_moe")
     model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
     with torch.no_grad():
-        explanation = torch._dynamo.explain(model)(_ids())
+        explanation = torch._dynamo.explain(model)(token_ids())
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
@@ -309,7 +335,7 @@ def test_from_pretrained_experts_implementation(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, experts_implementation=hf.EXPERTS_IMPLEMENTATION).eval()
     assert loaded.config._experts_implementation == hf.EXPERTS_IMPLEMENTATION
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, **FP32_TOL)
 
@@ -318,7 +344,7 @@ def test_experts_implementation_rejects_other_layouts():
     model = make_model("gpt_oss")
     model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
     with pytest.raises(ValueError, match=r"is_concatenated=True.*hf.patch"), torch.no_grad():
-        model(_ids())
+        model(token_ids())
 
 
 def test_unsupported_activation_is_skipped_with_reason():
@@ -333,7 +359,7 @@ def test_patch_twice_and_bad_input():
     model = make_model("olmoe")
     hf.patch(model)
     again = hf.patch(model)
-    assert again.patched == []
+    assert again.patched == [] and again.refreshed == ()  # nothing converted to refresh
     assert set(again.skipped.values()) == {"already patched"}
     with pytest.raises(TypeError, match="torch.nn.Module"):
         hf.patch("olmoe")

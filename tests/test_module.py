@@ -1,18 +1,18 @@
-"""`torch_moe_ops.MoE` against a dense fp64 formula of the whole block.
+"""`torch_moe_ops.MoE` against an fp64 formula of the whole block (`formulas`).
 
 Legend: B batch, S sequence, T = B*S tokens, H hidden size, I expert intermediate
-size, E experts, K experts per token, G expert groups.
+size, E experts, K experts per token.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
 import torch
 
 import torch_moe_ops as tmo
+from formulas import experts_formula, gated_mlp_formula, route_formula, sigmoid_formula
 
 CONFIGS = {
     "mixtral": tmo.MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2,
@@ -42,66 +42,25 @@ def make_moe(name: str, generator: torch.Generator) -> tmo.MoE:
     return moe
 
 
-def dense_routing_formula(x_TH, moe: tmo.MoE):
-    """fp64 routing weights per expert ``[T, E]`` (0 for experts not chosen)."""
+def moe_formula(x_TH, moe: tmo.MoE):
+    """The block in fp64: the routing and the experts of `formulas`, plus the shared
+    experts (gated by ``sigmoid(x @ gate.T)`` where the config asks)."""
     cfg = moe.cfg
-    logits_TE = x_TH @ moe.gate.weight.double().t()
+    x_TH = x_TH.double()
+    logits_TE = x_TH @ moe.gate.weight.double().T
     if moe.gate.bias is not None:
         logits_TE = logits_TE + moe.gate.bias.double()
-    if cfg.scoring == "topk_softmax":
-        chosen_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter(
-            1, logits_TE.topk(cfg.top_k).indices, True)
-        masked_TE = logits_TE.masked_fill(~chosen_TE, -math.inf)
-        return torch.softmax(masked_TE, dim=-1) * cfg.routed_scaling_factor
-    scores_TE = torch.softmax(logits_TE, -1) if cfg.scoring == "softmax" else logits_TE.sigmoid()
-    choice_TE = scores_TE.detach()
-    if moe.e_score_correction_bias is not None:
-        choice_TE = choice_TE + moe.e_score_correction_bias.double()
-    num_tokens, G = choice_TE.shape[0], cfg.num_expert_groups
-    choice_TGS = choice_TE.view(num_tokens, G, -1)
-    group_scores_TG = choice_TGS.topk(2, dim=-1).values.sum(-1)
-    kept_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter(
-        1, group_scores_TG.topk(cfg.topk_groups, dim=-1).indices, True)
-    choice_TE = choice_TGS.masked_fill(~kept_TG.unsqueeze(-1), -math.inf).view(num_tokens, -1)
-    chosen_TE = torch.zeros_like(choice_TE, dtype=torch.bool).scatter(
-        1, choice_TE.topk(cfg.top_k).indices, True)
-    weights_TE = scores_TE * chosen_TE
-    if cfg.renormalize:
-        weights_TE = weights_TE / weights_TE.sum(-1, keepdim=True)
-    return weights_TE * cfg.routed_scaling_factor
-
-
-def gated_mlp_formula(x_TH, w13_FH, w2_HI, b13_F, b2_H, cfg):
-    h_TF = x_TH @ w13_FH.double().t()
-    if b13_F is not None:
-        h_TF = h_TF + b13_F.double()
-    gate_TI, up_TI = h_TF.chunk(2, dim=-1)
-    if cfg.activation == "silu":
-        a_TI = torch.nn.functional.silu(gate_TI) * up_TI
-    elif cfg.activation == "gelu":
-        a_TI = torch.nn.functional.gelu(gate_TI) * up_TI
-    else:
-        gate_TI = gate_TI.clamp(max=cfg.swiglu_limit)
-        up_TI = up_TI.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
-        a_TI = (up_TI + 1) * gate_TI * torch.sigmoid(cfg.swiglu_alpha * gate_TI)
-    y_TH = a_TI @ w2_HI.double().t()
-    return y_TH if b2_H is None else y_TH + b2_H.double()
-
-
-def moe_formula(x_TH, moe: tmo.MoE):
-    """The block in fp64, dense over experts: sum_e weight[t, e] * expert_e(x[t]) + shared."""
-    x_TH = x_TH.double()
-    weights_TE = dense_routing_formula(x_TH, moe)
-    out_TH = torch.zeros_like(x_TH)
-    for e in range(moe.cfg.num_experts):
-        out_TH = out_TH + weights_TE[:, e:e + 1] * gated_mlp_formula(
-            x_TH, moe.w13[e], moe.w2[e], None if moe.b13 is None else moe.b13[e],
-            None if moe.b2 is None else moe.b2[e], moe.cfg)
+    weights_TK, ids_TK = route_formula(logits_TE, moe.e_score_correction_bias, cfg.top_k,
+                                       cfg.scoring, cfg.renormalize, cfg.num_expert_groups,
+                                       cfg.topk_groups, cfg.routed_scaling_factor)
+    out_TH = experts_formula(x_TH, weights_TK, ids_TK, moe.w13, moe.w2, moe.b13, moe.b2,
+                             cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
     shared = moe.shared_experts
     if shared is not None:
-        y_TH = gated_mlp_formula(x_TH, shared.w13, shared.w2, None, None, moe.cfg)
+        y_TH = gated_mlp_formula(x_TH, shared.w13, shared.w2, None, None, cfg.activation,
+                                 cfg.swiglu_alpha, cfg.swiglu_limit)
         if shared.gate is not None:
-            y_TH = torch.sigmoid(x_TH @ shared.gate.weight.double().t()) * y_TH
+            y_TH = sigmoid_formula(x_TH @ shared.gate.weight.double().T) * y_TH
         out_TH = out_TH + y_TH
     return out_TH
 
@@ -156,9 +115,13 @@ def test_moe_low_precision_output_dtype(dtype, generator, assert_close_for_dtype
     assert_close_for_dtype(y_TH, moe_formula(x_TH, moe), dtype)
 
 
-def test_moe_to_bf16_with_correction_bias(generator):
+def test_moe_to_bf16_with_correction_bias(generator, assert_close_for_dtype):
+    # .to() casts the correction bias too; routing must still take it (as fp32).
     moe = make_moe("deepseek_v3_shared", generator).to(torch.bfloat16)
-    moe(torch.randn((4, 16), generator=generator).to(torch.bfloat16))
+    x_TH = torch.randn((4, 16), generator=generator).to(torch.bfloat16)
+    y_TH = moe(x_TH)
+    assert y_TH.dtype == torch.bfloat16
+    assert_close_for_dtype(y_TH, moe_formula(x_TH, moe), torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import pytest
 import torch
+
+import formulas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Routing:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
 
-    def op_args(self, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor]) -> tuple:
+    def op_args(self, logits_TE: torch.Tensor, bias_E: torch.Tensor | None) -> tuple:
         return (logits_TE, bias_E, self.top_k, self.scoring, self.renormalize,
                 self.num_expert_groups, self.topk_groups, self.routed_scaling_factor)
 
@@ -48,46 +49,9 @@ FAMILIES = {
 }
 
 
-def selection_formula(scores_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Chosen ids ``[T, K]`` (as a python loop over tokens): group-limited top-k.
-
-    A group's score is the sum of the two best selection scores in it; only the
-    ``topk_groups`` best groups stay eligible; then the ``top_k`` best eligible experts.
-    """
-    group_size = routing.num_experts // routing.num_expert_groups
-    chosen = []
-    for scores_E in scores_TE.tolist():
-        groups = [scores_E[g * group_size:(g + 1) * group_size]
-                  for g in range(routing.num_expert_groups)]
-        group_scores = [sum(sorted(group)[-2:]) for group in groups]
-        kept_groups = sorted(range(len(groups)), key=lambda g: -group_scores[g])
-        kept_groups = kept_groups[:routing.topk_groups]
-        eligible = [e for e in range(routing.num_experts) if e // group_size in kept_groups]
-        chosen.append(sorted(eligible, key=lambda e: -scores_E[e])[:routing.top_k])
-    return torch.tensor(chosen, dtype=torch.long).reshape(-1, routing.top_k)
-
-
-def route_formula(logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor], routing: Routing):
+def route_formula(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, routing: Routing):
     """fp64 weights ``[T, K]`` and ids ``[T, K]``; differentiable in ``logits_TE``."""
-    logits_TE = logits_TE.double()
-    if routing.scoring == "topk_softmax":
-        ids_TK = selection_formula(logits_TE.detach(), routing)
-        # GPT-OSS: softmax over the K chosen logits only.
-        chosen_TK = logits_TE.gather(1, ids_TK)
-        weights_TK = chosen_TK.exp() / chosen_TK.exp().sum(-1, keepdim=True)
-    else:
-        if routing.scoring == "softmax":
-            scores_TE = logits_TE.exp() / logits_TE.exp().sum(-1, keepdim=True)
-        else:
-            scores_TE = 1 / (1 + torch.exp(-logits_TE))
-        selection_TE = scores_TE.detach()
-        if bias_E is not None:
-            selection_TE = selection_TE + bias_E.double()  # steers the choice only
-        ids_TK = selection_formula(selection_TE, routing)
-        weights_TK = scores_TE.gather(1, ids_TK)
-        if routing.renormalize:
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-    return weights_TK * routing.routed_scaling_factor, ids_TK
+    return formulas.route_formula(*routing.op_args(logits_TE, bias_E))
 
 
 def make_logits(routing: Routing, num_tokens: int, generator: torch.Generator,

@@ -4,57 +4,36 @@ Legend: T tokens, H hidden size, I expert intermediate size, E experts,
 K experts per token, R rows.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors
-(``TRITON_INTERPRET=1``, set here before Triton is imported), with tiny shapes
-and fp16/fp32 only: the interpreter mishandles bf16. ``gpu`` tests add bf16,
-larger shapes and CUDA-graph capture.
+(``TRITON_INTERPRET=1``, set by conftest.py before Triton is imported), with tiny
+shapes and fp16/fp32 only: the interpreter mishandles bf16. ``gpu`` tests add
+bf16, larger shapes and CUDA-graph capture.
 """
 
 import dataclasses
 import json
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from formulas import experts_formula
+from torch_moe_ops.backends.common import TRITON_INSTALLED
 
-from torch_moe_ops.backends.triton import align, configs, fused, kernels  # noqa: E402
+if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
+    from torch_moe_ops.backends.triton import align, configs, fused
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(kernels.moe_gate_up_act_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported before TRITON_INTERPRET=1 was set",
-                    allow_module_level=True)
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 # swiglu_limit=1 makes the clamps bite on O(1) pre-activations.
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 1.0
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4),
-             torch.float16: dict(atol=1e-2, rtol=1e-2),
-             torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
-INT_POISON = -777
+TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+             torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+             torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
+# A valid tiled-kernel config.
+TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4,
+         "num_stages": 3}
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every buffer the kernels allocate starts as NaN (floats) or INT_POISON (ints),
-    so a row the kernels forget to write shows up."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(math.nan if t.is_floating_point() else INT_POISON)
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 @pytest.fixture(params=["direct", "tiled"])
@@ -65,33 +44,10 @@ def kernel_path(request, monkeypatch):
     return request.param
 
 
-def activation(gate, up, name):
-    if name == "silu":
-        return torch.nn.functional.silu(gate) * up
-    if name == "gelu":
-        return torch.nn.functional.gelu(gate) * up
-    gate = gate.clamp(max=SWIGLU_LIMIT)
-    up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-    return (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
-
-
 def formula(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, name):
-    """The MoE written out token by token in fp64 on the CPU."""
-    hidden_TH, topk_weights_TK, w13_EFH, w2_EHI = (
-        t.double().cpu() for t in (hidden_TH, topk_weights_TK, w13_EFH, w2_EHI))
-    b13_EF = None if b13_EF is None else b13_EF.double().cpu()
-    b2_EH = None if b2_EH is None else b2_EH.double().cpu()
-    inter_size = w2_EHI.shape[2]
-    out_TH = torch.zeros_like(hidden_TH)
-    for t, ids in enumerate(topk_ids_TK.tolist()):
-        for k, e in enumerate(ids):
-            if e < 0:
-                continue
-            gate_up = w13_EFH[e] @ hidden_TH[t] + (0 if b13_EF is None else b13_EF[e])
-            y = (w2_EHI[e] @ activation(gate_up[:inter_size], gate_up[inter_size:], name)
-                 + (0 if b2_EH is None else b2_EH[e]))
-            out_TH[t] += topk_weights_TK[t, k] * y
-    return out_TH
+    """The MoE written out token by token in fp64 on the CPU, at this file's swiglu constants."""
+    return experts_formula(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF,
+                           b2_EH, name, SWIGLU_ALPHA, SWIGLU_LIMIT)
 
 
 def make_experts(E, H, I, dtype, bias, seed=0):
@@ -278,16 +234,14 @@ def test_fused_experts_rows_all_skipped(poisoned_empty, kernel_path):
 def test_config_lookup(tmp_path):
     entries_file = tmp_path / configs.config_file_name(8, 64, 128, torch.bfloat16, "X")
     assert entries_file.name == "E=8,N=64,K=128,dtype=bfloat16,device=X.json"
-    small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
-    large = dict(small, BLOCK_M=64)
-    entries_file.write_text(json.dumps({"64": large, "1": small}))
+    entries_file.write_text(json.dumps({"64": dict(TILES, BLOCK_M=64), "1": TILES}))
     entries = configs.load_config_file(entries_file)
     assert [m for m, _ in entries] == [1, 64]
     assert configs.pick_entry(entries, 1).BLOCK_M == 16
     assert configs.pick_entry(entries, 63).BLOCK_M == 16
     assert configs.pick_entry(entries, 1000).BLOCK_M == 64
     assert configs.load_config_file(tmp_path / "missing.json") is None
-    entries_file.write_text(json.dumps({"1": dict(small, BLOCK_N=48)}))
+    entries_file.write_text(json.dumps({"1": dict(TILES, BLOCK_N=48)}))
     with pytest.raises(ValueError, match="BLOCK_N"):
         configs.load_config_file(entries_file)
 
@@ -305,9 +259,8 @@ def test_config_defaults_and_shipped_files():
 @pytest.mark.parametrize("field,value", [("BLOCK_M", 8), ("BLOCK_K", 48), ("num_warps", 0),
                                          ("path", "fused"), ("BLOCK_N", 8)])
 def test_kernel_config_rejects_bad_values(field, value):
-    good = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
     with pytest.raises(ValueError, match=field):
-        configs.KernelConfig(**dict(good, **{field: value}))
+        configs.KernelConfig(**dict(TILES, **{field: value}))
 
 
 def test_direct_config_takes_narrow_tiles():
@@ -334,9 +287,8 @@ def test_file_entry_without_path_gets_the_default(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs._tuned_entries.cache_clear()
     configs.get_config.cache_clear()
-    entry = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
     (tmp_path / configs.config_file_name(8, 64, 128, torch.float16, "X")).write_text(
-        json.dumps({"1": entry, "64": dict(entry, path="direct")}))
+        json.dumps({"1": TILES, "64": dict(TILES, path="direct")}))
     try:
         assert configs.get_config(8, 64, 128, torch.float16, 1, 2, "X").path == "direct"
         assert configs.get_config(8, 64, 128, torch.float16, 63, 2, "X").path == "tiled"
@@ -358,7 +310,6 @@ def test_grouped_mm_config_falls_back_to_tiled_where_it_cannot_run(monkeypatch):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("T", [1, 7, 333, 2048])
 @pytest.mark.parametrize("name", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -369,7 +320,6 @@ def test_fused_experts_gpu(T, name, dtype, kernel_path):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_experts_rows_gpu(dtype, kernel_path):
     y_RH, expected_RH, expert_R = rows_case([70, 0, 3, 200, 1], 50, dtype, "swiglu_oai",
@@ -379,7 +329,6 @@ def test_fused_experts_rows_gpu(dtype, kernel_path):
 
 
 @gpu
-@needs_cuda
 def test_fused_experts_cuda_graph(kernel_path):
     w13_EFH, w2_EHI, b13_EF, b2_EH = make_experts(16, 256, 128, torch.bfloat16, bias=True)
     topk_weights_TK, topk_ids_TK = make_routing(64, 16, 4, torch.int32, seed=1)

@@ -8,14 +8,15 @@ fields reach the custom ops as compile-time constants, never as graph inputs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
 
 import torch
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
-EXPERTS_BACKEND_NAMES = ("auto", "reference", "triton", "grouped_mm", "flashinfer")
+EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "flashinfer")
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
+FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")
 # Dispatch in another dtype than the activations (fp8) and quantized experts have
 # no kernel yet; the fields exist so that specs written today keep their meaning.
 DISPATCH_DTYPES = (None,)
@@ -49,9 +50,12 @@ class MoEConfig:
       ``s + correction_bias`` (if ``correction_bias``), the weights are the unbiased
       ``s[ids]``, renormalized if asked (DeepSeek-V3).
 
-    With ``num_expert_groups > 1`` selection is group-limited: a group's score is
-    the sum of its two best selection scores, only the ``topk_groups`` best groups
-    stay eligible. Every family ends with ``w *= routed_scaling_factor``.
+    With ``num_expert_groups > 1`` selection is group-limited in every family: a
+    group's score is the sum of its two best selection scores (``p``, the raw
+    ``logits`` for ``"topk_softmax"``, ``s + correction_bias``), only the
+    ``topk_groups`` best groups stay eligible, and ``top_k`` experts are chosen
+    among theirs; the weights follow from the chosen experts as above. Every
+    family ends with ``w *= routed_scaling_factor``.
 
     Experts compute ``act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]`` where
     ``w13 [E, 2I, H]`` holds the gate rows then the up rows and ``act`` is
@@ -112,10 +116,12 @@ class MoEConfig:
                       f"<= topk_groups * experts per group ({self.topk_groups * group_size})")
         if self.correction_bias and self.scoring != "sigmoid":
             _fail("correction_bias", self.correction_bias, "False unless scoring='sigmoid'")
-        for field in ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit"):
+        for field in FLOAT_FIELDS:
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 _fail(field, value, "a positive float")
+            if not math.isfinite(value):
+                _fail(field, value, "a finite float")
         size = self.shared_expert_intermediate_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             _fail("shared_expert_intermediate_size", size, "an int >= 0 (0 means none)")
@@ -124,6 +130,22 @@ class MoEConfig:
                   "False when there is no shared expert (shared_expert_intermediate_size=0)")
         if self.num_experts % self.ep_size:
             _fail("ep_size", self.ep_size, f"a divisor of num_experts ({self.num_experts})")
+        # Not a field: equality, hashing, repr and dataclasses.replace ignore it.
+        object.__setattr__(self, "_float_text",
+                           {field: repr(float(getattr(self, field))) for field in FLOAT_FIELDS})
+
+    def static_float(self, field: str) -> float:
+        """The float field ``field`` (one of `FLOAT_FIELDS`), read so that
+        ``torch.compile`` keeps it a compile-time constant.
+
+        Dynamo makes a float attribute that forward reads a graph input once shapes
+        are dynamic (``dynamic=True``, or after the value changed between calls):
+        the op then receives ``.item()`` of a tensor and Dynamo restarts its
+        analysis. A string is always a constant to Dynamo, guarded by value, and
+        ``float()`` of a constant is folded while tracing: the value reaches the op
+        as a literal, and equal configs share one graph.
+        """
+        return float(self._float_text[field])
 
     @property
     def num_local_experts(self) -> int:
@@ -141,8 +163,8 @@ class BackendSpec:
 
     experts: str = "auto"
     a2a: str = "none"
-    dispatch_dtype: Optional[torch.dtype] = None
-    quant: Optional[str] = None
+    dispatch_dtype: torch.dtype | None = None
+    quant: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES)

@@ -6,16 +6,26 @@ intermediate size, E experts, K experts per token.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
-from torch_moe_ops.backends.reference import activation
+from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.config import MoEConfig
+
+
+def without_autocast(device_type: str):
+    """A context that turns autocast off on ``device_type`` where it is on (the
+    router: under autocast its GEMM runs in low precision and tokens pick other
+    experts). Where autocast is off it does nothing, so a traced graph shows no
+    autocast nodes. The meta device is not asked: autocast does not know it and raises."""
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class SharedExperts(nn.Module):
@@ -37,6 +47,8 @@ class SharedExperts(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.w13, a=math.sqrt(5))
         nn.init.kaiming_uniform_(self.w2, a=math.sqrt(5))
+        if self.gate is not None:
+            self.gate.reset_parameters()
 
     def extra_repr(self) -> str:
         return (f"intermediate={self.cfg.shared_expert_intermediate_size}, "
@@ -45,8 +57,9 @@ class SharedExperts(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         gate_TS, up_TS = F.linear(x_TH, self.w13).chunk(2, dim=-1)
         cfg = self.cfg
-        y_TH = F.linear(activation(gate_TS, up_TS, cfg.activation, cfg.swiglu_alpha,
-                                   cfg.swiglu_limit), self.w2)
+        y_TH = F.linear(activation(gate_TS, up_TS, cfg.activation,
+                                   cfg.static_float("swiglu_alpha"),
+                                   cfg.static_float("swiglu_limit")), self.w2)
         if self.gate is not None:
             y_TH = torch.sigmoid(self.gate(x_TH)) * y_TH
         return y_TH
@@ -55,11 +68,12 @@ class SharedExperts(nn.Module):
 class MoE(nn.Module):
     """A Mixture-of-Experts block: router, routed experts, optional shared experts.
 
-    ``forward(x [..., H]) -> [..., H]`` in ``x``'s dtype. The router runs in fp32
-    (``gate.weight [E, H]``, optional ``gate.bias [E]``, and for sigmoid scoring
-    with ``correction_bias`` an fp32 buffer ``e_score_correction_bias [E]`` that
-    only steers selection). Expert weights are canonical: ``w13 [E, 2I, H]`` (gate
-    rows then up rows), ``w2 [E, H, I]``, optional ``b13 [E, 2I]``, ``b2 [E, H]``.
+    ``forward(x [..., H]) -> [..., H]`` in ``x``'s dtype. The router runs in fp32,
+    under autocast too (``gate.weight [E, H]``, optional ``gate.bias [E]``, and for
+    sigmoid scoring with ``correction_bias`` an fp32 buffer
+    ``e_score_correction_bias [E]`` that only steers selection). Expert weights are
+    canonical: ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``,
+    optional ``b13 [E, 2I]``, ``b2 [E, H]``.
 
     The block calls the generic ops ``moe::route`` and ``moe::experts`` only, so
     the kernels are chosen when the model is compiled
@@ -85,19 +99,26 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, **factory))
         self.b13 = (nn.Parameter(torch.empty(num_experts, 2 * inter, **factory))
                     if cfg.expert_bias else None)
-        self.b2 = nn.Parameter(torch.empty(num_experts, hidden, **factory)) if cfg.expert_bias else None
+        self.b2 = (nn.Parameter(torch.empty(num_experts, hidden, **factory))
+                   if cfg.expert_bias else None)
         self.shared_experts = (SharedExperts(cfg, **factory)
                                if cfg.shared_expert_intermediate_size else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Initialise everything the block holds, submodules included: after
+        ``to_empty`` (deferred initialisation from the meta device) this alone
+        leaves no tensor holding uninitialised memory."""
+        self.gate.reset_parameters()
         # Same scale as nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
         for weight, fan_in in ((self.w13, self.cfg.hidden_size),
                                (self.w2, self.cfg.intermediate_size)):
             nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
-        for bias in (self.b13, self.b2):
+        for bias in (self.b13, self.b2, self.e_score_correction_bias):
             if bias is not None:
                 nn.init.zeros_(bias)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
 
     def route(self, x_TH: torch.Tensor):
         """Router logits [T, E] (fp32), top-k weights [T, K] (fp32) and ids [T, K] (int32)."""
@@ -107,10 +128,11 @@ class MoE(nn.Module):
         # selection as the checkpoint meant.
         correction_E = (None if self.e_score_correction_bias is None
                         else self.e_score_correction_bias.float())
-        logits_TE = F.linear(x_TH.float(), self.gate.weight.float(), bias_E)
+        with without_autocast(x_TH.device.type):
+            logits_TE = F.linear(x_TH.float(), self.gate.weight.float(), bias_E)
         topk_weights_TK, topk_ids_TK = torch.ops.moe.route(
             logits_TE, correction_E, cfg.top_k, cfg.scoring, cfg.renormalize,
-            cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
+            cfg.num_expert_groups, cfg.topk_groups, cfg.static_float("routed_scaling_factor"))
         return logits_TE, topk_weights_TK, topk_ids_TK
 
     def experts(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -118,8 +140,9 @@ class MoE(nn.Module):
         """The routed experts alone: ``[T, H]`` from tokens and their routing."""
         cfg = self.cfg
         return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, self.w13, self.w2,
-                                     self.b13, self.b2, cfg.activation, cfg.swiglu_alpha,
-                                     cfg.swiglu_limit)
+                                     self.b13, self.b2, cfg.activation,
+                                     cfg.static_float("swiglu_alpha"),
+                                     cfg.static_float("swiglu_limit"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.cfg.hidden_size:

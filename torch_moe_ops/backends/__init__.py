@@ -3,15 +3,35 @@
 Importing this package registers every backend and installs the eager kernels
 of the generic ``moe::*`` ops, which forward to the default backend of the
 input's device (the one ``experts="auto"``, ``a2a="none"`` resolves to).
+
+Experts backends, highest ``auto`` priority first (each runs where its
+``supports`` says; `available_backends()` prints what runs here and why not):
+
+- ``triton`` (`triton`): fused Triton kernels, CUDA.
+- ``grouped_mm`` (`grouped_mm`): ``torch._grouped_mm`` with Triton epilogues, bf16 on sm90+.
+- ``cpu`` (`cpu`): the chosen experts only, on the CPU; the CPU default.
+- ``reference`` (`reference`): dense plain PyTorch, any device; the correctness oracle.
+
+The gradient of every experts backend runs on the reference backend. The a2a
+backend ``none`` (`local`) sorts and combines rows on one device. What several
+backends run (the sort by expert, activations, Triton epilogues, the grouped-GEMM
+path) lives in `common`; backends never import each other.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends import grouped_mm, local, reference, triton  # noqa: F401  (they register themselves)
-from torch_moe_ops.backends.registry import (A2A_OPS, BACKWARD_NAMESPACE, EXPERTS_OPS,
-                                             REGISTRY, ROUTE_NAMESPACE, BackendTable)
+# Each backend registers itself on import.
+from torch_moe_ops.backends import cpu, grouped_mm, local, reference, triton  # noqa: F401
+from torch_moe_ops.backends.registry import (
+    A2A_OPS,
+    BACKWARD_NAMESPACE,
+    EXPERTS_OPS,
+    REGISTRY,
+    ROUTE_NAMESPACE,
+    BackendTable,
+)
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
 from torch_moe_ops.ops.library import implement

@@ -1,104 +1,29 @@
 """The ``grouped_mm`` experts backend: ``torch._grouped_mm`` on rows sorted by expert.
 
-Legend: T tokens, H hidden size, I expert intermediate size, E experts,
-K experts per token, R = T * K rows.
-
-Rows are sorted by expert on the device (a stable sort, no host sync), each
-expert's rows multiply its weights in one grouped GEMM per projection, and
-between and after the GEMMs one Triton kernel each adds the bias and applies
-the activation, then gathers each token's K rows back, weighted, in slot order
-(deterministic). ``torch._grouped_mm`` only runs without a host sync for bf16
-on sm90+; elsewhere it loops on the host, which a CUDA graph cannot capture:
-`supports` says so. Weights are used in the canonical layout
-(``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
+The computation is `common.grouped_gemm` (shared with the ``triton`` backend,
+which hands prefill-sized calls to it): a stable device-side sort by expert, one
+grouped GEMM per projection, Triton epilogues for the bias, the activation and
+the weighted gather. Runs without a host sync only for bf16 on sm90+; weights
+are used in the canonical layout (``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from torch_moe_ops.backends import triton as triton_backend
-from torch_moe_ops.backends.local import sort_rows
+from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_gemm
+from torch_moe_ops.backends.common.launch import static_shapes_on_cuda, traced
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
-from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 
 NAMESPACE = "moe_grouped_mm"
-# torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
-ALIGNMENT = 8
-if triton_backend.INSTALLED:
-    from torch_moe_ops.backends.triton.epilogues import bias_act_rows, gather_weighted_sum
 
-
-def aligned(hidden: int, intermediate: int) -> bool:
-    return not (hidden % ALIGNMENT or intermediate % ALIGNMENT)
-
-
-def _check_alignment(w13_EFH: torch.Tensor) -> None:
-    hidden, intermediate = w13_EFH.shape[2], w13_EFH.shape[1] // 2
-    if not aligned(hidden, intermediate):
-        raise ValueError(f"experts backend 'grouped_mm' needs H and I divisible by "
-                         f"{ALIGNMENT}, got H={hidden}, I={intermediate}")
-
-
-def _grouped_gemms(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha, limit):
-    """``y_RH [R, H]`` before ``b2``; rows past the counted ones hold garbage."""
-    ends_E = torch.cumsum(count_E, 0, dtype=torch.int32)
-    h_RF = torch._grouped_mm(x_RH, w13_EFH.transpose(-2, -1), offs=ends_E)
-    a_RI = bias_act_rows(h_RF, b13_EF, expert_R, act, alpha, limit)
-    return torch._grouped_mm(a_RI, w2_EHI.transpose(-2, -1), offs=ends_E)
-
-
-def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, alpha, limit):
-    """``y_RH [R, H]``: each row through its expert; rows of expert -1 are 0."""
-    _check_alignment(w13_EFH)
-    num_rows = x_RH.shape[0]
-    if num_rows == 0:
-        return torch.empty_like(x_RH, memory_format=torch.contiguous_format)
-    y_RH = _grouped_gemms(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha, limit)
-    # One "slot" per row with weight 1: adds b2 and zeroes the skipped rows.
-    rows_R = torch.arange(num_rows, dtype=torch.int32, device=x_RH.device)
-    ones_R1 = torch.ones((num_rows, 1), dtype=torch.float32, device=x_RH.device)
-    return gather_weighted_sum(y_RH, rows_R, ones_R1, expert_R.view(-1, 1), b2_EH)
-
-
-def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
-            alpha, limit):
-    _check_alignment(w13_EFH)
-    num_tokens, top_k = topk_ids_TK.shape
-    if num_tokens == 0:
-        return torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
-    order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, w13_EFH.shape[0])
-    x_RH = hidden_TH[order_R // top_k]
-    y_RH = _grouped_gemms(x_RH, sorted_ids_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha,
-                          limit)
-    row_of_slot_S = torch.empty_like(order_R, dtype=torch.int32)
-    row_of_slot_S[order_R] = torch.arange(order_R.numel(), dtype=torch.int32,
-                                          device=order_R.device)
-    return gather_weighted_sum(y_RH, row_of_slot_S, topk_weights_TK, topk_ids_TK, b2_EH)
-
-
-def supports(spec, cfg, device, dtype) -> Optional[str]:
-    if not triton_backend.INSTALLED:
-        return "its activation and gather kernels need triton (pip install triton)"
-    if device.type != "cuda":
-        return f"needs a CUDA GPU of sm90 or newer, got device {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return (f"needs sm90 or newer (torch._grouped_mm loops on the host before), "
-                f"got sm{major}{minor}")
-    if dtype != torch.bfloat16:
-        return f"needs bfloat16 (other dtypes loop on the host), got {dtype}"
-    if cfg is not None and not aligned(cfg.hidden_size, cfg.intermediate_size):
-        return (f"needs hidden_size and intermediate_size divisible by {ALIGNMENT}, got "
-                f"{cfg.hidden_size} and {cfg.intermediate_size}")
-    return None
-
-
-if triton_backend.INSTALLED:
-    define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows})
+if TRITON_INSTALLED:
+    define_backend_ops(NAMESPACE, {"experts": grouped_gemm.experts,
+                                   "experts_rows": grouped_gemm.experts_rows})
+    # Compiled with fixed sizes, Inductor fuses the sort and launches the epilogues itself.
+    decompose_backend_ops(NAMESPACE, {"experts": traced(grouped_gemm.experts),
+                                      "experts_rows": traced(grouped_gemm.experts_rows)},
+                          static_shapes_on_cuda)
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="grouped_mm", namespace=NAMESPACE, layout="rows", supports=supports, priority=10,
-    description="torch._grouped_mm on rows sorted by expert (bf16, sm90+)"))
+    name="grouped_mm", namespace=NAMESPACE, layout="rows", supports=grouped_gemm.supports,
+    priority=10, description="torch._grouped_mm on rows sorted by expert (bf16, sm90+)"))

@@ -2,35 +2,20 @@
 
 Legend: T tokens, H hidden size, K experts per token, E experts, R = T * K rows.
 
-Dispatch sorts the T*K (token, slot) pairs by expert with a stable sort, so rows
-of one expert keep token order and the result is deterministic; skipped slots
-(id -1) sort last. Everything is sized by T and K alone: no host sync.
+Dispatch sorts the T*K (token, slot) pairs by expert with a stable sort
+(`common.sorting`), so rows of one expert keep token order and the result is
+deterministic; skipped slots (id -1) sort last. Everything is sized by T and K alone: no host sync.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
+from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_local"
-
-
-def sort_rows(topk_ids_TK: torch.Tensor, num_experts: int):
-    """Group the T*K (token, slot) pairs by expert, skipped slots last.
-
-    Returns ``order_R`` (int64: row r holds flattened slot ``order_R[r]``),
-    ``sorted_ids_R`` (int64, -1 for skipped rows) and ``count_E`` (int32).
-    """
-    ids_R = topk_ids_TK.reshape(-1).long()
-    sort_key_R = torch.where(ids_R < 0, num_experts, ids_R)
-    order_R = torch.sort(sort_key_R, stable=True).indices
-    count_X = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids_TK.device)
-    count_X.scatter_add_(0, sort_key_R, torch.ones_like(sort_key_R, dtype=torch.int32))
-    return order_R, ids_R[order_R], count_X[:num_experts]
 
 
 def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
@@ -51,7 +36,7 @@ def combine(y_RH, weight_R, src_R, num_tokens):
     return out_TH.to(y_RH.dtype)
 
 
-def supports(spec, cfg, device, dtype) -> Optional[str]:
+def supports(spec, cfg, device, dtype) -> str | None:
     if cfg is not None and cfg.ep_size != 1:
         return f"a2a 'none' runs one device, the config has ep_size={cfg.ep_size}"
     return None

@@ -1,48 +1,61 @@
 """The ``reference`` backend: plain PyTorch, static shapes, the oracle for every other backend.
 
-Legend: T tokens, H hidden size, I expert intermediate size, E experts,
-K experts per token, R rows.
+Legend: T tokens, H hidden size, I expert intermediate size, F = 2*I, E experts,
+K experts per token, R rows, G expert groups, S experts per group, J kept groups.
 
-Everything is computed in fp32 and cast to the input dtype at the end. Experts
-run densely: each expert sees every token and the token's routing weight for
-that expert (0 when not chosen) scales the result. That costs E/K times the
-FLOPs of a sparse kernel but needs no data-dependent shapes, no host sync and
-no sort, so it is trivially right, and it runs on any device.
+Everything is computed in fp32, or in fp64 for fp64 inputs (the promotion of
+fp32 and the input dtype), and cast to the input dtype at the end. Experts run
+densely: each expert sees every token, and where the token did not choose it the
+result is dropped with `torch.where`, never multiplied by a weight of 0: an
+expert that no slot chose (weights pruned, not loaded yet, NaN) contributes
+nothing to the output or to any gradient, and gets exactly zero weight gradient,
+as the per-slot formula says. That costs E/K times the FLOPs of a sparse kernel
+but needs no data-dependent shapes, no host sync and no sort, so it is
+trivially right, and it runs on any device.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
-from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 
 NAMESPACE = "moe_reference"
 
 
-def route(router_logits_TE: torch.Tensor, correction_bias_E: Optional[torch.Tensor],
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when ``t`` is fp64."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def route(router_logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | None,
           top_k: int, scoring: str, renormalize: bool, num_expert_groups: int,
           topk_groups: int, routed_scaling_factor: float):
-    logits_TE = router_logits_TE.float()
+    logits_TE = router_logits_TE.to(compute_dtype(router_logits_TE))
     if scoring == "topk_softmax":
-        top_logits_TK, topk_ids_TK = torch.topk(logits_TE, top_k, dim=-1)
-        topk_weights_TK = torch.softmax(top_logits_TK, dim=-1)
+        scores_TE = logits_TE
+    elif scoring == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
     else:
-        scores_TE = torch.softmax(logits_TE, -1) if scoring == "softmax" else logits_TE.sigmoid()
-        choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E
-        if num_expert_groups > 1:
-            choice_TE = _mask_groups(choice_TE, num_expert_groups, topk_groups)
-        topk_ids_TK = torch.topk(choice_TE, top_k, dim=-1).indices
-        topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
-        if renormalize:
-            topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(-1, keepdim=True)
+        scores_TE = logits_TE.sigmoid()
+    choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E
+    if num_expert_groups > 1:
+        choice_TE = _mask_groups(choice_TE, num_expert_groups, topk_groups)
+    topk_ids_TK = torch.topk(choice_TE, top_k, dim=-1).indices
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if scoring == "topk_softmax":
+        # GPT-OSS: a softmax over the chosen logits only (it sums to 1 already).
+        topk_weights_TK = torch.softmax(topk_weights_TK, dim=-1)
+    elif renormalize:
+        topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(-1, keepdim=True)
     if routed_scaling_factor != 1.0:
         topk_weights_TK = topk_weights_TK * routed_scaling_factor
-    return topk_weights_TK, topk_ids_TK.to(torch.int32)
+    return topk_weights_TK.float(), topk_ids_TK.to(torch.int32)
 
 
 def _mask_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -53,17 +66,6 @@ def _mask_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> 
     top_groups_TJ = group_scores_TG.topk(topk_groups, dim=-1).indices
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, top_groups_TJ, True)
     return choice_TGS.masked_fill(~keep_TG.unsqueeze(-1), -math.inf).view(num_tokens, num_experts)
-
-
-def activation(gate_TI: torch.Tensor, up_TI: torch.Tensor, name: str, alpha: float,
-               limit: float) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(gate_TI) * up_TI
-    if name == "gelu":
-        return F.gelu(gate_TI) * up_TI
-    gate_TI = gate_TI.clamp(max=limit)
-    up_TI = up_TI.clamp(min=-limit, max=limit)
-    return (up_TI + 1) * gate_TI * torch.sigmoid(alpha * gate_TI)
 
 
 def activation_backward(grad_TI: torch.Tensor, gate_TI: torch.Tensor, up_TI: torch.Tensor,
@@ -87,26 +89,35 @@ def activation_backward(grad_TI: torch.Tensor, gate_TI: torch.Tensor, up_TI: tor
     return grad_TI * d_gate_TI, grad_TI * d_up_TI
 
 
-def _weights_per_expert(topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
-                        num_experts: int) -> torch.Tensor:
-    """Scatter top-k weights to ``[T, E]``; slots with id -1 land in a dropped column."""
+def _per_expert(topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int,
+                dtype: torch.dtype):
+    """Top-k weights scattered to ``[T, E]`` (in ``dtype``) and which experts each
+    token chose ``[T, E]`` (bool); slots with id -1 land in a dropped column."""
     num_tokens = topk_ids_TK.shape[0]
     ids_TK = torch.where(topk_ids_TK < 0, num_experts, topk_ids_TK).long()
-    weights_TX = topk_weights_TK.new_zeros((num_tokens, num_experts + 1), dtype=torch.float32)
-    weights_TX.scatter_add_(1, ids_TK, topk_weights_TK.float())
-    return weights_TX[:, :num_experts]
+    weights_TX = topk_weights_TK.new_zeros((num_tokens, num_experts + 1), dtype=dtype)
+    weights_TX.scatter_add_(1, ids_TK, topk_weights_TK.to(dtype))
+    chosen_TX = torch.zeros_like(weights_TX, dtype=torch.bool).scatter_(1, ids_TK, True)
+    return weights_TX[:, :num_experts], chosen_TX[:, :num_experts]
+
+
+def _only(chosen_T1: torch.Tensor, t_TX: torch.Tensor) -> torch.Tensor:
+    """``t_TX`` on the rows of tokens that chose the expert, exactly 0 on the others
+    (whatever they hold: ``0 * nan`` would be nan)."""
+    return torch.where(chosen_T1, t_TX, 0)
 
 
 def _expert_forward(x_TH, w13_FH, w2_HI, b13_F, b2_H, act, alpha, limit):
-    """One expert on fp32 inputs; returns the output and what the backward needs."""
-    h_TF = x_TH @ w13_FH.float().t()
+    """One expert on inputs in the compute dtype; returns the output and what the
+    backward needs."""
+    h_TF = x_TH @ w13_FH.to(x_TH.dtype).t()
     if b13_F is not None:
-        h_TF = h_TF + b13_F.float()
+        h_TF = h_TF + b13_F.to(x_TH.dtype)
     gate_TI, up_TI = h_TF.chunk(2, dim=-1)
     a_TI = activation(gate_TI, up_TI, act, alpha, limit)
-    y_TH = a_TI @ w2_HI.float().t()
+    y_TH = a_TI @ w2_HI.to(x_TH.dtype).t()
     if b2_H is not None:
-        y_TH = y_TH + b2_H.float()
+        y_TH = y_TH + b2_H.to(x_TH.dtype)
     return y_TH, gate_TI, up_TI, a_TI
 
 
@@ -117,42 +128,43 @@ def _bias(b, e):
 def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
             act, alpha, limit):
     num_experts = w13_EFH.shape[0]
-    weights_TE = _weights_per_expert(topk_weights_TK, topk_ids_TK, num_experts)
-    x_TH = hidden_TH.float()
+    x_TH = hidden_TH.to(compute_dtype(hidden_TH))
+    weights_TE, chosen_TE = _per_expert(topk_weights_TK, topk_ids_TK, num_experts, x_TH.dtype)
     out_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)
     for e in range(num_experts):
         y_TH = _expert_forward(x_TH, w13_EFH[e], w2_EHI[e], _bias(b13_EF, e), _bias(b2_EH, e),
                                act, alpha, limit)[0]
-        out_TH += weights_TE[:, e:e + 1] * y_TH
+        out_TH += _only(chosen_TE[:, e:e + 1], weights_TE[:, e:e + 1] * y_TH)
     return out_TH.to(hidden_TH.dtype)
 
 
 def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
                      b13_EF, b2_EH, act, alpha, limit):
     num_experts = w13_EFH.shape[0]
-    weights_TE = _weights_per_expert(topk_weights_TK, topk_ids_TK, num_experts)
-    x_TH, grad_TH = hidden_TH.float(), grad_out_TH.float()
+    dtype = compute_dtype(hidden_TH)
+    x_TH, grad_TH = hidden_TH.to(dtype), grad_out_TH.to(dtype)
+    weights_TE, chosen_TE = _per_expert(topk_weights_TK, topk_ids_TK, num_experts, dtype)
     grad_x_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)
     grad_weights_TE = torch.zeros_like(weights_TE)
-    grad_w13_EFH = torch.empty_like(w13_EFH, dtype=torch.float32,
-                                    memory_format=torch.contiguous_format)
-    grad_w2_EHI = torch.empty_like(w2_EHI, dtype=torch.float32,
-                                   memory_format=torch.contiguous_format)
-    grad_b13_EF = torch.zeros(w13_EFH.shape[:2], dtype=torch.float32, device=x_TH.device)
-    grad_b2_EH = torch.zeros(w2_EHI.shape[:2], dtype=torch.float32, device=x_TH.device)
+    grad_w13_EFH = torch.empty_like(w13_EFH, dtype=dtype, memory_format=torch.contiguous_format)
+    grad_w2_EHI = torch.empty_like(w2_EHI, dtype=dtype, memory_format=torch.contiguous_format)
+    grad_b13_EF = torch.zeros(w13_EFH.shape[:2], dtype=dtype, device=x_TH.device)
+    grad_b2_EH = torch.zeros(w2_EHI.shape[:2], dtype=dtype, device=x_TH.device)
     for e in range(num_experts):
+        chosen_T1 = chosen_TE[:, e:e + 1]
         y_TH, gate_TI, up_TI, a_TI = _expert_forward(
             x_TH, w13_EFH[e], w2_EHI[e], _bias(b13_EF, e), _bias(b2_EH, e), act, alpha, limit)
+        # Read only where the token chose e: the gather below picks chosen entries.
         grad_weights_TE[:, e] = (grad_TH * y_TH).sum(-1)
-        grad_y_TH = weights_TE[:, e:e + 1] * grad_TH
-        grad_w2_EHI[e] = grad_y_TH.t() @ a_TI
+        grad_y_TH = _only(chosen_T1, weights_TE[:, e:e + 1] * grad_TH)
+        grad_w2_EHI[e] = grad_y_TH.t() @ _only(chosen_T1, a_TI)
         grad_b2_EH[e] = grad_y_TH.sum(0)
-        grad_gate_TI, grad_up_TI = activation_backward(grad_y_TH @ w2_EHI[e].float(), gate_TI,
+        grad_gate_TI, grad_up_TI = activation_backward(grad_y_TH @ w2_EHI[e].to(dtype), gate_TI,
                                                        up_TI, act, alpha, limit)
-        grad_h_TF = torch.cat([grad_gate_TI, grad_up_TI], dim=-1)
-        grad_w13_EFH[e] = grad_h_TF.t() @ x_TH
+        grad_h_TF = _only(chosen_T1, torch.cat([grad_gate_TI, grad_up_TI], dim=-1))
+        grad_w13_EFH[e] = grad_h_TF.t() @ _only(chosen_T1, x_TH)
         grad_b13_EF[e] = grad_h_TF.sum(0)
-        grad_x_TH += grad_h_TF @ w13_EFH[e].float()
+        grad_x_TH += _only(chosen_T1, grad_h_TF @ w13_EFH[e].to(dtype))
     ids_TK = topk_ids_TK.long().contiguous()
     grad_topk_weights_TK = torch.where(
         ids_TK < 0, 0.0, grad_weights_TE.gather(1, ids_TK.clamp(min=0)))
@@ -172,13 +184,16 @@ def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, a
                    act, alpha, limit)
 
 
-def supports(spec, cfg, device, dtype) -> Optional[str]:
+def supports(spec, cfg, device, dtype) -> str | None:
     return None
 
 
 define_backend_ops(NAMESPACE, {"route": route, "experts": experts,
                                "experts_backward": experts_backward,
                                "experts_rows": experts_rows})
+# Routing is a handful of small torch ops: compiled, Inductor fuses them with the
+# router's matmul epilogue instead of launching each from a Python kernel.
+decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)
 
 REGISTRY.register_experts(ExpertsBackend(
     name="reference", namespace=NAMESPACE, layout="rows", supports=supports, priority=0,

@@ -14,14 +14,14 @@ there, otherwise the reason it cannot; ``cfg`` may be ``None`` when the caller
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 from torch_moe_ops.config import BackendSpec, MoEConfig
 
-SupportsFn = Callable[[BackendSpec, Optional[MoEConfig], torch.device, torch.dtype],
-                      Optional[str]]
+SupportsFn = Callable[[BackendSpec, MoEConfig | None, torch.device, torch.dtype],
+                      str | None]
 
 EXPERTS_OPS = ("experts", "experts_rows")
 A2A_OPS = ("dispatch", "combine")
@@ -98,7 +98,7 @@ class Registry:
     def register_adapter(self, producer_layout: str, consumer_layout: str, op: str) -> None:
         self.adapters[(producer_layout, consumer_layout)] = op
 
-    def choose_experts(self, spec: BackendSpec, cfg: Optional[MoEConfig],
+    def choose_experts(self, spec: BackendSpec, cfg: MoEConfig | None,
                        device: torch.device, dtype: torch.dtype) -> ExpertsBackend:
         """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here.
 
@@ -119,7 +119,7 @@ class Registry:
                                                dtype))
         return backend
 
-    def choose_a2a(self, spec: BackendSpec, cfg: Optional[MoEConfig], device: torch.device,
+    def choose_a2a(self, spec: BackendSpec, cfg: MoEConfig | None, device: torch.device,
                    dtype: torch.dtype) -> A2ABackend:
         backend = self._lookup("a2a", self.a2a, spec.a2a)
         reason = backend.supports(spec, cfg, device, dtype)

@@ -5,14 +5,20 @@ kernels are installed by `torch_moe_ops.backends`.
 """
 
 from torch_moe_ops.ops import experts, route, rows
-from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, implement, op_overload
+from torch_moe_ops.ops.library import (
+    GENERIC_NAMESPACE,
+    OpContract,
+    decompose,
+    define,
+    implement,
+    op_overload,
+)
 
 CONTRACTS = {
     contract.name: contract
     for contract in (route.CONTRACT, experts.CONTRACT, experts.BACKWARD_CONTRACT,
                      rows.DISPATCH, rows.EXPERTS_ROWS, rows.COMBINE)
 }
-
 
 
 def define_backend_ops(namespace: str, kernels: dict) -> None:
@@ -23,4 +29,12 @@ def define_backend_ops(namespace: str, kernels: dict) -> None:
         implement(namespace, CONTRACTS[name], kernel)
 
 
-__all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "define_backend_ops", "op_overload"]
+def decompose_backend_ops(namespace: str, bodies: dict, applies) -> None:
+    """Under ``torch.compile``, trace ``bodies[name]`` into the graph in place of
+    ``namespace::<name>`` where ``applies(*args)`` holds (`library.decompose`)."""
+    for name, body in bodies.items():
+        decompose(namespace, CONTRACTS[name], body, applies)
+
+
+__all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "decompose_backend_ops",
+           "define_backend_ops", "op_overload"]

@@ -3,12 +3,16 @@ received and what was expected, so a bad call never reaches a kernel."""
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The ops also take float64 activations, weights and router logits: the reference
+# backend computes in it end to end (gradcheck, fp64 oracles).
+OP_FLOAT_DTYPES = (*FLOAT_DTYPES, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -34,7 +38,7 @@ def check_size(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -
 
 
 def check_same_device(reference_name: str, reference: torch.Tensor,
-                      **others: Optional[torch.Tensor]) -> None:
+                      **others: torch.Tensor | None) -> None:
     for name, t in others.items():
         if t is not None and t.device != reference.device:
             raise ValueError(f"{name} must be on {reference_name}'s device "
@@ -42,7 +46,7 @@ def check_same_device(reference_name: str, reference: torch.Tensor,
 
 
 def check_same_dtype(reference_name: str, reference: torch.Tensor,
-                     **others: Optional[torch.Tensor]) -> None:
+                     **others: torch.Tensor | None) -> None:
     for name, t in others.items():
         if t is not None and t.dtype != reference.dtype:
             raise ValueError(f"{name} must have {reference_name}'s dtype "
@@ -57,6 +61,9 @@ def check_choice(name: str, value: object, allowed: Sequence[object]) -> None:
 
 
 def check_positive(name: str, value: float) -> None:
+    # Comparisons, not math.isfinite: under torch.compile the value may be a SymFloat.
+    if not -math.inf < value < math.inf:
+        raise ValueError(f"{name} must be finite, got {value!r}")
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 

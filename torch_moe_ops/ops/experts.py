@@ -27,8 +27,8 @@ BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tenso
 def check_expert_weights(x_name, x_NH, w13_EFH, w2_EHI, b13_EF, b2_EH, activation,
                          swiglu_alpha, swiglu_limit) -> None:
     """Checks the weights against the activations ``x_NH`` they multiply."""
-    checks.check_tensor("w13", w13_EFH, 3, checks.FLOAT_DTYPES)
-    checks.check_tensor("w2", w2_EHI, 3, checks.FLOAT_DTYPES)
+    checks.check_tensor("w13", w13_EFH, 3, checks.OP_FLOAT_DTYPES)
+    checks.check_tensor("w2", w2_EHI, 3, checks.OP_FLOAT_DTYPES)
     num_experts, hidden_size = w13_EFH.shape[0], x_NH.shape[1]
     checks.check_size("w13", w13_EFH, 2, hidden_size, f"{x_name}.shape[1] (H)")
     if w13_EFH.shape[1] % 2:
@@ -39,11 +39,11 @@ def check_expert_weights(x_name, x_NH, w13_EFH, w2_EHI, b13_EF, b2_EH, activatio
     checks.check_size("w2", w2_EHI, 1, hidden_size, f"{x_name}.shape[1] (H)")
     checks.check_size("w2", w2_EHI, 2, intermediate_size, "w13.shape[1] // 2 (I)")
     if b13_EF is not None:
-        checks.check_tensor("b13", b13_EF, 2, checks.FLOAT_DTYPES)
+        checks.check_tensor("b13", b13_EF, 2, checks.OP_FLOAT_DTYPES)
         checks.check_size("b13", b13_EF, 0, num_experts, "w13.shape[0] (E)")
         checks.check_size("b13", b13_EF, 1, 2 * intermediate_size, "w13.shape[1] (2*I)")
     if b2_EH is not None:
-        checks.check_tensor("b2", b2_EH, 2, checks.FLOAT_DTYPES)
+        checks.check_tensor("b2", b2_EH, 2, checks.OP_FLOAT_DTYPES)
         checks.check_size("b2", b2_EH, 0, num_experts, "w13.shape[0] (E)")
         checks.check_size("b2", b2_EH, 1, hidden_size, f"{x_name}.shape[1] (H)")
     checks.check_same_dtype(x_name, x_NH, w13=w13_EFH, w2=w2_EHI, b13=b13_EF, b2=b2_EH)
@@ -54,8 +54,8 @@ def check_expert_weights(x_name, x_NH, w13_EFH, w2_EHI, b13_EF, b2_EH, activatio
 
 
 def check_routing(hidden_TH, topk_weights_TK, topk_ids_TK) -> None:
-    checks.check_tensor("hidden", hidden_TH, 2, checks.FLOAT_DTYPES)
-    checks.check_tensor("topk_weights", topk_weights_TK, 2, checks.FLOAT_DTYPES)
+    checks.check_tensor("hidden", hidden_TH, 2, checks.OP_FLOAT_DTYPES)
+    checks.check_tensor("topk_weights", topk_weights_TK, 2, checks.OP_FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids_TK, 2, checks.INDEX_DTYPES)
     if topk_weights_TK.shape != topk_ids_TK.shape:
         raise ValueError(f"topk_weights and topk_ids must have the same shape [T, K], got "
@@ -81,7 +81,7 @@ def fake(hidden_TH, *_):
 
 
 def check_backward(grad_out_TH, hidden_TH, *args) -> None:
-    checks.check_tensor("grad_out", grad_out_TH, 2, checks.FLOAT_DTYPES)
+    checks.check_tensor("grad_out", grad_out_TH, 2, checks.OP_FLOAT_DTYPES)
     if grad_out_TH.shape != hidden_TH.shape:
         raise ValueError(f"grad_out must have hidden's shape {tuple(hidden_TH.shape)}, "
                          f"got {tuple(grad_out_TH.shape)}")

@@ -10,7 +10,7 @@ without changing a size, a stride or a gradient.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -31,9 +31,9 @@ class OpContract:
     schema: str
     check: Callable[..., None]
     fake: Callable[..., object]
-    check_values: Optional[Callable[..., None]] = None
-    backward: Optional[Callable[..., object]] = None
-    setup_context: Optional[Callable[..., None]] = None
+    check_values: Callable[..., None] | None = None
+    backward: Callable[..., object] | None = None
+    setup_context: Callable[..., None] | None = None
     tags: tuple = ()
 
 
@@ -90,3 +90,34 @@ def implement(namespace: str, contract: OpContract, kernel: Callable,
 
     torch.library.register_kernel(qualified_name(namespace, contract), device_types,
                                   checked_kernel if checked else kernel, lib=_library(namespace))
+
+
+def decompose(namespace: str, contract: OpContract, body: Callable,
+              applies: Callable[..., bool]) -> None:
+    """Under ``torch.compile``, trace ``body`` into the graph in place of the op
+    ``namespace::contract.name``, for calls where ``applies(*args)`` holds.
+
+    AOTAutograd functionalizes below autograd: the op keeps its own backward
+    (the contract's), while its forward becomes the torch ops and
+    ``wrap_triton`` kernel launches of ``body``, which Inductor fuses and
+    launches from its generated code instead of calling the op's Python kernel
+    at run time. This is what ``torch.library.triton_op`` does, on an op
+    defined from our contract. Where ``applies`` is False (e.g. a token count
+    left symbolic, whose kernels are chosen per call) the op stays one node.
+    Eager calls are untouched.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def rule(mode, op, types, args, kwargs):
+        if any(not issubclass(t, (FakeTensor, FunctionalTensor)) and t is not torch.Tensor
+               for t in types):
+            # Another tensor subclass is involved: let it handle the op first.
+            return NotImplemented
+        if kwargs or not applies(*args):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return body(*args)
+
+    torch.library.register_torch_dispatch(qualified_name(namespace, contract),
+                                          FunctionalTensorMode, rule, lib=_library(namespace))

@@ -18,7 +18,7 @@ SCHEMA = ("(Tensor router_logits, Tensor? correction_bias, int top_k, str scorin
 
 def check(router_logits_TE, correction_bias_E, top_k, scoring, renormalize,
           num_expert_groups, topk_groups, routed_scaling_factor):
-    checks.check_tensor("router_logits", router_logits_TE, 2, checks.FLOAT_DTYPES)
+    checks.check_tensor("router_logits", router_logits_TE, 2, checks.OP_FLOAT_DTYPES)
     num_experts = router_logits_TE.shape[1]
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts ({num_experts})], got {top_k}")
@@ -56,7 +56,7 @@ def fake(router_logits_TE, correction_bias_E, top_k, *_):
 
 
 def setup_context(ctx, inputs, output):
-    router_logits_TE, correction_bias_E, _, scoring, renormalize, *_, scale = inputs
+    router_logits_TE, _, _, scoring, renormalize, *_, scale = inputs
     topk_weights_TK, topk_ids_TK = output
     ctx.save_for_backward(router_logits_TE, topk_weights_TK, topk_ids_TK)
     ctx.scoring, ctx.renormalize, ctx.scale = scoring, renormalize, scale
@@ -69,13 +69,15 @@ def backward(ctx, grad_weights_TK, _grad_ids):
     The weights depend on the logits only through the chosen entries:
     softmax+renormalize and topk_softmax are a softmax over the K chosen logits,
     softmax alone is the full softmax read at K entries, sigmoid is elementwise
-    (then optionally divided by its sum). The correction bias only selects.
+    (then optionally divided by its sum). The correction bias and the expert
+    groups only select. Computed in fp32 (fp64 for fp64 logits).
     """
     router_logits_TE, topk_weights_TK, topk_ids_TK = ctx.saved_tensors
-    logits_TE = router_logits_TE.float()
+    dtype = torch.promote_types(router_logits_TE.dtype, torch.float32)
+    logits_TE = router_logits_TE.to(dtype)
     ids_TK = topk_ids_TK.long()
-    grad_TK = grad_weights_TK.float() * ctx.scale
-    weights_TK = topk_weights_TK / ctx.scale
+    grad_TK = grad_weights_TK.to(dtype) * ctx.scale
+    weights_TK = topk_weights_TK.to(dtype) / ctx.scale
     if ctx.scoring == "softmax" and not ctx.renormalize:
         probs_TE = torch.softmax(logits_TE, dim=-1)
         grad_probs_TE = torch.zeros_like(logits_TE).scatter_add_(1, ids_TK, grad_TK)

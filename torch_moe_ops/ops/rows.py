@@ -52,7 +52,7 @@ def fake_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
 
 def check_experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, activation,
                        swiglu_alpha, swiglu_limit) -> None:
-    checks.check_tensor("x_rows", x_RH, 2, checks.FLOAT_DTYPES)
+    checks.check_tensor("x_rows", x_RH, 2, checks.OP_FLOAT_DTYPES)
     checks.check_tensor("expert_rows", expert_R, 1, (torch.int32,))
     checks.check_tensor("count_experts", count_E, 1, (torch.int32,))
     checks.check_size("expert_rows", expert_R, 0, x_RH.shape[0], "x_rows.shape[0] (R)")
@@ -71,7 +71,7 @@ def fake_experts_rows(x_RH, *_):
 
 
 def check_combine(y_RH, weight_R, src_R, num_tokens) -> None:
-    checks.check_tensor("y_rows", y_RH, 2, checks.FLOAT_DTYPES)
+    checks.check_tensor("y_rows", y_RH, 2, checks.OP_FLOAT_DTYPES)
     checks.check_tensor("weight_rows", weight_R, 1, (torch.float32,))
     checks.check_tensor("src_rows", src_R, 1, (torch.int32,))
     checks.check_size("weight_rows", weight_R, 0, y_RH.shape[0], "y_rows.shape[0] (R)")

@@ -12,21 +12,19 @@ which is how the kernels' indexing is tested without a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from typing import Optional
 
 import torch
 
+from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 
 NAMESPACE = "moe_triton"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INSTALLED = importlib.util.find_spec("triton") is not None
 
 
-def supports(spec, cfg, device, dtype) -> Optional[str]:
-    if not INSTALLED:
+def supports(spec, cfg, device, dtype) -> str | None:
+    if not TRITON_INSTALLED:
         return "triton is not installed (pip install triton)"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "needs a CUDA GPU (on the CPU only under TRITON_INTERPRET=1)"
@@ -39,11 +37,16 @@ def supports(spec, cfg, device, dtype) -> Optional[str]:
     return None
 
 
-if INSTALLED:
+if TRITON_INSTALLED:
+    from torch_moe_ops.backends.common.launch import static_shapes_on_cuda, traced
     from torch_moe_ops.backends.triton.fused import fused_experts, fused_experts_rows
-    from torch_moe_ops.ops import define_backend_ops
+    from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 
     define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows})
+    # Compiled with fixed sizes, the kernels are launched by Inductor's own code.
+    decompose_backend_ops(NAMESPACE, {"experts": traced(fused_experts),
+                                      "experts_rows": traced(fused_experts_rows)},
+                          static_shapes_on_cuda)
 
 REGISTRY.register_experts(ExpertsBackend(
     name="triton", namespace=NAMESPACE, layout="rows", supports=supports, priority=20,

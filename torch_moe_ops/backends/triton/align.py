@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_moe_ops.backends.common.launch import launcher
+
 # Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
 # one-hot tile [SLOT_TILE, EXPERT_CHUNK] stays at 8K elements whatever E is.
 SLOT_TILE = 256
@@ -170,13 +172,13 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
         [table, table, num_experts, num_experts])
     ids_S = topk_ids_TK.reshape(-1)
     if num_tiles:
-        moe_align_count_kernel[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
+        launcher(moe_align_count_kernel)[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
                                              SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)
-    moe_align_scan_kernel[(1,)](tile_counts, tile_offsets, expert_count, expert_start,
+    launcher(moe_align_scan_kernel)[(1,)](tile_counts, tile_offsets, expert_count, expert_start,
                                 num_padded_rows_1, num_tiles, num_experts, BLOCK_M=block_m,
                                 TILE_CHUNK=TILE_CHUNK, EXPERT_CHUNK=SCAN_EXPERT_CHUNK)
     if max(num_tiles, num_blocks):
-        moe_align_scatter_kernel[(max(num_tiles, num_blocks),)](
+        launcher(moe_align_scatter_kernel)[(max(num_tiles, num_blocks),)](
             ids_S, tile_offsets, expert_count, expert_start, num_padded_rows_1,
             sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
             BLOCK_M=block_m, SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)

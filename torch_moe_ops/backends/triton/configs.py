@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-from typing import Optional
 
 import torch
 
@@ -62,7 +61,7 @@ class KernelConfig:
     GROUP_M: int
     num_warps: int
     num_stages: int
-    path: Optional[str] = None
+    path: str | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in PATHS:
@@ -90,7 +89,7 @@ def config_file_name(E: int, N: int, K: int, dtype: torch.dtype, device_name: st
     return f"E={E},N={N},K={K},dtype={dtype_name(dtype)},device={device_name}.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_name(device: torch.device) -> str:
     """The name configs are filed under: the CUDA device name with spaces
     replaced by underscores (``NVIDIA_H100_80GB_HBM3``), or ``"cpu"``."""
@@ -99,7 +98,7 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_")
 
 
-def load_config_file(path: pathlib.Path) -> Optional[tuple[tuple[int, KernelConfig], ...]]:
+def load_config_file(path: pathlib.Path) -> tuple[tuple[int, KernelConfig], ...] | None:
     """The ``(token count, config)`` entries of one file, ascending; None if it does not exist."""
     if not path.is_file():
         return None
@@ -114,8 +113,8 @@ def load_config_file(path: pathlib.Path) -> Optional[tuple[tuple[int, KernelConf
     return entries
 
 
-@functools.lru_cache(maxsize=None)
-def _tuned_entries(file_name: str) -> Optional[tuple[tuple[int, KernelConfig], ...]]:
+@functools.cache
+def _tuned_entries(file_name: str) -> tuple[tuple[int, KernelConfig], ...] | None:
     return load_config_file(CONFIG_DIR / file_name)
 
 

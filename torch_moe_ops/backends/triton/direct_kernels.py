@@ -4,9 +4,9 @@ Legend: T tokens, H hidden size, I expert intermediate size, E experts,
 K experts per token, S = T * K slots, N columns of one program's output.
 
     for each slot s with e = topk_ids[s] >= 0:
-        inter[s] = act(hidden[s // K] @ w13[e].T + b13[e])                  moe_direct_gate_up_kernel
+        inter[s] = act(hidden[s // K] @ w13[e].T + b13[e])                 moe_direct_gate_up_kernel
     out[t] = sum over k with e = topk_ids[t, k] >= 0 of
-             weight[t, k] * (inter[t * K + k] @ w2[e].T + b2[e])           moe_direct_down_sum_kernel
+             weight[t, k] * (inter[t * K + k] @ w2[e].T + b2[e])          moe_direct_down_sum_kernel
 
 In decode each expert gets about one slot, so a grouped GEMM's tiles would be
 mostly padding and the align's three launches cost more than the kernels'
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.triton.kernels import _activate
+from torch_moe_ops.backends.common.triton_activation import _activate
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def moe_direct_gate_up_kernel(
     up_ptrs = gate_ptrs + inter_size * stride_w13_f
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+    for k in range(tl.cdiv(hidden_size, BLOCK_K)):
         k_ok = ks < hidden_size - k * BLOCK_K
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w_ok = col_ok[:, None] & k_ok[None, :]
@@ -90,7 +90,7 @@ def moe_direct_down_sum_kernel(
     # The K slots are the inner, unrolled loop: each step issues the loads of all
     # K experts at once, so one program keeps K weight tiles in flight instead of
     # walking its experts one after the other.
-    for k in range(0, tl.cdiv(inter_size, BLOCK_K)):
+    for k in range(tl.cdiv(inter_size, BLOCK_K)):
         for j in tl.static_range(TOP_K):
             slot = token * TOP_K + j
             expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)

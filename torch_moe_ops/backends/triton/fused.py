@@ -10,7 +10,8 @@ K experts per token, S = T * K slots, R rows (rows format).
         out[t] += topk_weights[t, k] * (act(hidden[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
 
 The config of a call (`configs.get_config`) names its kernels: ``direct``,
-``tiled`` (`kernels`) or ``grouped_mm`` (the `grouped_mm` backend's GEMMs).
+``tiled`` (`kernels`) or ``grouped_mm`` (`common.grouped_gemm`, which the
+``grouped_mm`` backend runs too).
 Both entry points run `_run_direct` or `_run_tiled` alike: the rows format is
 the K = 1 case without routing weights. Nothing here reads a tensor's values
 on the host, so a call can be captured in a CUDA graph once its config is
@@ -23,19 +24,24 @@ is checked again here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import triton
 
-from torch_moe_ops.backends import grouped_mm
+from torch_moe_ops.backends.common import grouped_gemm
+from torch_moe_ops.backends.common.launch import launcher
+from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.triton.align import align_rows
 from torch_moe_ops.backends.triton.configs import KernelConfig, device_name, get_config
-from torch_moe_ops.backends.triton.direct_kernels import (moe_direct_down_sum_kernel,
-                                                          moe_direct_gate_up_kernel)
-from torch_moe_ops.backends.triton.kernels import (ACTIVATION_CODES, moe_down_weighted_kernel,
-                                                   moe_gate_up_act_kernel,
-                                                   moe_sum_over_topk_kernel)
+from torch_moe_ops.backends.triton.direct_kernels import (
+    moe_direct_down_sum_kernel,
+    moe_direct_gate_up_kernel,
+)
+from torch_moe_ops.backends.triton.kernels import (
+    moe_down_weighted_kernel,
+    moe_gate_up_act_kernel,
+    moe_sum_over_topk_kernel,
+)
 
 # Columns per program of the sum over experts.
 SUM_BLOCK_H = 256
@@ -50,8 +56,8 @@ def _plan(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, w13_EFH: torch.Tensor) 
     config = get_config(num_experts, inter_size, hidden_size, hidden_TH.dtype, ids_TK.shape[0],
                         ids_TK.shape[1], device_name(hidden_TH.device))
     if config.path == "grouped_mm" and not (
-            grouped_mm.supports(None, None, hidden_TH.device, hidden_TH.dtype) is None
-            and grouped_mm.aligned(hidden_size, inter_size)):
+            grouped_gemm.supports(None, None, hidden_TH.device, hidden_TH.dtype) is None
+            and grouped_gemm.aligned(hidden_size, inter_size)):
         config = dataclasses.replace(config, path="tiled")
     return config
 
@@ -70,9 +76,9 @@ def _check_activation(activation: str) -> None:
 
 
 def _run_direct(config: KernelConfig, hidden_TH: torch.Tensor,
-                weights_S: Optional[torch.Tensor], ids_TK: torch.Tensor,
-                w13_EFH: torch.Tensor, w2_EHI: torch.Tensor, b13_EF: Optional[torch.Tensor],
-                b2_EH: Optional[torch.Tensor], activation: str, swiglu_alpha: float,
+                weights_S: torch.Tensor | None, ids_TK: torch.Tensor,
+                w13_EFH: torch.Tensor, w2_EHI: torch.Tensor, b13_EF: torch.Tensor | None,
+                b2_EH: torch.Tensor | None, activation: str, swiglu_alpha: float,
                 swiglu_limit: float) -> torch.Tensor:
     num_tokens, hidden_size = hidden_TH.shape
     top_k = ids_TK.shape[1]
@@ -85,7 +91,8 @@ def _run_direct(config: KernelConfig, hidden_TH: torch.Tensor,
     # An absent bias or weight is never read (HAS_BIAS / HAS_WEIGHTS False):
     # any tensor fills its slot.
     b13 = b13_EF if b13_EF is not None else w13_EFH
-    moe_direct_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter_size, config.BLOCK_N))](
+    gate_up_grid = (num_tokens * top_k, triton.cdiv(inter_size, config.BLOCK_N))
+    launcher(moe_direct_gate_up_kernel)[gate_up_grid](
         hidden_TH, ids_TK, w13_EFH, b13, inter_SI, hidden_size, inter_size,
         hidden_TH.stride(0), hidden_TH.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w13_EFH.stride(0), w13_EFH.stride(1), w13_EFH.stride(2),
@@ -98,7 +105,7 @@ def _run_direct(config: KernelConfig, hidden_TH: torch.Tensor,
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
     b2 = b2_EH if b2_EH is not None else w2_EHI[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    moe_direct_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, config.BLOCK_N))](
+    launcher(moe_direct_down_sum_kernel)[(num_tokens, triton.cdiv(hidden_size, config.BLOCK_N))](
         inter_SI, ids_TK, weights, w2_EHI, b2, out_TH, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2),
@@ -109,9 +116,9 @@ def _run_direct(config: KernelConfig, hidden_TH: torch.Tensor,
 
 
 def _run_tiled(config: KernelConfig, hidden_TH: torch.Tensor,
-               weights_S: Optional[torch.Tensor], ids_TK: torch.Tensor, w13_EFH: torch.Tensor,
-               w2_EHI: torch.Tensor, b13_EF: Optional[torch.Tensor],
-               b2_EH: Optional[torch.Tensor], activation: str, swiglu_alpha: float,
+               weights_S: torch.Tensor | None, ids_TK: torch.Tensor, w13_EFH: torch.Tensor,
+               w2_EHI: torch.Tensor, b13_EF: torch.Tensor | None,
+               b2_EH: torch.Tensor | None, activation: str, swiglu_alpha: float,
                swiglu_limit: float) -> torch.Tensor:
     num_tokens, hidden_size = hidden_TH.shape
     top_k = ids_TK.shape[1]
@@ -129,7 +136,7 @@ def _run_tiled(config: KernelConfig, hidden_TH: torch.Tensor,
     inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=device)
     # An absent bias is never read (HAS_BIAS=False): any tensor fills its slot.
     b13 = b13_EF if b13_EF is not None else w13_EFH
-    moe_gate_up_act_kernel[(num_blocks_m * triton.cdiv(inter_size, config.BLOCK_N),)](
+    launcher(moe_gate_up_act_kernel)[(num_blocks_m * triton.cdiv(inter_size, config.BLOCK_N),)](
         hidden_TH, w13_EFH, b13, inter_SI, sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,
         hidden_TH.stride(0), hidden_TH.stride(1),
@@ -147,7 +154,7 @@ def _run_tiled(config: KernelConfig, hidden_TH: torch.Tensor,
                                                     device=device)
     b2 = b2_EH if b2_EH is not None else w2_EHI[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    moe_down_weighted_kernel[(num_blocks_m * triton.cdiv(hidden_size, config.BLOCK_N),)](
+    launcher(moe_down_weighted_kernel)[(num_blocks_m * triton.cdiv(hidden_size, config.BLOCK_N),)](
         inter_SI, w2_EHI, b2, weights, slot_SH,
         sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,
@@ -158,7 +165,7 @@ def _run_tiled(config: KernelConfig, hidden_TH: torch.Tensor,
         HAS_BIAS=b2_EH is not None, HAS_WEIGHTS=weights_S is not None,
         DOT_PRECISION=precision, **tiles)
 
-    moe_sum_over_topk_kernel[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_H))](
+    launcher(moe_sum_over_topk_kernel)[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_H))](
         slot_SH, ids_TK, out_TH, hidden_size,
         slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
         TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
@@ -170,7 +177,7 @@ _RUNNERS = {"direct": _run_direct, "tiled": _run_tiled}
 
 def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
                   topk_ids_TK: torch.Tensor, w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
-                  b13_EF: Optional[torch.Tensor], b2_EH: Optional[torch.Tensor],
+                  b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None,
                   activation: str, swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
     """Every token through its top-k experts, weighted and summed: ``out_TH [T, H]``.
 
@@ -188,7 +195,7 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     over k runs in a fixed order in fp32. ``T == 0`` launches nothing.
 
     Where the config says so (prefill, bf16 on sm90+), the two GEMMs run on
-    ``torch._grouped_mm`` with Triton epilogues instead (the `grouped_mm` backend).
+    ``torch._grouped_mm`` with Triton epilogues instead (`common.grouped_gemm`).
     """
     _check_activation(activation)
     if topk_ids_TK.shape[0] == 0:
@@ -202,14 +209,14 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
 def experts_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
                         topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
                         w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
-                        b13_EF: Optional[torch.Tensor], b2_EH: Optional[torch.Tensor],
+                        b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None,
                         activation: str, swiglu_alpha: float,
                         swiglu_limit: float) -> torch.Tensor:
     """`fused_experts` on the kernels ``config`` names, for ``T >= 1``; its path
     must be able to run here (the tuner times candidates through this)."""
     if config.path == "grouped_mm":
-        return grouped_mm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
-                                  b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
+        return grouped_gemm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
+                                    b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
     return _RUNNERS[config.path](config, hidden_TH, topk_weights_TK.reshape(-1), topk_ids_TK,
                                  w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha,
                                  swiglu_limit)
@@ -217,7 +224,7 @@ def experts_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
 
 def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torch.Tensor,
                        w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
-                       b13_EF: Optional[torch.Tensor], b2_EH: Optional[torch.Tensor],
+                       b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None,
                        activation: str, swiglu_alpha: float,
                        swiglu_limit: float) -> torch.Tensor:
     """Each row through its own expert, unweighted: ``y_RH [R, H]``.
@@ -245,7 +252,7 @@ def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torc
     expert_R1 = expert_R.unsqueeze(1)
     config = _plan(x_RH, expert_R1, w13_EFH)
     if config.path == "grouped_mm":
-        return grouped_mm.experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH,
-                                       activation, swiglu_alpha, swiglu_limit)
+        return grouped_gemm.experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH,
+                                         activation, swiglu_alpha, swiglu_limit)
     return _RUNNERS[config.path](config, x_RH, None, expert_R1, w13_EFH, w2_EHI, b13_EF, b2_EH,
                                  activation, swiglu_alpha, swiglu_limit)

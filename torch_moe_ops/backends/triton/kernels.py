@@ -20,8 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# `ACTIVATION` values of moe_gate_up_act_kernel.
-ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+from torch_moe_ops.backends.common.triton_activation import _activate
 
 
 @triton.jit
@@ -49,18 +48,6 @@ def _rows_of_program(num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_s
     slots = tl.load(sorted_row_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return active, expert, slots, slots < num_slots, cols, cols < num_cols
-
-
-@triton.jit
-def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 0:
-        return gate * tl.sigmoid(gate) * up
-    elif ACTIVATION == 1:
-        return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
-    else:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        return (up + 1.0) * gate * tl.sigmoid(swiglu_alpha * gate)
 
 
 @triton.jit
@@ -92,7 +79,7 @@ def moe_gate_up_act_kernel(
     up_ptrs = gate_ptrs + inter_size * stride_w13_f
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+    for k in range(tl.cdiv(hidden_size, BLOCK_K)):
         k_ok = ks < hidden_size - k * BLOCK_K
         a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
@@ -136,7 +123,7 @@ def moe_down_weighted_kernel(
     w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
               + ks[:, None] * stride_w2_i)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(inter_size, BLOCK_K)):
+    for k in range(tl.cdiv(inter_size, BLOCK_K)):
         k_ok = ks < inter_size - k * BLOCK_K
         a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)

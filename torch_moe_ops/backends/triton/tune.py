@@ -26,7 +26,7 @@ import pathlib
 import torch
 import triton.testing
 
-from torch_moe_ops.backends import grouped_mm
+from torch_moe_ops.backends.common import grouped_gemm
 from torch_moe_ops.backends.triton import configs, fused
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -61,7 +61,7 @@ def precompile(candidates, args, threads: int = 16) -> None:
     def run_once(config):
         try:
             fused.experts_with_config(config, *args)
-        except Exception:  # noqa: BLE001 (reported when the candidate is timed)
+        except Exception:  # noqa: BLE001, S110 (reported when the candidate is timed)
             pass
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -111,8 +111,8 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
     device = torch.device("cuda")
     w13_EFH = torch.randn(E, 2 * N, K, device=device, dtype=dtype) / K ** 0.5
     w2_EHI = torch.randn(E, K, N, device=device, dtype=dtype) / N ** 0.5
-    grouped_mm_runs = (grouped_mm.supports(None, None, device, dtype) is None
-                       and grouped_mm.aligned(K, N))
+    grouped_mm_runs = (grouped_gemm.supports(None, None, device, dtype) is None
+                       and grouped_gemm.aligned(K, N))
     table = {}
     for M in tokens:
         hidden_TH = torch.randn(M, K, device=device, dtype=dtype)

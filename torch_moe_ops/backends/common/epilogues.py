@@ -14,13 +14,12 @@ layer needs. The sum runs over k in order, so it is deterministic.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.triton.kernels import ACTIVATION_CODES, _activate
+from torch_moe_ops.backends.common.launch import launcher
+from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES, _activate
 
 BLOCK_COLUMNS = 1024
 
@@ -73,7 +72,7 @@ def moe_gather_weighted_sum_kernel(y_ptr, row_of_slot_ptr, weights_ptr, ids_ptr,
              mask=in_range)
 
 
-def bias_act_rows(h_RF: torch.Tensor, b13_EF: Optional[torch.Tensor], expert_R: torch.Tensor,
+def bias_act_rows(h_RF: torch.Tensor, b13_EF: torch.Tensor | None, expert_R: torch.Tensor,
                   activation: str, swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
     """``a_RI [R, I]`` in ``h_RF``'s dtype: bias, gated activation, 0 for rows of expert -1.
 
@@ -84,7 +83,7 @@ def bias_act_rows(h_RF: torch.Tensor, b13_EF: Optional[torch.Tensor], expert_R: 
     if num_rows == 0:
         return a_RI
     bias = b13_EF if b13_EF is not None else h_RF
-    moe_bias_act_rows_kernel[(num_rows, triton.cdiv(inter_size, BLOCK_COLUMNS))](
+    launcher(moe_bias_act_rows_kernel)[(num_rows, triton.cdiv(inter_size, BLOCK_COLUMNS))](
         h_RF, bias, expert_R, a_RI, inter_size, h_RF.stride(0), bias.stride(0), a_RI.stride(0),
         float(swiglu_alpha), float(swiglu_limit), ACTIVATION=ACTIVATION_CODES[activation],
         HAS_BIAS=b13_EF is not None, BLOCK=BLOCK_COLUMNS)
@@ -93,7 +92,7 @@ def bias_act_rows(h_RF: torch.Tensor, b13_EF: Optional[torch.Tensor], expert_R: 
 
 def gather_weighted_sum(y_RH: torch.Tensor, row_of_slot_S: torch.Tensor,
                         topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
-                        b2_EH: Optional[torch.Tensor]) -> torch.Tensor:
+                        b2_EH: torch.Tensor | None) -> torch.Tensor:
     """``out_TH [T, H]`` in ``y_RH``'s dtype: each token's rows, bias added, weighted, summed.
 
     ``row_of_slot_S [T*K]`` gives the row of slot ``t * K + k``; slots with id -1 are skipped.
@@ -106,7 +105,7 @@ def gather_weighted_sum(y_RH: torch.Tensor, row_of_slot_S: torch.Tensor,
     ids_S = topk_ids_TK.contiguous().view(-1)
     weights_S = topk_weights_TK.contiguous().view(-1)
     bias = b2_EH if b2_EH is not None else y_RH
-    moe_gather_weighted_sum_kernel[(num_tokens, triton.cdiv(hidden_size, BLOCK_COLUMNS))](
+    launcher(moe_gather_weighted_sum_kernel)[(num_tokens, triton.cdiv(hidden_size, BLOCK_COLUMNS))](
         y_RH, row_of_slot_S, weights_S, ids_S, bias, out_TH, hidden_size, y_RH.stride(0),
         bias.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_BIAS=b2_EH is not None,
         BLOCK=BLOCK_COLUMNS)

@@ -1,0 +1,16 @@
+"""Pieces that several backends run: none of them is a backend or registers an op.
+
+- `sorting`: slots grouped by expert (a stable sort on the device).
+- `activation`: the gated activations in plain PyTorch.
+- `triton_activation`, `epilogues`: the same activations as a Triton function, and
+  elementwise Triton kernels around library GEMMs (need triton).
+- `grouped_gemm`: the experts on ``torch._grouped_mm`` with those epilogues.
+
+Backends import from here and never from each other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None

@@ -1,0 +1,97 @@
+"""The experts on ``torch._grouped_mm``: rows sorted by expert, one grouped GEMM per projection.
+
+Legend: T tokens, H hidden size, I expert intermediate size, F = 2 * I, E experts,
+K experts per token, R = T * K rows.
+
+Rows are sorted by expert on the device (a stable sort, no host sync), each
+expert's rows multiply its weights in one grouped GEMM per projection, and
+between and after the GEMMs one Triton kernel each (`epilogues`) adds the bias
+and applies the activation, then gathers each token's K rows back, weighted, in
+slot order (deterministic). ``torch._grouped_mm`` only runs without a host sync
+for bf16 on sm90+; elsewhere it loops on the host, which a CUDA graph cannot
+capture: `supports` says so. Weights are used in the canonical layout
+(``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
+
+The ``grouped_mm`` experts backend is these functions; the ``triton`` backend
+hands prefill-sized calls to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.common.sorting import sort_rows
+
+# torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
+ALIGNMENT = 8
+if TRITON_INSTALLED:
+    from torch_moe_ops.backends.common.epilogues import bias_act_rows, gather_weighted_sum
+
+
+def aligned(hidden: int, intermediate: int) -> bool:
+    return not (hidden % ALIGNMENT or intermediate % ALIGNMENT)
+
+
+def _check_alignment(w13_EFH: torch.Tensor) -> None:
+    hidden, intermediate = w13_EFH.shape[2], w13_EFH.shape[1] // 2
+    if not aligned(hidden, intermediate):
+        raise ValueError(f"experts backend 'grouped_mm' needs H and I divisible by "
+                         f"{ALIGNMENT}, got H={hidden}, I={intermediate}")
+
+
+def supports(spec, cfg, device, dtype) -> str | None:
+    """``None`` where these functions run without a host sync, else why not
+    (the registry's ``supports`` signature; ``spec`` is not read)."""
+    if not TRITON_INSTALLED:
+        return "its activation and gather kernels need triton (pip install triton)"
+    if device.type != "cuda":
+        return f"needs a CUDA GPU of sm90 or newer, got device {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return (f"needs sm90 or newer (torch._grouped_mm loops on the host before), "
+                f"got sm{major}{minor}")
+    if dtype != torch.bfloat16:
+        return f"needs bfloat16 (other dtypes loop on the host), got {dtype}"
+    if cfg is not None and not aligned(cfg.hidden_size, cfg.intermediate_size):
+        return (f"needs hidden_size and intermediate_size divisible by {ALIGNMENT}, got "
+                f"{cfg.hidden_size} and {cfg.intermediate_size}")
+    return None
+
+
+def _grouped_gemms(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha, limit):
+    """``y_RH [R, H]`` before ``b2``; rows past the counted ones hold garbage."""
+    ends_E = torch.cumsum(count_E, 0, dtype=torch.int32)
+    h_RF = torch._grouped_mm(x_RH, w13_EFH.transpose(-2, -1), offs=ends_E)
+    a_RI = bias_act_rows(h_RF, b13_EF, expert_R, act, alpha, limit)
+    return torch._grouped_mm(a_RI, w2_EHI.transpose(-2, -1), offs=ends_E)
+
+
+def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, alpha, limit):
+    """``y_RH [R, H]``: each row through its expert; rows of expert -1 are 0."""
+    _check_alignment(w13_EFH)
+    num_rows = x_RH.shape[0]
+    if num_rows == 0:
+        return torch.empty_like(x_RH, memory_format=torch.contiguous_format)
+    y_RH = _grouped_gemms(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha, limit)
+    # One "slot" per row with weight 1: adds b2 and zeroes the skipped rows.
+    rows_R = torch.arange(num_rows, dtype=torch.int32, device=x_RH.device)
+    ones_R1 = torch.ones((num_rows, 1), dtype=torch.float32, device=x_RH.device)
+    return gather_weighted_sum(y_RH, rows_R, ones_R1, expert_R.view(-1, 1), b2_EH)
+
+
+def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
+            alpha, limit):
+    """``out_TH [T, H]``: every token through its top-k experts, weighted and summed."""
+    _check_alignment(w13_EFH)
+    num_tokens, top_k = topk_ids_TK.shape
+    if num_tokens == 0:
+        return torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
+    order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, w13_EFH.shape[0])
+    x_RH = hidden_TH[order_R // top_k]
+    y_RH = _grouped_gemms(x_RH, sorted_ids_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha,
+                          limit)
+    row_of_slot_S = torch.empty_like(order_R, dtype=torch.int32)
+    row_of_slot_S[order_R] = torch.arange(order_R.numel(), dtype=torch.int32,
+                                          device=order_R.device)
+    return gather_weighted_sum(y_RH, row_of_slot_S, topk_weights_TK, topk_ids_TK, b2_EH)

@@ -1,0 +1,153 @@
+"""`HFMoEBlock`: a transformers sparse-MoE block running on ``moe::route`` and ``moe::experts``.
+
+Legend: B batch, S sequence, T tokens (B * S), H hidden size, I expert
+intermediate size, E experts, K experts per token, F = 2 * I.
+
+What the rest of the model relies on is kept:
+
+- Submodules keep their transformers names (``gate``/``router``, ``experts``,
+  ``shared_expert``, ``shared_expert_gate``, ``shared_experts``), so
+  ``state_dict`` keys, ``save_pretrained`` and ``load_state_dict`` are unchanged.
+- Blocks return what they returned: ``[B, S, H]``, and for GPT-OSS
+  ``([B, S, H], router_scores [T, K])`` with the scores in the activation dtype.
+
+Converted expert tensors (GPT-OSS) follow their sources:
+
+- ``load_state_dict`` on the model (or any module holding the block), in place
+  or with ``assign=True``, reconverts right after loading;
+- an eager forward first reconverts every converted tensor whose source tensor
+  was replaced, moved (``.to()``, ``param.data = ...``) or written in place
+  (`weights.SourceStamp`);
+- `torch_moe_ops.hf.patch` on an already patched model reconverts all of them.
+
+The refresh writes into the existing buffers where dtype, shape and device
+allow, so compiled graphs and captured CUDA graphs read the new values. A
+compiled forward does not look at the sources (the check is Python that
+Dynamo leaves out of the graph): after changing expert weights by anything other
+than ``load_state_dict`` (assigning parameters, writing into them, an optimizer
+step), call ``patch(model)`` again before calling the compiled model. `patch`
+reconverts unconditionally, so it also catches the writes that the eager check
+cannot see (``param.data.copy_``, writes into inference tensors). ``model.to(...)`` and
+``.half()`` cast the buffers with their sources, so those stay in step, compiled
+or not (the next eager forward still reconverts once: the sources moved).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torch_moe_ops.config import MoEConfig
+from torch_moe_ops.hf.families import Family
+from torch_moe_ops.hf.weights import EXPERT_TENSORS, ExpertWeights, SourceStamp
+
+
+class HFMoEBlock(nn.Module):
+    """A transformers sparse-MoE block running on ``moe::route`` and ``moe::experts``.
+
+    ``forward(hidden_states [B, S, H]) -> [B, S, H]`` (GPT-OSS: also
+    ``router_scores [T, K]``)::
+
+        logits, w, ids = router(x)                       # moe::route inside
+        y = experts(x, w, ids)                           # moe::experts
+        y += sigmoid(shared_expert_gate(x)) * shared_expert(x)   # Qwen2-MoE
+        y += shared_experts(x)                           # DeepSeek-V3
+
+    Built by `patch`; keeps the block's submodules under their transformers names.
+    """
+
+    def __init__(self, block: nn.Module, family: Family, cfg: MoEConfig, weights: ExpertWeights):
+        super().__init__()
+        self.family = family.name
+        self.cfg = cfg
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        self.router_name = family.router
+        self.shared_expert_name = family.shared_expert
+        self.shared_expert_gate_name = family.shared_expert_gate
+        self.returns_router_scores = family.returns_router_scores
+        # Mixtral multiplies its input by uniform(1 - j, 1 + j) noise in training.
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
+        self.weight_sources = tuple(
+            ("experts", weights.shared[name]) if name in weights.shared
+            else ("self", name) if name in weights.converted else None
+            for name in EXPERT_TENSORS)
+        self.conversions = weights.converted
+        self.converted_names = tuple(c.source for c in weights.converted.values())
+        self.source_stamps: dict[str, SourceStamp] = {}
+        for name, conversion in weights.converted.items():
+            # Not persistent: the state dict keeps transformers' own tensors only.
+            self.register_buffer(name, conversion(self.experts), persistent=False)
+            self.source_stamps[name] = SourceStamp(getattr(self.experts, conversion.source))
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+        self.train(block.training)
+
+    def refresh_converted(self, force: bool = False) -> tuple[str, ...]:
+        """Reconvert the converted expert tensors whose source changed since they
+        were made (every one with ``force``); returns their sources' names."""
+        refreshed = []
+        for name, conversion in self.conversions.items():
+            source = getattr(self.experts, conversion.source)
+            if not force and self.source_stamps[name].matches(source):
+                continue
+            self._store(name, conversion(self.experts))
+            self.source_stamps[name] = SourceStamp(source)
+            refreshed.append(conversion.source)
+        return tuple(refreshed)
+
+    def _store(self, name: str, tensor: torch.Tensor) -> None:
+        buffer = self._buffers[name]
+        if (buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
+                and buffer.device == tensor.device and not torch.is_inference(buffer)):
+            # In place: compiled graphs and captured CUDA graphs hold this buffer.
+            with torch.no_grad():
+                buffer.copy_(tensor)
+        else:
+            self._buffers[name] = tensor
+
+    def expert_weights(self):
+        """``(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I] or None, b2 [E, H] or None)``."""
+        return tuple(None if source is None
+                     else getattr(self if source[0] == "self" else self.experts, source[1])
+                     for source in self.weight_sources)
+
+    def forward(self, hidden_states: torch.Tensor):
+        cfg = self.cfg
+        if self.training and torch.is_grad_enabled() and self.converted_names:
+            raise RuntimeError(
+                f"this {self.family} block runs on copies of experts."
+                f"{', experts.'.join(self.converted_names)} in another layout: gradients would "
+                "not reach those parameters. Train the unpatched model, or run under "
+                "model.eval() or torch.no_grad()")
+        if not torch.compiler.is_compiling():
+            self.refresh_converted()
+        x_TH = hidden_states.reshape(-1, cfg.hidden_size)
+        if self.training and self.jitter_noise > 0:
+            x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
+                                                          1.0 + self.jitter_noise)
+        _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
+        w13_EFH, w2_EHI, b13_EF, b2_EH = self.expert_weights()
+        y_TH = torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
+                                     b13_EF, b2_EH, cfg.activation,
+                                     cfg.static_float("swiglu_alpha"),
+                                     cfg.static_float("swiglu_limit"))
+        if self.shared_expert_name is not None:
+            shared_TH = getattr(self, self.shared_expert_name)(x_TH)
+            if self.shared_expert_gate_name is not None:
+                gate_T1 = getattr(self, self.shared_expert_gate_name)(x_TH)
+                shared_TH = torch.sigmoid(gate_T1) * shared_TH
+            y_TH = y_TH + shared_TH
+        y = y_TH.view(hidden_states.shape)
+        if self.returns_router_scores:
+            return y, topk_weights_TK.to(hidden_states.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"family={self.family}, experts={self.cfg.num_experts}, top_k={self.cfg.top_k}, "
+                f"scoring={self.cfg.scoring}, converted={list(self.converted_names)}")
+
+
+def _refresh_after_load(block: HFMoEBlock, incompatible_keys) -> None:
+    # A load_state_dict post-hook: runs outside any compiled region, so a compiled
+    # model reads the loaded weights too.
+    block.refresh_converted()

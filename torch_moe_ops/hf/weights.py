@@ -1,0 +1,140 @@
+"""Expert weights of a transformers experts module in our canonical layout.
+
+Legend: E experts, H hidden size, I expert intermediate size, F = 2 * I.
+
+Our ops take ``w13 [E, F, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and
+the optional biases ``b13 [E, F]``, ``b2 [E, H]``. Where a family stores its
+experts so (every family but GPT-OSS), the transformers tensors are used in
+place: no copy, and gradients reach them. GPT-OSS stores ``gate_up_proj
+[E, H, F]`` with gate and up columns interleaved and ``down_proj [E, I, H]``:
+those are converted into copies in our layout (`Conversion`), which the block
+keeps as non-persistent buffers and reconverts when a `SourceStamp` shows that
+the tensor they came from changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torch_moe_ops.config import MoEConfig
+from torch_moe_ops.hf.families import Unsupported
+from torch_moe_ops.ops.checks import FLOAT_DTYPES
+
+# Our names of the expert tensors, in the order moe::experts takes them.
+EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """One of our expert tensors computed from the experts module's attribute
+    ``source``: ``convert(source) -> ours``, always a new contiguous tensor (never
+    a view of the source, so writing into it leaves the source alone)."""
+
+    source: str
+    convert: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, experts: nn.Module) -> torch.Tensor:
+        """Our tensor from the experts' current ``source``: no autograd history,
+        and not an inference tensor even when called under `torch.inference_mode`
+        (it is kept across calls, in and out of that mode)."""
+        with torch.no_grad(), torch.inference_mode(False):
+            return self.convert(getattr(experts, self.source).detach())
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """Where each canonical expert tensor comes from: ``shared`` maps our name
+    (`EXPERT_TENSORS`) to the experts module's attribute used in place,
+    ``converted`` maps our name to its `Conversion`."""
+
+    shared: dict[str, str]
+    converted: dict[str, Conversion]
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    # Inference tensors (made under torch.inference_mode) have no version counter.
+    return None if tensor.is_inference() else tensor._version
+
+
+class SourceStamp:
+    """What a converted tensor was computed from: the source tensor (held weakly,
+    so a replaced parameter is freed), its storage address (``.to()`` and
+    ``param.data = ...`` move it) and its version counter (in-place writes such
+    as ``load_state_dict``'s copy bump it). ``SourceStamp()`` matches nothing.
+
+    Writes that bypass the version counter (``param.data.copy_(...)``, or any
+    write into an inference tensor, which has none) are not seen: after those,
+    `torch_moe_ops.hf.patch` the model again.
+    """
+
+    __slots__ = ("_data_ptr", "_tensor", "_version")
+
+    def __init__(self, tensor: torch.Tensor | None = None):
+        self._tensor = None if tensor is None else weakref.ref(tensor)
+        self._data_ptr = None if tensor is None else tensor.data_ptr()
+        self._version = None if tensor is None else _version(tensor)
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        return (self._tensor is not None and self._tensor() is tensor
+                and tensor.data_ptr() == self._data_ptr and _version(tensor) == self._version)
+
+    def __reduce__(self):
+        # A weak reference does not survive pickling (torch.save, deepcopy): the copy
+        # matches nothing, so its block reconverts once.
+        return SourceStamp, ()
+
+
+def _check_shape(experts: nn.Module, name: str, expected: tuple[int, ...]) -> None:
+    tensor = getattr(experts, name, None)
+    if not isinstance(tensor, torch.Tensor):
+        raise Unsupported(f"{type(experts).__name__} has no tensor {name!r}")
+    if tuple(tensor.shape) != expected:
+        raise Unsupported(f"{type(experts).__name__}.{name} must have shape {expected} "
+                          f"(from the config), got {tuple(tensor.shape)}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise Unsupported(f"{type(experts).__name__}.{name} must be float32/float16/bfloat16 "
+                          f"(quantized experts are not supported), got {tensor.dtype}")
+
+
+def _canonical_weights(experts: nn.Module, cfg: MoEConfig) -> ExpertWeights:
+    num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    _check_shape(experts, "gate_up_proj", (num_experts, 2 * inter, hidden))
+    _check_shape(experts, "down_proj", (num_experts, hidden, inter))
+    return ExpertWeights(shared={"w13": "gate_up_proj", "w2": "down_proj"}, converted={})
+
+
+def _gate_then_up(interleaved_EF: torch.Tensor) -> torch.Tensor:
+    # GPT-OSS interleaves the last dimension: 0, 2, 4, ... gate, 1, 3, 5, ... up.
+    return torch.cat([interleaved_EF[..., 0::2], interleaved_EF[..., 1::2]], dim=-1)
+
+
+def _w13_from_gate_up(gate_up_EHF: torch.Tensor) -> torch.Tensor:
+    return _gate_then_up(gate_up_EHF).transpose(1, 2).contiguous()
+
+
+def _w2_from_down(down_EIH: torch.Tensor) -> torch.Tensor:
+    # clone, not contiguous(): with a dimension of size 1 the transpose is already
+    # contiguous and contiguous() would return a view of the source.
+    return down_EIH.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+
+
+def _gpt_oss_weights(experts: nn.Module, cfg: MoEConfig) -> ExpertWeights:
+    num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    _check_shape(experts, "gate_up_proj", (num_experts, hidden, 2 * inter))
+    _check_shape(experts, "gate_up_proj_bias", (num_experts, 2 * inter))
+    _check_shape(experts, "down_proj", (num_experts, inter, hidden))
+    _check_shape(experts, "down_proj_bias", (num_experts, hidden))
+    return ExpertWeights(shared={"b2": "down_proj_bias"}, converted={
+        "w13": Conversion("gate_up_proj", _w13_from_gate_up),
+        "b13": Conversion("gate_up_proj_bias", _gate_then_up),
+        "w2": Conversion("down_proj", _w2_from_down),
+    })
+
+
+# Family.layout -> (experts module, config) -> ExpertWeights, or Unsupported.
+LAYOUTS = {"canonical": _canonical_weights, "gpt_oss": _gpt_oss_weights}
