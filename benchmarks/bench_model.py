@@ -288,7 +288,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--traces", action="store_true", help="write chrome traces to --out")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--table-from", nargs="+", metavar="JSON",
+                        help="print the table of earlier runs' model.json files and exit")
     args = parser.parse_args()
+    if args.table_from:
+        rows = []
+        for path in args.table_from:
+            with open(path) as f:
+                rows += json.load(f)
+        print(table(rows))
+        return
     os.makedirs(args.out, exist_ok=True)
     decode = tuple(int(b) for b in args.decode.split(",") if b)
     prefill = tuple(tuple(int(v) for v in p.split("x")) for p in args.prefill.split(",") if p)

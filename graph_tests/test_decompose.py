@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
+from graph_tests.aot_graphs import AotGraphs
 from torch_moe_ops.config import BackendSpec
-from torch_moe_ops.lowering import lower
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -28,22 +26,6 @@ ROUTING = {
                            topk_groups=2, renormalize=True, routed_scaling_factor=2.5),
     "topk_softmax": dict(scoring="topk_softmax", router_bias=True),
 }
-
-
-class ForwardGraphs:
-    """A compile backend that lowers, then records AOTAutograd's forward and backward graphs."""
-
-    def __init__(self, spec: BackendSpec):
-        self.spec = spec
-        self.codes: list[str] = []
-
-    def __call__(self, gm, example_inputs):
-        def record(graph, _):
-            self.codes.append(graph.code)
-            return make_boxed_func(graph.forward)
-
-        return aot_module_simplified(lower(gm, self.spec), example_inputs, fw_compiler=record,
-                                     bw_compiler=record)
 
 
 @pytest.mark.parametrize("routing", sorted(ROUTING))
@@ -61,7 +43,7 @@ def test_route_traced_into_graph_with_its_own_backward(routing):
     x_TH.grad = None
     moe.zero_grad()
 
-    graphs = ForwardGraphs(BackendSpec(experts="reference"))
+    graphs = AotGraphs(BackendSpec(experts="reference"))
     out_TH = torch.compile(moe, backend=graphs, fullgraph=True)(x_TH)
     out_TH.square().sum().backward()
 

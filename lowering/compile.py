@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from torch_moe_ops.backends.common.tracing import for_inductor
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.rewrite import lower
 
@@ -37,7 +38,12 @@ class MoECompileBackend:
             self._compile = torch._dynamo.lookup_backend(inner)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        return self._compile(lower(gm, self.spec), example_inputs)
+        lowered = lower(gm, self.spec)
+        if self.inner == "inductor":
+            # Some backend bodies only pay off fused (`backends.common.tracing`).
+            with for_inductor():
+                return self._compile(lowered, example_inputs)
+        return self._compile(lowered, example_inputs)
 
     def __repr__(self) -> str:
         return (f"MoECompileBackend(experts={self.spec.experts!r}, a2a={self.spec.a2a!r}, "

@@ -10,15 +10,13 @@ import math
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._functorch.aot_autograd import aot_module_simplified
 
 import torch_moe_ops as tmo
+from graph_tests.aot_graphs import AotGraphs
 from torch_moe_ops.backends import cpu
 from torch_moe_ops.backends.common.tracing import for_inductor
 from torch_moe_ops.backends.registry import REGISTRY
 from torch_moe_ops.config import BackendSpec
-from torch_moe_ops.lowering import lower
 
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -238,21 +236,6 @@ def test_compiles_fullgraph_on_its_namespace():
         torch.testing.assert_close(compiled(x_TH), expected_TH, rtol=1e-5, atol=1e-5)
 
 
-class ForwardCode:
-    """A compile backend that lowers, then records the forward graph AOTAutograd traces."""
-
-    def __init__(self, spec: BackendSpec):
-        self.spec = spec
-        self.codes: list[str] = []
-
-    def __call__(self, gm, example_inputs):
-        def record(graph, _):
-            self.codes.append(graph.code)
-            return make_boxed_func(graph.forward)
-
-        return aot_module_simplified(lower(gm, self.spec), example_inputs, fw_compiler=record)
-
-
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("num_tokens,inductor,cached_bytes,traced", [
     (4, True, 0, True),             # 8 slots over 8 experts, for Inductor: traced in
@@ -267,7 +250,7 @@ def test_traced_into_the_graph_only_for_inductor_at_small_sizes(monkeypatch, num
     monkeypatch.setattr(cpu, "GATHERED_CACHED_MAX_BYTES", cached_bytes)
     moe = small_moe()
     x_TH = torch.randn(num_tokens, 32)
-    recorder = ForwardCode(BackendSpec(experts="cpu"))
+    recorder = AotGraphs(BackendSpec(experts="cpu"))
     compiled = torch.compile(moe, fullgraph=True, backend=recorder)
     with torch.no_grad():
         expected_TH = moe(x_TH)

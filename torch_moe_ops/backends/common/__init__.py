@@ -5,6 +5,8 @@
 - `triton_activation`, `epilogues`: the same activations as a Triton function, and
   elementwise Triton kernels around library GEMMs (need triton).
 - `grouped_gemm`: the experts on ``torch._grouped_mm`` with those epilogues.
+- `launch`, `tracing`: how a backend op traced into a compiled graph launches its
+  Triton kernels, and whether Inductor compiles that graph.
 
 Backends import from here and never from each other.
 """
