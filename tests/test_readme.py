@@ -1,9 +1,9 @@
 """Every code block of README.md works as written.
 
 ``python`` blocks run, each in a fresh interpreter from the repository root, on
-CUDA where there is one (they compile with Inductor: `slow`). ``bash`` blocks
-are checked rather than run, since they install packages, run this test suite
-or tune kernels on a GPU: each block must parse (``bash -n``), each ``pip
+CUDA where there is one (they compile with Inductor: `slow`). Shell blocks
+(``bash``, and ``sh`` for what needs a GPU) are checked rather than run, since
+they install packages, run this test suite or tune kernels on a GPU: each block must parse (``bash -n``), each ``pip
 install -e`` must name extras the project declares, and each ``python``
 command's script or module must accept the options the README gives it (they
 must appear in its ``--help``). `.ci/run` must run the two commands verbatim.
@@ -42,9 +42,10 @@ def blocks(language: str) -> list:
 
 
 def commands() -> list:
-    """``pytest.param(argv)`` for every command of every bash block (split at ``&&``)."""
+    """``pytest.param(argv)`` for every command of every shell block (split at ``&&``):
+    ``bash`` blocks run on any machine, ``sh`` blocks need a GPU (tuning)."""
     found = []
-    for block in blocks("bash"):
+    for block in blocks("bash") + blocks("sh"):
         for line in block.values[0].splitlines():
             for command in filter(None, (part.strip() for part in line.split("&&"))):
                 argv = shlex.split(command)
@@ -59,7 +60,7 @@ def readme_environment() -> dict:
 
 
 def test_readme_has_blocks():
-    assert len(blocks("python")) >= 2 and len(blocks("bash")) >= 3
+    assert len(blocks("python")) >= 2 and len(blocks("bash")) + len(blocks("sh")) >= 3
 
 
 @pytest.mark.slow
@@ -70,7 +71,7 @@ def test_python_block_runs(code):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("code", blocks("bash"))
+@pytest.mark.parametrize("code", blocks("bash") + blocks("sh"))
 def test_bash_block_parses(code):
     result = subprocess.run(["bash", "-n"], input=code, capture_output=True, text=True,
                             check=False)
