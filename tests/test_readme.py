@@ -3,10 +3,10 @@
 ``python`` blocks run, each in a fresh interpreter from the repository root, on
 CUDA where there is one (they compile with Inductor: `slow`). Shell blocks
 (``bash``, and ``sh`` for what needs a GPU) are checked rather than run, since
-they install packages, run this test suite or tune kernels on a GPU: each block must parse (``bash -n``), each ``pip
-install -e`` must name extras the project declares, and each ``python``
-command's script or module must accept the options the README gives it (they
-must appear in its ``--help``). `.ci/run` must run the two commands verbatim.
+they install packages, run this test suite or tune kernels on a GPU: each block
+must parse (``bash -n``), each ``pip install -e`` must name extras the project
+declares, and each ``python`` command's script or module must accept the
+options the README gives it (they must appear in its ``--help``). `.ci/run` must run the two commands verbatim.
 """
 
 from __future__ import annotations
