@@ -6,7 +6,8 @@ CUDA where there is one (they compile with Inductor: `slow`). Shell blocks
 they install packages, run this test suite or tune kernels on a GPU: each block
 must parse (``bash -n``), each ``pip install -e`` must name extras the project
 declares, and each ``python`` command's script or module must accept the
-options the README gives it (they must appear in its ``--help``). `.ci/run` must run the two commands verbatim.
+options the README gives it (they must appear in its ``--help``). `.ci/run`
+must run the two commands verbatim.
 """
 
 from __future__ import annotations
