@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import formulas
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.registry import REGISTRY
 
@@ -44,36 +45,29 @@ def ordered(leaves: dict) -> tuple:
                  ("hidden", "topk_weights", "topk_ids", "w13", "w2", "b13", "b2"))
 
 
-def dense_formula(leaves: dict, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """The per-slot formula as an fp64 loop over slots."""
-    hidden, weights, ids, w13, w2, b13, b2 = (t.detach() if t is not None else None
-                                              for t in ordered(leaves))
-    out_TH = torch.zeros_like(hidden)
-    for t in range(T):
-        for k in range(K):
-            e = int(ids[t, k])
-            if e < 0:
-                continue
-            h_F = w13[e] @ hidden[t] + (0 if b13 is None else b13[e])
-            gate_I, up_I = h_F.chunk(2)
-            if activation == "silu":
-                a_I = torch.nn.functional.silu(gate_I) * up_I
-            elif activation == "gelu":
-                a_I = torch.nn.functional.gelu(gate_I) * up_I
-            else:
-                gate_I, up_I = gate_I.clamp(max=limit), up_I.clamp(-limit, limit)
-                a_I = (up_I + 1) * gate_I * torch.sigmoid(alpha * gate_I)
-            out_TH[t] += weights[t, k] * (w2[e] @ a_I + (0 if b2 is None else b2[e]))
-    return out_TH
-
-
 @pytest.mark.parametrize("op", sorted(EXPERTS_OPS))
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_experts_fp64_matches_the_formula_to_fp64_precision(op, activation, generator):
     leaves = fp64_leaves(generator, bias=True)
     out_TH = EXPERTS_OPS[op](*ordered(leaves), activation, 1.702, 0.5)
     assert out_TH.dtype == torch.float64
-    expected_TH = dense_formula(leaves, activation, 1.702, 0.5)
+    expected_TH = formulas.experts_formula(
+        *(t.detach() if t is not None else None for t in ordered(leaves)), activation, 1.702,
+        0.5)
+    torch.testing.assert_close(out_TH, expected_TH, rtol=1e-12, atol=1e-12)
+
+
+def test_dispatch_combine_keep_fp64_precision(generator):
+    leaves = fp64_leaves(generator, bias=False)
+    hidden_TH, weights_TK, ids_TK = (leaves[n].detach() for n in
+                                     ("hidden", "topk_weights", "topk_ids"))
+    x_RH, _, weight_R, src_R, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK, E)
+    out_TH = torch.ops.moe.combine(x_RH, weight_R, src_R, T)
+    assert out_TH.dtype == torch.float64
+    # Each token's rows are its own hidden row: combine returns it times its kept weights.
+    # The routing weights travel in fp32 by contract; the sum itself must stay fp64.
+    kept_T1 = torch.where(ids_TK >= 0, weights_TK.float().double(), 0).sum(1, keepdim=True)
+    expected_TH = hidden_TH * kept_T1
     torch.testing.assert_close(out_TH, expected_TH, rtol=1e-12, atol=1e-12)
 
 

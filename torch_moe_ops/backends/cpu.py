@@ -37,6 +37,7 @@ from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.common.tracing import tracing_for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
+from torch_moe_ops.ops.checks import compute_dtype
 
 NAMESPACE = "moe_cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -102,7 +103,7 @@ def _sparse_experts_below_autograd(x_TH, weights_S, ids_TK, w13_EFH, w2_EHI, b13
                                    act, alpha, limit):
     num_tokens, top_k = ids_TK.shape
     num_experts, inter_size = w13_EFH.shape[0], w13_EFH.shape[1] // 2
-    acc_dtype = torch.promote_types(x_TH.dtype, torch.float32)
+    acc_dtype = compute_dtype(x_TH.dtype)
     out_TH = torch.zeros((num_tokens, x_TH.shape[1]), dtype=acc_dtype, device=x_TH.device)
     order_S, sorted_ids_S, count_E = sort_rows(ids_TK, num_experts)
     # Row counts are read on the host: this kernel is opaque to torch.compile (the
@@ -172,7 +173,7 @@ def gathered_experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b
     """
     num_tokens, top_k = topk_ids_TK.shape
     hidden_size, inter_size = hidden_TH.shape[1], w13_EFH.shape[1] // 2
-    acc_dtype = torch.promote_types(hidden_TH.dtype, torch.float32)
+    acc_dtype = compute_dtype(hidden_TH.dtype)
     ids_S = topk_ids_TK.reshape(-1)
     expert_S = ids_S.clamp(min=0).long()
     x_SH = hidden_TH.unsqueeze(1).expand(num_tokens, top_k, hidden_size).reshape(-1, hidden_size)

@@ -14,6 +14,7 @@ import torch
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops.checks import compute_dtype
 
 NAMESPACE = "moe_local"
 
@@ -30,8 +31,9 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
 
 def combine(y_RH, weight_R, src_R, num_tokens):
     skip_R = src_R < 0
-    weighted_RH = y_RH.float() * weight_R.masked_fill(skip_R, 0.0).unsqueeze(1)
-    out_TH = y_RH.new_zeros((num_tokens, y_RH.shape[1]), dtype=torch.float32)
+    dtype = compute_dtype(y_RH.dtype)
+    weighted_RH = y_RH.to(dtype) * weight_R.masked_fill(skip_R, 0.0).unsqueeze(1)
+    out_TH = y_RH.new_zeros((num_tokens, y_RH.shape[1]), dtype=dtype)
     out_TH.index_add_(0, src_R.masked_fill(skip_R, 0).long(), weighted_RH)
     return out_TH.to(y_RH.dtype)
 

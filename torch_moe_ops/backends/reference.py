@@ -24,19 +24,15 @@ import torch.nn.functional as F
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
+from torch_moe_ops.ops.checks import compute_dtype
 
 NAMESPACE = "moe_reference"
-
-
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """fp32, or fp64 when ``t`` is fp64."""
-    return torch.promote_types(t.dtype, torch.float32)
 
 
 def route(router_logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | None,
           top_k: int, scoring: str, renormalize: bool, num_expert_groups: int,
           topk_groups: int, routed_scaling_factor: float):
-    logits_TE = router_logits_TE.to(compute_dtype(router_logits_TE))
+    logits_TE = router_logits_TE.to(compute_dtype(router_logits_TE.dtype))
     if scoring == "topk_softmax":
         scores_TE = logits_TE
     elif scoring == "softmax":
@@ -128,7 +124,7 @@ def _bias(b, e):
 def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
             act, alpha, limit):
     num_experts = w13_EFH.shape[0]
-    x_TH = hidden_TH.to(compute_dtype(hidden_TH))
+    x_TH = hidden_TH.to(compute_dtype(hidden_TH.dtype))
     weights_TE, chosen_TE = _per_expert(topk_weights_TK, topk_ids_TK, num_experts, x_TH.dtype)
     out_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)
     for e in range(num_experts):
@@ -141,7 +137,7 @@ def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2
 def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
                      b13_EF, b2_EH, act, alpha, limit):
     num_experts = w13_EFH.shape[0]
-    dtype = compute_dtype(hidden_TH)
+    dtype = compute_dtype(hidden_TH.dtype)
     x_TH, grad_TH = hidden_TH.to(dtype), grad_out_TH.to(dtype)
     weights_TE, chosen_TE = _per_expert(topk_weights_TK, topk_ids_TK, num_experts, dtype)
     grad_x_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)

@@ -16,6 +16,11 @@ OP_FLOAT_DTYPES = (*FLOAT_DTYPES, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the ops accumulate in for inputs of ``dtype``: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 

@@ -73,7 +73,7 @@ def backward(ctx, grad_weights_TK, _grad_ids):
     groups only select. Computed in fp32 (fp64 for fp64 logits).
     """
     router_logits_TE, topk_weights_TK, topk_ids_TK = ctx.saved_tensors
-    dtype = torch.promote_types(router_logits_TE.dtype, torch.float32)
+    dtype = checks.compute_dtype(router_logits_TE.dtype)
     logits_TE = router_logits_TE.to(dtype)
     ids_TK = topk_ids_TK.long()
     grad_TK = grad_weights_TK.to(dtype) * ctx.scale
