@@ -34,7 +34,7 @@ import torch
 
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.backends.common.sorting import sort_rows
-from torch_moe_ops.backends.common.tracing import tracing_for_inductor
+from torch_moe_ops.backends.common.tracing import fixed_sizes, tracing_for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
@@ -191,7 +191,7 @@ def gathered_experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b
 
 
 def _gathered_applies(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, *_) -> bool:
-    if not (tracing_for_inductor() and all(isinstance(s, int) for s in topk_ids_TK.shape)):
+    if not (tracing_for_inductor() and fixed_sizes(topk_ids_TK)):
         return False
     slots_per_expert = topk_ids_TK.numel() / w13_EFH.shape[0]
     expert_bytes = (w13_EFH.numel() + w2_EHI.numel()) * w13_EFH.element_size()

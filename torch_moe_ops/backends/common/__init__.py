@@ -6,7 +6,7 @@
   elementwise Triton kernels around library GEMMs (need triton).
 - `grouped_gemm`: the experts on ``torch._grouped_mm`` with those epilogues.
 - `launch`, `tracing`: how a backend op traced into a compiled graph launches its
-  Triton kernels, and whether Inductor compiles that graph.
+  Triton kernels, and what it may ask of the trace (Inductor or not, fixed sizes).
 
 Backends import from here and never from each other.
 """

@@ -4,38 +4,25 @@ A backend op whose body is traced into the compiled graph (`ops.library.decompos
 must launch its Triton kernels through ``torch.library.wrap_triton``: Inductor
 then compiles and launches them from its own generated code, with none of the
 Python launch cost of a call at run time. Eagerly the wrapper only adds
-overhead, so kernels launch directly unless `traced_launches` is in effect::
+overhead, so kernels launch directly except inside a body wrapped by `traced`::
 
     launcher(kernel)[grid](*args)      # the kernel itself, or wrap_triton(kernel) when traced
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
 
 import torch
 
-# Scoped to the trace that sets it (a context variable, so threads and nested
-# traces each see their own): not process state.
-_TRACED = contextvars.ContextVar("torch_moe_ops_traced_launches", default=False)
+from torch_moe_ops.backends.common.tracing import ScopedFlag, fixed_sizes
+
+_TRACED_LAUNCHES = ScopedFlag("torch_moe_ops_traced_launches")
 
 
 def launcher(kernel):
     """``kernel`` as the current caller should launch it (see the module docstring)."""
-    return torch.library.wrap_triton(kernel) if _TRACED.get() else kernel
-
-
-@contextlib.contextmanager
-def traced_launches() -> Iterator[None]:
-    """Inside, `launcher` hands out ``wrap_triton`` wrappers, which a graph can record."""
-    token = _TRACED.set(True)
-    try:
-        yield
-    finally:
-        _TRACED.reset(token)
+    return torch.library.wrap_triton(kernel) if _TRACED_LAUNCHES else kernel
 
 
 def traced(body):
@@ -44,7 +31,7 @@ def traced(body):
 
     @functools.wraps(body)
     def run(*args):
-        with traced_launches():
+        with _TRACED_LAUNCHES.on():
             return body(*args)
 
     return run
@@ -54,4 +41,4 @@ def static_shapes_on_cuda(first: torch.Tensor, *_) -> bool:
     """Whether a call can be traced into the graph: on CUDA (the Triton interpreter
     cannot be traced) and with the first input's sizes fixed, because the
     kernels are chosen from them; a symbolic size leaves the choice to each call."""
-    return first.device.type == "cuda" and all(isinstance(s, int) for s in first.shape)
+    return first.device.type == "cuda" and fixed_sizes(first)
