@@ -8,6 +8,8 @@ K experts per token.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -127,6 +129,24 @@ def test_backends_that_cannot_run_fp64_say_why():
     assert experts["reference"].available
     for status in experts.values():
         assert status.available or status.reason, status.name
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("op", ["experts", "experts_rows"])
+def test_triton_backend_rejects_fp64_called_directly(op, generator):
+    # Its kernels do not compute in fp64 (they gave NaN): a clear error, not a wrong answer.
+    leaves = fp64_leaves(generator, bias=False)
+    hidden, weights, ids, w13, w2, _, _ = (t.detach() if t is not None else None
+                                           for t in ordered(leaves))
+    static = (None, None, "silu", 1.702, 7.0)
+    name = "hidden" if op == "experts" else "x_rows"
+    args = ((hidden, weights, ids, w13, w2, *static) if op == "experts" else
+            (hidden, ids[:, 0].contiguous(), torch.zeros(E, dtype=torch.int32), w13, w2,
+             *static))
+    expected = (f"{name} must have dtype in (float32, float16, bfloat16) on the triton "
+                "experts backend, got float64")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        getattr(torch.ops.moe_triton, op)(*args)
 
 
 def test_opcheck_experts_fp64(generator):

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES
 
 NAMESPACE = "moe_triton"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def supports(spec, cfg, device, dtype) -> str | None:
@@ -32,7 +30,7 @@ def supports(spec, cfg, device, dtype) -> str | None:
         return "the Triton interpreter is for tests: name experts='triton' to use it on the CPU"
     if device.type not in ("cpu", "cuda"):
         return f"needs a CUDA GPU, got device {device.type}"
-    if dtype not in DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return f"needs float32, float16 or bfloat16, got {dtype}"
     return None
 

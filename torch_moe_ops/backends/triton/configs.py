@@ -81,6 +81,10 @@ class KernelConfig:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
 
 
+# What the kernels compute in (fp64 has no tensor-core path and is not supported).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -32,7 +32,13 @@ from torch_moe_ops.backends.common import grouped_gemm
 from torch_moe_ops.backends.common.launch import launcher
 from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.triton.align import align_rows
-from torch_moe_ops.backends.triton.configs import KernelConfig, device_name, get_config
+from torch_moe_ops.backends.triton.configs import (
+    KERNEL_DTYPES,
+    KernelConfig,
+    device_name,
+    dtype_name,
+    get_config,
+)
 from torch_moe_ops.backends.triton.direct_kernels import (
     moe_direct_down_sum_kernel,
     moe_direct_gate_up_kernel,
@@ -67,6 +73,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "ieee"
     return "tf32"
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    # The op contract admits float64 (the reference computes in it); these kernels do not.
+    if t.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{name} must have dtype in "
+                         f"({', '.join(map(dtype_name, KERNEL_DTYPES))}) on the triton "
+                         f"experts backend, got {dtype_name(t.dtype)}")
 
 
 def _check_activation(activation: str) -> None:
@@ -197,6 +211,7 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     Where the config says so (prefill, bf16 on sm90+), the two GEMMs run on
     ``torch._grouped_mm`` with Triton epilogues instead (`common.grouped_gemm`).
     """
+    _check_dtype("hidden", hidden_TH)
     _check_activation(activation)
     if topk_ids_TK.shape[0] == 0:
         return torch.empty((0, hidden_TH.shape[1]), dtype=hidden_TH.dtype,
@@ -246,6 +261,7 @@ def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torc
     """
     if expert_R.dim() != 1:
         raise ValueError(f"expert_rows must be 1-D, got shape {tuple(expert_R.shape)}")
+    _check_dtype("x_rows", x_RH)
     _check_activation(activation)
     if expert_R.shape[0] == 0:
         return torch.empty((0, x_RH.shape[1]), dtype=x_RH.dtype, device=x_RH.device)
