@@ -106,6 +106,16 @@ def test_grouped_mm_rejects_unaligned_sizes():
         torch.ops.moe_grouped_mm.experts(*args, "silu", 1.702, 7.0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks about CUDA where torch has none")
+def test_available_backends_for_cuda_without_cuda_says_why():
+    table = tmo.available_backends("cuda")
+    reasons = {status.name: status.reason for status in table if status.kind == "experts"}
+    assert reasons["grouped_mm"] == "needs a CUDA GPU of sm90 or newer, this torch sees none"
+    if reasons["triton"] != "triton is not installed (pip install triton)":
+        assert reasons["triton"] == "needs a CUDA GPU, this torch sees none"
+    assert all(status.available or status.reason for status in table)
+
+
 def gpu_backends():
     if not torch.cuda.is_available():
         return []

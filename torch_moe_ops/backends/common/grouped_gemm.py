@@ -47,6 +47,8 @@ def supports(spec, cfg, device, dtype) -> str | None:
         return "its activation and gather kernels need triton (pip install triton)"
     if device.type != "cuda":
         return f"needs a CUDA GPU of sm90 or newer, got device {device.type}"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU of sm90 or newer, this torch sees none"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         return (f"needs sm90 or newer (torch._grouped_mm loops on the host before), "

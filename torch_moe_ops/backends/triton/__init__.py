@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES
@@ -30,6 +32,8 @@ def supports(spec, cfg, device, dtype) -> str | None:
         return "the Triton interpreter is for tests: name experts='triton' to use it on the CPU"
     if device.type not in ("cpu", "cuda"):
         return f"needs a CUDA GPU, got device {device.type}"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "needs a CUDA GPU, this torch sees none"
     if dtype not in KERNEL_DTYPES:
         return f"needs float32, float16 or bfloat16, got {dtype}"
     return None
