@@ -6,9 +6,11 @@ import torch
 from torch import fx
 
 from torch_moe_ops.backends import namespace_for
-from torch_moe_ops.backends.registry import A2A_OPS, EXPERTS_OPS, REGISTRY
+from torch_moe_ops.backends.problems import problem_of
+from torch_moe_ops.backends.registry import A2A_OPS, EXPERTS_OPS, REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import GENERIC_NAMESPACE
+from torch_moe_ops.ops.library import full_args
 
 
 def _op_name(target: object) -> tuple[str, str] | None:
@@ -23,19 +25,27 @@ def _op_name(target: object) -> tuple[str, str] | None:
     return namespace, name.split(".")[0]
 
 
-def _example(node: fx.Node) -> torch.Tensor:
-    first = node.args[0]
-    value = first.meta.get("val", first.meta.get("example_value"))
-    if not isinstance(value, torch.Tensor):
+def _value(arg: object) -> object:
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val", arg.meta.get("example_value"))
+    return arg
+
+
+def _example_args(node: fx.Node) -> tuple:
+    """The node's arguments in schema order, tensors as their fake values."""
+    args = tuple(_value(a) for a in node.args)
+    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+    if not isinstance(args[0], torch.Tensor):
         raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
                         "tensor metadata (was the graph traced by Dynamo?)")
-    return value
+    overload = node.target if isinstance(node.target, torch._ops.OpOverload) else node.target.default
+    return full_args(overload, args, kwargs)
 
 
-def check_combination(spec: BackendSpec, device: torch.device, dtype: torch.dtype) -> None:
+def check_combination(spec: BackendSpec, device: torch.device, problem: Problem) -> None:
     """The a2a backend's output layout must be what the experts backend consumes."""
-    a2a = REGISTRY.choose_a2a(spec, None, device, dtype)
-    experts = REGISTRY.choose_experts(spec, None, device, dtype)
+    a2a = REGISTRY.choose_a2a(spec, problem, device)
+    experts = REGISTRY.choose_experts(spec, problem, device)
     if a2a.layout != experts.layout:
         raise ValueError(f"a2a backend {a2a.name!r} produces the {a2a.layout!r} layout but "
                          f"experts backend {experts.name!r} consumes {experts.layout!r}, and "
@@ -55,12 +65,13 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
         op = _op_name(node.target) if node.op == "call_function" else None
         if op is None or op[0] != GENERIC_NAMESPACE:
             continue
-        example = _example(node)
+        args = _example_args(node)
+        problem, device = problem_of(op[1], args), args[0].device
         # Routing runs on fp32 logits: only the ops that carry activations decide
         # (and must agree on) the experts and a2a backends.
         if op[1] in EXPERTS_OPS or op[1] in A2A_OPS:
-            check_combination(spec, example.device, example.dtype)
-        namespace = namespace_for(op[1], spec, example.device, example.dtype)
+            check_combination(spec, device, problem)
+        namespace = namespace_for(op[1], spec, device, problem)
         packet = getattr(getattr(torch.ops, namespace), op[1])
         node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet
         changed = True

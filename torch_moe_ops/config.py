@@ -66,6 +66,13 @@ class MoEConfig:
     Shared experts (``shared_expert_intermediate_size > 0``) are one gated MLP
     applied to every token, optionally scaled by ``sigmoid(x @ w_gate)``
     (``shared_expert_gate``, as Qwen2-MoE does).
+
+    Expert parallelism (``ep_size > 1``): each of ``ep_size`` ranks holds
+    ``num_experts // ep_size`` experts and tokens travel to them and back in
+    static buffers sized by ``max_tokens_per_rank`` (required: the most tokens
+    one rank passes in one call) and ``ep_capacity`` (rows one rank may send
+    another; ``None`` is the worst case, which never overflows; a smaller one
+    moves fewer bytes, and a batch that overflows it raises on every rank).
     """
 
     hidden_size: int
@@ -86,6 +93,8 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     ep_size: int = 1
+    max_tokens_per_rank: int | None = None
+    ep_capacity: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "intermediate_size", "num_experts", "top_k",
@@ -130,6 +139,7 @@ class MoEConfig:
                   "False when there is no shared expert (shared_expert_intermediate_size=0)")
         if self.num_experts % self.ep_size:
             _fail("ep_size", self.ep_size, f"a divisor of num_experts ({self.num_experts})")
+        self._check_ep_sizes()
         # Not a field: equality, hashing, repr and dataclasses.replace ignore it.
         object.__setattr__(self, "_float_text",
                            {field: repr(float(getattr(self, field))) for field in FLOAT_FIELDS})
@@ -147,9 +157,40 @@ class MoEConfig:
         """
         return float(self._float_text[field])
 
+    def _check_ep_sizes(self) -> None:
+        for field in ("max_tokens_per_rank", "ep_capacity"):
+            if getattr(self, field) is not None:
+                _check_positive_int(field, getattr(self, field))
+        if self.ep_size == 1:
+            for field in ("max_tokens_per_rank", "ep_capacity"):
+                if getattr(self, field) is not None:
+                    _fail(field, getattr(self, field), "None when ep_size == 1")
+            return
+        if self.max_tokens_per_rank is None:
+            _fail("max_tokens_per_rank", None,
+                  f"a positive int when ep_size > 1 (got ep_size={self.ep_size}): the "
+                  "largest token count one rank sends, which sizes the static buffers")
+        if self.ep_capacity is not None and self.ep_capacity > self.worst_case_capacity:
+            _fail("ep_capacity", self.ep_capacity,
+                  f"<= the worst case max_tokens_per_rank * min(top_k, experts per rank) "
+                  f"({self.worst_case_capacity}), or None for it")
+
     @property
     def num_local_experts(self) -> int:
+        """Experts each expert-parallel rank holds: ``num_experts // ep_size``."""
         return self.num_experts // self.ep_size
+
+    @property
+    def worst_case_capacity(self) -> int:
+        """Most rows one rank can send another: each of its tokens sends one row
+        per chosen expert on that rank, at most ``min(top_k, experts per rank)``."""
+        return (self.max_tokens_per_rank or 0) * min(self.top_k, self.num_local_experts)
+
+    @property
+    def rows_per_rank(self) -> int:
+        """The static capacity of expert parallelism: rows one rank receives from
+        each rank (``ep_capacity``, by default the worst case, which never overflows)."""
+        return self.ep_capacity or self.worst_case_capacity
 
 
 @dataclasses.dataclass(frozen=True)

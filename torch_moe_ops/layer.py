@@ -28,6 +28,27 @@ def without_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
+EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
+
+
+def _ep_process_group(cfg: MoEConfig, ep_group):
+    """The ``ProcessGroup`` of ``ep_group`` (a group or a 1-D ``DeviceMesh``), checked
+    against ``cfg.ep_size``; ``None`` for ``ep_size == 1``."""
+    if ep_group is None:
+        if cfg.ep_size > 1:
+            raise ValueError(f"ep_group must be the expert-parallel ProcessGroup or 1-D "
+                             f"DeviceMesh when ep_size > 1, got None (ep_size={cfg.ep_size})")
+        return None
+    if hasattr(ep_group, "get_group"):
+        if ep_group.ndim != 1:
+            raise ValueError(f"ep_group must be a 1-D DeviceMesh, got {ep_group.ndim}-D")
+        ep_group = ep_group.get_group()
+    size = ep_group.size()
+    if size != cfg.ep_size:
+        raise ValueError(f"ep_group must have cfg.ep_size ({cfg.ep_size}) ranks, got {size}")
+    return ep_group if size > 1 else None
+
+
 class SharedExperts(nn.Module):
     """A gated MLP every token goes through: ``act(x @ w13.T) @ w2.T``, optionally
     scaled by ``sigmoid(x @ gate.T)`` (Qwen2-MoE's ``shared_expert_gate``)."""
@@ -79,14 +100,28 @@ class MoE(nn.Module):
     the kernels are chosen when the model is compiled
     (``torch.compile(model, backend=torch_moe_ops.backend(...))``); eagerly, the
     default backend of ``x``'s device runs.
+
+    Expert parallelism: with ``cfg.ep_size > 1``, ``ep_group`` (a
+    ``ProcessGroup`` or a 1-D ``DeviceMesh`` of ``ep_size`` ranks) is required;
+    rank ``p`` of it holds experts ``[p * E_l, (p + 1) * E_l)`` with
+    ``E_l = E / ep_size`` (``w13 [E_l, 2I, H]``, ...), the router and shared
+    experts whole. ``forward`` then calls ``moe::dispatch``,
+    ``moe::experts_rows`` and ``moe::combine``: the a2a backend is chosen at
+    compile time (``backend(a2a="all_to_all" | "allgather" | ...)``), eagerly
+    ``all_to_all`` runs. Every rank must call ``forward`` together, with at most
+    ``cfg.max_tokens_per_rank`` tokens (0 too). `load_state_dict` (and
+    `load_full_weights`) takes full ``[E, ...]`` expert tensors and keeps this
+    rank's slice.
     """
 
-    def __init__(self, cfg: MoEConfig, device=None, dtype=None):
+    def __init__(self, cfg: MoEConfig, device=None, dtype=None, ep_group=None):
         super().__init__()
-        if cfg.ep_size != 1:
-            raise ValueError(f"MoE runs experts on one device (ep_size=1), got "
-                             f"ep_size={cfg.ep_size}")
         self.cfg = cfg
+        self.ep_group = _ep_process_group(cfg, ep_group)
+        self.ep_rank = 0 if self.ep_group is None else self.ep_group.rank()
+        # The ops take the group by name (a constant to torch.compile), as torch's
+        # functional collectives do.
+        self.ep_group_name = "" if self.ep_group is None else self.ep_group.group_name
         num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(hidden, num_experts, bias=cfg.router_bias, **factory)
@@ -95,15 +130,39 @@ class MoE(nn.Module):
                                  torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, **factory))
-        self.b13 = (nn.Parameter(torch.empty(num_experts, 2 * inter, **factory))
+        num_local = cfg.num_local_experts
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter, **factory))
+        self.b13 = (nn.Parameter(torch.empty(num_local, 2 * inter, **factory))
                     if cfg.expert_bias else None)
-        self.b2 = (nn.Parameter(torch.empty(num_experts, hidden, **factory))
+        self.b2 = (nn.Parameter(torch.empty(num_local, hidden, **factory))
                    if cfg.expert_bias else None)
         self.shared_experts = (SharedExperts(cfg, **factory)
                                if cfg.shared_expert_intermediate_size else None)
         self.reset_parameters()
+        if cfg.ep_size > 1:
+            self._register_load_state_dict_pre_hook(self._keep_local_experts)
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts this rank holds."""
+        num_local = self.cfg.num_local_experts
+        return range(self.ep_rank * num_local, (self.ep_rank + 1) * num_local)
+
+    def _keep_local_experts(self, state_dict, prefix, *_) -> None:
+        # A full checkpoint holds every expert: keep this rank's slice of each
+        # expert tensor, so the same file loads on every rank.
+        local = self.local_experts
+        for name in EXPERT_TENSORS:
+            key = prefix + name
+            tensor = state_dict.get(key)
+            if tensor is not None and tensor.shape[0] == self.cfg.num_experts:
+                state_dict[key] = tensor[local.start:local.stop]
+
+    def load_full_weights(self, state_dict, strict: bool = True):
+        """`load_state_dict` of a checkpoint that holds every expert (``w13 [E, 2I, H]``,
+        ...): each rank keeps its experts' slice. Returns what `load_state_dict` does."""
+        return self.load_state_dict(state_dict, strict=strict)
 
     def reset_parameters(self) -> None:
         """Initialise everything the block holds, submodules included: after
@@ -137,12 +196,18 @@ class MoE(nn.Module):
 
     def experts(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
                 topk_ids_TK: torch.Tensor) -> torch.Tensor:
-        """The routed experts alone: ``[T, H]`` from tokens and their routing."""
+        """The routed experts alone: ``[T, H]`` from tokens and their routing
+        (global expert ids); across the expert-parallel group with ``ep_size > 1``."""
         cfg = self.cfg
-        return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, self.w13, self.w2,
-                                     self.b13, self.b2, cfg.activation,
-                                     cfg.static_float("swiglu_alpha"),
-                                     cfg.static_float("swiglu_limit"))
+        expert_args = (self.w13, self.w2, self.b13, self.b2, cfg.activation,
+                       cfg.static_float("swiglu_alpha"), cfg.static_float("swiglu_limit"))
+        if cfg.ep_size == 1:
+            return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+        ep_args = (cfg.ep_size, self.ep_group_name, cfg.max_tokens_per_rank)
+        x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+            x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args, cfg.rows_per_rank)
+        y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+        return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.cfg.hidden_size:
@@ -158,6 +223,8 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         cfg = self.cfg
         parts = [f"experts={cfg.num_experts}", f"top_k={cfg.top_k}",
+                 *([f"local={self.local_experts.start}..{self.local_experts.stop - 1}",
+                    f"ep_size={cfg.ep_size}"] if cfg.ep_size > 1 else []),
                  f"hidden={cfg.hidden_size}", f"intermediate={cfg.intermediate_size}",
                  f"scoring={cfg.scoring}", f"activation={cfg.activation}"]
         if cfg.renormalize:

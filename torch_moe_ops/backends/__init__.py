@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 
 # Each backend registers itself on import.
-from torch_moe_ops.backends import cpu, grouped_mm, local, reference, triton  # noqa: F401
+from torch_moe_ops.backends import (  # noqa: F401
+    all_to_all,
+    allgather,
+    cpu,
+    grouped_mm,
+    local,
+    reference,
+    triton,
+)
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     BACKWARD_NAMESPACE,
@@ -31,28 +39,39 @@ from torch_moe_ops.backends.registry import (
     REGISTRY,
     ROUTE_NAMESPACE,
     BackendTable,
+    Problem,
 )
+from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
 from torch_moe_ops.ops.library import implement
 
 DEFAULT_SPEC = BackendSpec()
+# Eagerly, expert parallelism runs on the static all-to-all: it moves only the
+# rows that leave for another rank, and runs on any process group.
+DEFAULT_EP_SPEC = BackendSpec(a2a="all_to_all")
 
 
 def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
-                  dtype: torch.dtype) -> str:
-    """The namespace whose concrete op runs ``moe::<op_name>`` under ``spec``."""
+                  problem: Problem) -> str:
+    """The namespace whose concrete op runs ``moe::<op_name>`` on ``problem`` under ``spec``."""
     if op_name in EXPERTS_OPS:
-        return REGISTRY.choose_experts(spec, None, device, dtype).namespace
+        return REGISTRY.choose_experts(spec, problem, device).namespace
     if op_name in A2A_OPS:
-        return REGISTRY.choose_a2a(spec, None, device, dtype).namespace
+        return REGISTRY.choose_a2a(spec, problem, device).namespace
     return ROUTE_NAMESPACE if op_name == "route" else BACKWARD_NAMESPACE
 
 
+def default_spec(problem: Problem) -> BackendSpec:
+    """What runs eagerly: the best experts backend, and the a2a the problem needs."""
+    return DEFAULT_EP_SPEC if (problem.ep_size or 1) > 1 else DEFAULT_SPEC
+
+
 def _forward_to_default(op_name: str):
-    def kernel(first, *args):
-        namespace = namespace_for(op_name, DEFAULT_SPEC, first.device, first.dtype)
-        return op_overload(namespace, op_name)(first, *args)
+    def kernel(*args):
+        problem = problem_of(op_name, args)
+        namespace = namespace_for(op_name, default_spec(problem), args[0].device, problem)
+        return op_overload(namespace, op_name)(*args)
 
     return kernel
 

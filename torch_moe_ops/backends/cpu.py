@@ -200,12 +200,12 @@ def _gathered_applies(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, 
                 and slots_per_expert <= GATHERED_CACHED_MAX_SLOTS_PER_EXPERT))
 
 
-def supports(spec, cfg, device, dtype) -> str | None:
+def supports(spec, problem, device) -> str | None:
     if device.type != "cpu":
         return (f"runs on the CPU only (it reads row counts on the host, a sync on a GPU), "
                 f"got device {device.type}")
-    if dtype not in DTYPES:
-        return f"needs float32, bfloat16, float16 or float64, got {dtype}"
+    if problem.dtype not in DTYPES:
+        return f"needs float32, bfloat16, float16 or float64, got {problem.dtype}"
     return None
 
 

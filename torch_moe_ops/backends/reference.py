@@ -180,7 +180,7 @@ def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, a
                    act, alpha, limit)
 
 
-def supports(spec, cfg, device, dtype) -> str | None:
+def supports(spec, problem, device) -> str | None:
     return None
 
 

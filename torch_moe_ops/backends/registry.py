@@ -1,14 +1,15 @@
 """Which backends exist, what each supports, and how a choice is resolved.
 
 Experts backends implement ``experts`` and ``experts_rows``; the gradient
-(``experts_backward``) runs on the reference backend whichever one ran forward. A2A backends
-implement ``dispatch`` and ``combine``. Routing runs on the reference ``route``
-until a routing backend is registered. A fused ``(a2a, experts)`` pair names
-one namespace that implements all of them in one go.
+(``experts_backward``) runs on the reference backend whichever one ran forward. A2A
+backends implement ``dispatch`` and ``combine`` and the gradients of both
+(``dispatch_backward``, ``combine_backward``: the same transport, reversed). Routing
+runs on the reference ``route`` until a routing backend is registered. A fused
+``(a2a, experts)`` pair names one namespace that implements all of them in one go.
 
-``supports(spec, cfg, device, dtype)`` returns ``None`` when the backend can run
-there, otherwise the reason it cannot; ``cfg`` may be ``None`` when the caller
-(the compile backend, `available_backends`) has no `MoEConfig` at hand.
+``supports(spec, problem, device)`` returns ``None`` when the backend can run the
+`Problem` there, otherwise the reason it cannot. The compile backend reads the
+problem from each node of the graph; `available_backends` knows only the dtype.
 """
 
 from __future__ import annotations
@@ -20,13 +21,53 @@ import torch
 
 from torch_moe_ops.config import BackendSpec, MoEConfig
 
-SupportsFn = Callable[[BackendSpec, MoEConfig | None, torch.device, torch.dtype],
-                      str | None]
-
 EXPERTS_OPS = ("experts", "experts_rows")
-A2A_OPS = ("dispatch", "combine")
+A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 ROUTE_NAMESPACE = "moe_reference"
 BACKWARD_NAMESPACE = "moe_reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to say whether it runs a layer.
+
+    Only ``dtype`` is always known; a field is ``None`` where the caller does not
+    know it (`available_backends` asks about a device and dtype alone; a graph
+    node knows the sizes of its own arguments). ``num_experts`` counts the
+    experts of all ranks, ``num_local_experts`` those of one; ``capacity`` is
+    the rows one rank receives from each rank with expert parallelism.
+    """
+
+    dtype: torch.dtype
+    num_experts: int | None = None
+    num_local_experts: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    top_k: int | None = None
+    activation: str | None = None
+    ep_size: int | None = None
+    capacity: int | None = None
+    max_tokens_per_rank: int | None = None
+    quant: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: MoEConfig, dtype: torch.dtype) -> Problem:
+        """The problem of a layer built from ``cfg`` running in ``dtype``."""
+        return cls(dtype=dtype, num_experts=cfg.num_experts,
+                   num_local_experts=cfg.num_local_experts, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, top_k=cfg.top_k,
+                   activation=cfg.activation, ep_size=cfg.ep_size,
+                   capacity=cfg.rows_per_rank if cfg.ep_size > 1 else None,
+                   max_tokens_per_rank=cfg.max_tokens_per_rank)
+
+    def merged(self, other: Problem) -> Problem:
+        """The fields either knows (this one's where both do): one layer's ops
+        each see part of the problem, and every backend decides on all of it."""
+        return Problem(**{f.name: other.__dict__[f.name] if self.__dict__[f.name] is None
+                          else self.__dict__[f.name] for f in dataclasses.fields(self)})
+
+
+SupportsFn = Callable[[BackendSpec, Problem, torch.device], str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +139,8 @@ class Registry:
     def register_adapter(self, producer_layout: str, consumer_layout: str, op: str) -> None:
         self.adapters[(producer_layout, consumer_layout)] = op
 
-    def choose_experts(self, spec: BackendSpec, cfg: MoEConfig | None,
-                       device: torch.device, dtype: torch.dtype) -> ExpertsBackend:
+    def choose_experts(self, spec: BackendSpec, problem: Problem,
+                       device: torch.device) -> ExpertsBackend:
         """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here.
 
         Raises ValueError naming what is registered and why the choice is out.
@@ -107,32 +148,31 @@ class Registry:
         if spec.experts == "auto":
             candidates = sorted(self.experts.values(), key=lambda b: -b.priority)
             for backend in candidates:
-                if backend.supports(spec, cfg, device, dtype) is None:
+                if backend.supports(spec, problem, device) is None:
                     return backend
-            raise ValueError(f"no experts backend runs on {device} with {dtype}: "
-                             + self._why_not(self.experts, spec, cfg, device, dtype))
+            raise ValueError(f"no experts backend runs on {device} with {problem.dtype}: "
+                             + self._why_not(self.experts, spec, problem, device))
         backend = self._lookup("experts", self.experts, spec.experts)
-        reason = backend.supports(spec, cfg, device, dtype)
+        reason = backend.supports(spec, problem, device)
         if reason is not None:
             raise ValueError(f"experts backend {spec.experts!r} is not available: {reason}; "
-                             + self._available("experts", self.experts, spec, cfg, device,
-                                               dtype))
+                             + self._available("experts", self.experts, spec, problem, device))
         return backend
 
-    def choose_a2a(self, spec: BackendSpec, cfg: MoEConfig | None, device: torch.device,
-                   dtype: torch.dtype) -> A2ABackend:
+    def choose_a2a(self, spec: BackendSpec, problem: Problem, device: torch.device) -> A2ABackend:
         backend = self._lookup("a2a", self.a2a, spec.a2a)
-        reason = backend.supports(spec, cfg, device, dtype)
+        reason = backend.supports(spec, problem, device)
         if reason is not None:
             raise ValueError(f"a2a backend {spec.a2a!r} is not available: {reason}; "
-                             + self._available("a2a", self.a2a, spec, cfg, device, dtype))
+                             + self._available("a2a", self.a2a, spec, problem, device))
         return backend
 
     def status(self, device: torch.device, dtype: torch.dtype) -> BackendTable:
         table = BackendTable()
         for kind, backends in (("experts", self.experts), ("a2a", self.a2a)):
             for backend in backends.values():
-                reason = backend.supports(BackendSpec(), None, device, dtype)
+                spec = BackendSpec(a2a=backend.name) if kind == "a2a" else BackendSpec()
+                reason = backend.supports(spec, Problem(dtype), device)
                 table.append(BackendStatus(kind, backend.name, reason is None, reason or "",
                                            backend.description))
         return table
@@ -145,14 +185,14 @@ class Registry:
         return backends[name]
 
     @staticmethod
-    def _available(kind, backends, spec, cfg, device, dtype) -> str:
-        names = [n for n, b in backends.items() if b.supports(spec, cfg, device, dtype) is None]
-        return f"available {kind} backends on {device} with {dtype}: " + (
+    def _available(kind, backends, spec, problem, device) -> str:
+        names = [n for n, b in backends.items() if b.supports(spec, problem, device) is None]
+        return f"available {kind} backends on {device} with {problem.dtype}: " + (
             ", ".join(names) or "none")
 
     @staticmethod
-    def _why_not(backends, spec, cfg, device, dtype) -> str:
-        return "; ".join(f"{n}: {b.supports(spec, cfg, device, dtype)}"
+    def _why_not(backends, spec, problem, device) -> str:
+        return "; ".join(f"{n}: {b.supports(spec, problem, device)}"
                          for n, b in backends.items())
 
 

@@ -17,7 +17,8 @@ from torch_moe_ops.ops.library import (
 CONTRACTS = {
     contract.name: contract
     for contract in (route.CONTRACT, experts.CONTRACT, experts.BACKWARD_CONTRACT,
-                     rows.DISPATCH, rows.EXPERTS_ROWS, rows.COMBINE)
+                     rows.DISPATCH, rows.EXPERTS_ROWS, rows.COMBINE,
+                     rows.DISPATCH_BACKWARD, rows.COMBINE_BACKWARD)
 }
 
 

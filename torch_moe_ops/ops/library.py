@@ -24,7 +24,8 @@ class OpContract:
     ``check(*args)`` validates shapes and dtypes (it sees fake tensors too);
     ``check_values(*args)`` validates tensor contents and only sees real tensors;
     ``fake(*args)`` allocates the outputs; ``backward``/``setup_context`` follow
-    `torch.library.register_autograd`.
+    `torch.library.register_autograd`, and ``backward`` finds the namespace of
+    the op that ran forward in ``ctx.namespace``.
     """
 
     name: str
@@ -56,20 +57,43 @@ def op_overload(namespace: str, name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, namespace), name).default
 
 
+def full_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` of a call of ``op`` as one positional tuple in schema
+    order, defaults filled in: what the contract's functions and kernels take."""
+    if not kwargs and len(args) == len(op._schema.arguments):
+        return args
+    full = list(args)
+    for argument in op._schema.arguments[len(args):]:
+        if argument.name in kwargs:
+            full.append(kwargs[argument.name])
+        elif argument.has_default_value():
+            full.append(argument.default_value)
+        else:
+            raise TypeError(f"{op} is missing argument {argument.name!r}")
+    return tuple(full)
+
+
 def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
     """Define ``namespace::contract.name`` with the contract's schema, fake and autograd."""
     qualname = qualified_name(namespace, contract)
     _library(namespace).define(contract.name + contract.schema, tags=contract.tags)
 
-    def fake(*args):
+    def fake(*args, **kwargs):
+        args = full_args(op_overload(namespace, contract.name), args, kwargs)
         contract.check(*args)
         return contract.fake(*args)
 
     torch.library.register_fake(qualname, fake, lib=_library(namespace))
     if contract.backward is not None:
-        torch.library.register_autograd(
-            qualname, contract.backward, setup_context=contract.setup_context,
-            lib=_library(namespace))
+        def setup_context(ctx, inputs, output):
+            # A gradient that needs the forward's backend (a transport's reverse
+            # direction) calls ``ctx.namespace``'s op, not the generic one.
+            ctx.namespace = namespace
+            contract.setup_context(ctx, full_args(op_overload(namespace, contract.name),
+                                                  tuple(inputs), {}), output)
+
+        torch.library.register_autograd(qualname, contract.backward,
+                                        setup_context=setup_context, lib=_library(namespace))
     return op_overload(namespace, contract.name)
 
 
@@ -82,14 +106,16 @@ def implement(namespace: str, contract: OpContract, kernel: Callable,
     defined from the same contract, which checks them itself.
     """
 
-    def checked_kernel(*args):
-        contract.check(*args)
-        if contract.check_values is not None:
-            contract.check_values(*args)
+    def checked_kernel(*args, **kwargs):
+        args = full_args(op_overload(namespace, contract.name), args, kwargs)
+        if checked:
+            contract.check(*args)
+            if contract.check_values is not None:
+                contract.check_values(*args)
         return kernel(*args)
 
     torch.library.register_kernel(qualified_name(namespace, contract), device_types,
-                                  checked_kernel if checked else kernel, lib=_library(namespace))
+                                  checked_kernel, lib=_library(namespace))
 
 
 def decompose(namespace: str, contract: OpContract, body: Callable,
@@ -114,8 +140,9 @@ def decompose(namespace: str, contract: OpContract, body: Callable,
                for t in types):
             # Another tensor subclass is involved: let it handle the op first.
             return NotImplemented
-        if kwargs or not applies(*args):
-            return mode.__torch_dispatch__(op, types, args, kwargs)
+        args = full_args(op, args, kwargs)
+        if not applies(*args):
+            return mode.__torch_dispatch__(op, types, args, {})
         with mode:
             return body(*args)
 

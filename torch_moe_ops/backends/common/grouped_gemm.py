@@ -40,7 +40,7 @@ def _check_alignment(w13_EFH: torch.Tensor) -> None:
                          f"{ALIGNMENT}, got H={hidden}, I={intermediate}")
 
 
-def supports(spec, cfg, device, dtype) -> str | None:
+def supports(spec, problem, device) -> str | None:
     """``None`` where these functions run without a host sync, else why not
     (the registry's ``supports`` signature; ``spec`` is not read)."""
     if not TRITON_INSTALLED:
@@ -53,11 +53,12 @@ def supports(spec, cfg, device, dtype) -> str | None:
     if major < 9:
         return (f"needs sm90 or newer (torch._grouped_mm loops on the host before), "
                 f"got sm{major}{minor}")
-    if dtype != torch.bfloat16:
-        return f"needs bfloat16 (other dtypes loop on the host), got {dtype}"
-    if cfg is not None and not aligned(cfg.hidden_size, cfg.intermediate_size):
+    if problem.dtype != torch.bfloat16:
+        return f"needs bfloat16 (other dtypes loop on the host), got {problem.dtype}"
+    if (problem.hidden_size is not None and problem.intermediate_size is not None
+            and not aligned(problem.hidden_size, problem.intermediate_size)):
         return (f"needs hidden_size and intermediate_size divisible by {ALIGNMENT}, got "
-                f"{cfg.hidden_size} and {cfg.intermediate_size}")
+                f"{problem.hidden_size} and {problem.intermediate_size}")
     return None
 
 

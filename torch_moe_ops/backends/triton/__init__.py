@@ -23,7 +23,7 @@ from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES
 NAMESPACE = "moe_triton"
 
 
-def supports(spec, cfg, device, dtype) -> str | None:
+def supports(spec, problem, device) -> str | None:
     if not TRITON_INSTALLED:
         return "triton is not installed (pip install triton)"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -34,8 +34,8 @@ def supports(spec, cfg, device, dtype) -> str | None:
         return f"needs a CUDA GPU, got device {device.type}"
     if device.type == "cuda" and not torch.cuda.is_available():
         return "needs a CUDA GPU, this torch sees none"
-    if dtype not in KERNEL_DTYPES:
-        return f"needs float32, float16 or bfloat16, got {dtype}"
+    if problem.dtype not in KERNEL_DTYPES:
+        return f"needs float32, float16 or bfloat16, got {problem.dtype}"
     return None
 
 

@@ -29,6 +29,7 @@ import torch
 import triton
 
 from torch_moe_ops.backends.common import grouped_gemm
+from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.common.launch import launcher
 from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.triton.align import align_rows
@@ -62,7 +63,7 @@ def _plan(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, w13_EFH: torch.Tensor) 
     config = get_config(num_experts, inter_size, hidden_size, hidden_TH.dtype, ids_TK.shape[0],
                         ids_TK.shape[1], device_name(hidden_TH.device))
     if config.path == "grouped_mm" and not (
-            grouped_gemm.supports(None, None, hidden_TH.device, hidden_TH.dtype) is None
+            grouped_gemm.supports(None, Problem(hidden_TH.dtype), hidden_TH.device) is None
             and grouped_gemm.aligned(hidden_size, inter_size)):
         config = dataclasses.replace(config, path="tiled")
     return config

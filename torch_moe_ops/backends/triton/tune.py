@@ -27,6 +27,7 @@ import torch
 import triton.testing
 
 from torch_moe_ops.backends.common import grouped_gemm
+from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton import configs, fused
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -111,7 +112,7 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
     device = torch.device("cuda")
     w13_EFH = torch.randn(E, 2 * N, K, device=device, dtype=dtype) / K ** 0.5
     w2_EHI = torch.randn(E, K, N, device=device, dtype=dtype) / N ** 0.5
-    grouped_mm_runs = (grouped_gemm.supports(None, None, device, dtype) is None
+    grouped_mm_runs = (grouped_gemm.supports(None, Problem(dtype), device) is None
                        and grouped_gemm.aligned(K, N))
     table = {}
     for M in tokens:

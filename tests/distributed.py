@@ -1,0 +1,64 @@
+"""Run a function on several CPU processes joined by a gloo process group, bounded in time.
+
+Every process group gets a timeout, and the launcher kills the processes when
+the whole run takes longer than its own deadline: a bug fails a test, it never
+hangs it. A failure in any process fails the caller with that process's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Each collective gives up after this: a rank that never comes fails its peers.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+# The whole run, process start-up (importing torch) included.
+RUN_DEADLINE_S = 240
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn, args, errors) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn, *args) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes of one gloo group
+    (``dist.group.WORLD``). ``fn`` must be importable (a module-level function)."""
+    context = mp.get_context("spawn")
+    errors = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = str(pathlib.Path(tmp) / "init")
+        processes = mp.start_processes(_worker, args=(world_size, init_file, fn, args, errors),
+                                       nprocs=world_size, join=False, start_method="spawn")
+        try:
+            finished = False
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=RUN_DEADLINE_S)
+            while not finished:
+                remaining = (deadline - datetime.datetime.now()).total_seconds()
+                if remaining <= 0:
+                    raise TimeoutError(f"{world_size} ranks did not finish in {RUN_DEADLINE_S} s")
+                finished = processes.join(timeout=min(remaining, 5))
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            messages = []
+            while not errors.empty():
+                rank, text = errors.get()
+                messages.append(f"--- rank {rank} ---\n{text}")
+            raise AssertionError("\n".join(messages) or str(error)) from None
+        finally:
+            for process in processes.processes:
+                if process.is_alive():
+                    process.kill()

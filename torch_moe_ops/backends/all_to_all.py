@@ -1,0 +1,140 @@
+"""The ``all_to_all`` a2a backend: static-capacity all-to-all over torch.distributed.
+
+Legend: T tokens on this rank, H hidden size, K experts per token, E experts,
+E_l = E / P experts per rank, P ranks, C rows one rank sends another (the
+capacity), Q = P * C send (and receive) positions, R = Q rows, S = T * K slots.
+
+Dispatch sorts this rank's slots by global expert, which groups them by the
+rank that holds the expert: the slots for rank ``p`` take send positions
+``[p * C, p * C + n_p)`` in expert order, the rest of each block is padding
+(expert -1). One ``all_to_all_single`` moves the rows, a second one their
+local expert ids and routing weights (the device-side counts: padding carries
+-1), both with equal static splits, so the op traces, compiles and captures in
+a CUDA graph with no host sync. The receiver sorts what it got by local expert
+into the rows format; ``src_R`` is where each row was received. Combine
+weights the rows, puts each back at its receive position and sends the blocks
+back the same way; the sender sums each token's K returned rows in slot order
+(``slot_map_TK``: each slot's send position).
+
+``C`` defaults to the worst case, ``max_tokens_per_rank * min(K, E_l)``, which
+cannot overflow. A smaller ``ep_capacity`` moves fewer bytes; then dispatch
+checks on every rank, with one all-reduce and a host read, that no rank sends
+another more than ``C`` rows, and raises on all of them if one does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.rows import (
+    combine_grads,
+    gather_rows,
+    scatter_rows,
+    sum_slots,
+    weighted_rows,
+)
+from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.ops import define_backend_ops
+
+NAMESPACE = "moe_all_to_all"
+
+
+def _send_positions(topk_ids_TK, num_experts, ep_size, capacity):
+    """Each slot's send position (``slot_map_TK``, -1: skipped) and each send
+    position's slot (``slot_of_pos_Q``, -1: padding); and the rows each rank gets."""
+    num_slots, num_positions = topk_ids_TK.numel(), ep_size * capacity
+    order_S, sorted_ids_S, count_E = sort_rows(topk_ids_TK, num_experts)
+    count_P = count_E.view(ep_size, -1).sum(1)
+    start_P = torch.cumsum(count_P, 0) - count_P
+    dest_S = torch.where(sorted_ids_S < 0, 0, sorted_ids_S // (num_experts // ep_size))
+    within_S = torch.arange(num_slots, device=order_S.device) - start_P[dest_S]
+    kept_S = (sorted_ids_S >= 0) & (within_S < capacity)
+    position_S = torch.where(kept_S, dest_S * capacity + within_S, -1)
+    slot_of_pos_Q = scatter_rows(order_S.unsqueeze(1) + 1, position_S, num_positions)[:, 0] - 1
+    slot_map_S = scatter_rows(position_S.unsqueeze(1) + 1, order_S, num_slots)[:, 0] - 1
+    return slot_map_S.view(topk_ids_TK.shape).to(torch.int32), slot_of_pos_Q, count_P
+
+
+def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+             max_tokens_per_rank, capacity):
+    top_k = topk_ids_TK.shape[1]
+    num_local = num_experts // ep_size
+    collectives.rank_in(group_name, ep_size)
+    slot_map_TK, slot_of_pos_Q, count_P = _send_positions(topk_ids_TK, num_experts, ep_size,
+                                                          capacity)
+    if capacity < max_tokens_per_rank * min(top_k, num_local):
+        collectives.check_capacity(count_P, capacity, group_name,
+                                   "a rank sends another more rows than the capacity")
+    token_Q = torch.where(slot_of_pos_Q < 0, -1, slot_of_pos_Q // top_k)
+    ids_Q1 = gather_rows(topk_ids_TK.reshape(-1, 1).long() + 1, slot_of_pos_Q) - 1
+    local_Q = torch.where(ids_Q1[:, 0] < 0, -1, ids_Q1[:, 0] % num_local).to(torch.int32)
+    weight_Q = gather_rows(topk_weights_TK.reshape(-1, 1).float(), slot_of_pos_Q)[:, 0]
+    # One message for both: the weight's bits travel as int32 beside the id.
+    meta_Q2 = torch.stack([local_Q, weight_Q.view(torch.int32)], 1)
+    recv_x_QH = collectives.all_to_all(gather_rows(hidden_TH, token_Q), group_name, ep_size)
+    recv_meta_Q2 = collectives.all_to_all(meta_Q2, group_name, ep_size)
+    recv_expert_Q = recv_meta_Q2[:, 0]
+    recv_weight_Q = recv_meta_Q2[:, 1].contiguous().view(torch.float32)
+    order_R, expert_R, count_E = sort_rows(recv_expert_Q.unsqueeze(1), num_local)
+    skip_R = expert_R < 0
+    src_R = order_R.masked_fill(skip_R, -1).to(torch.int32)
+    return (gather_rows(recv_x_QH, src_R), expert_R.to(torch.int32),
+            gather_rows(recv_weight_Q.unsqueeze(1), src_R)[:, 0], src_R, count_E.clone(),
+            slot_map_TK)
+
+
+def _send_back(rows_RX, src_R, group_name, ep_size):
+    """Rows to the ranks and send positions they came from: ``[Q, ...]``, in the
+    sender's frame."""
+    return collectives.all_to_all(scatter_rows(rows_RX, src_R, rows_RX.shape[0]), group_name,
+                                  ep_size)
+
+
+def _slot_of_position(slot_map_TK, num_positions):
+    slots_S = torch.arange(slot_map_TK.numel(), device=slot_map_TK.device)
+    return scatter_rows(slots_S.unsqueeze(1) + 1, slot_map_TK.reshape(-1), num_positions)[:, 0] - 1
+
+
+def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    returned_QH = _send_back(weighted_rows(y_RH, weight_R, src_R), src_R, group_name, ep_size)
+    return sum_slots(returned_QH, slot_map_TK)
+
+
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+                      max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    returned_QH = _send_back(grad_x_RH, src_R, group_name, ep_size)
+    returned_Q1 = _send_back(grad_weight_R.unsqueeze(1), src_R, group_name, ep_size)
+    grad_topk_weights_S1 = gather_rows(returned_Q1, slot_map_TK.reshape(-1))
+    return sum_slots(returned_QH, slot_map_TK), grad_topk_weights_S1.view(slot_map_TK.shape)
+
+
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+                     max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    slot_of_pos_Q = _slot_of_position(slot_map_TK, y_RH.shape[0])
+    token_Q = torch.where(slot_of_pos_Q < 0, -1, slot_of_pos_Q // slot_map_TK.shape[1])
+    recv_grad_QH = collectives.all_to_all(gather_rows(grad_out_TH, token_Q), group_name,
+                                          ep_size)
+    return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)
+
+
+def supports(spec, problem, device) -> str | None:
+    if not dist.is_available():
+        return "this torch has no torch.distributed"
+    if problem.ep_size is not None and problem.ep_size < 2:
+        return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
+    return None
+
+
+define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
+                               "dispatch_backward": dispatch_backward,
+                               "combine_backward": combine_backward})
+
+REGISTRY.register_a2a(A2ABackend(
+    name="all_to_all", namespace=NAMESPACE, layout="rows", supports=supports,
+    description="static-capacity all_to_all_single over torch.distributed (NCCL, gloo)"))

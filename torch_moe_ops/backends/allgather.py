@@ -1,0 +1,134 @@
+"""The ``allgather`` a2a backend: every rank sees every token, runs its own experts
+on the slots that chose them, and a reduce-scatter brings each token's sum home.
+
+Legend: T tokens on this rank, M = max_tokens_per_rank, H hidden size, K experts
+per token, E experts, E_l = E / P experts per rank, P ranks, G = P * M * K
+gathered slots, C rows this rank takes from each rank (the capacity), R = P * C rows.
+
+Tokens, ids and weights are padded to M and all-gathered (padding slots carry
+id -1); this rank keeps the gathered slots whose expert it holds, sorted by
+local expert (``src_R``: the gathered slot of each row). Combine weights the
+rows, sums each gathered token's rows in slot order and reduce-scatters, so
+token ``t`` of rank ``p`` comes back to rank ``p`` summed over every rank's
+experts. All sizes are static; no host sync unless ``ep_capacity`` is below
+the worst case, where dispatch checks on every rank (one all-reduce and a host
+read) that no rank takes more than ``C`` rows from one rank, and raises on all
+of them if one does.
+
+Results come back summed per token, not per row: ``slot_map_TK`` only carries
+T here (every entry is -1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.rows import (
+    combine_grads,
+    gather_rows,
+    scatter_rows,
+    weighted_rows,
+)
+from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops.checks import compute_dtype
+
+NAMESPACE = "moe_allgather"
+
+
+def _gather_padded(local_TX: torch.Tensor, max_tokens: int, fill, group_name: str,
+                   ep_size: int) -> torch.Tensor:
+    """``[P * M, ...]``: every rank's ``local`` padded to M rows with ``fill``, in rank order."""
+    pad = [0, 0] * (local_TX.dim() - 1) + [0, max_tokens - local_TX.shape[0]]
+    return collectives.all_gather(F.pad(local_TX, pad, value=fill), group_name, ep_size)
+
+
+def _scatter_home(gathered_GX: torch.Tensor, num_tokens: int, group_name: str,
+                  ep_size: int) -> torch.Tensor:
+    """Each rank's block of the sum over ranks of ``[P * M, ...]``, cut to its T tokens."""
+    return collectives.reduce_scatter(gathered_GX, group_name, ep_size)[:num_tokens]
+
+
+def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+             max_tokens_per_rank, capacity):
+    top_k = topk_ids_TK.shape[1]
+    num_local = num_experts // ep_size
+    rank = collectives.rank_in(group_name, ep_size)
+    hidden_GH = _gather_padded(hidden_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
+    ids_GK = _gather_padded(topk_ids_TK.to(torch.int32), max_tokens_per_rank, -1, group_name,
+                            ep_size)
+    weights_GK = _gather_padded(topk_weights_TK.float(), max_tokens_per_rank, 0.0, group_name,
+                                ep_size)
+    first = rank * num_local
+    mine_GK = (ids_GK >= first) & (ids_GK < first + num_local)
+    local_GK = torch.where(mine_GK, ids_GK - first, -1)
+    order_S, expert_S, count_E = sort_rows(local_GK, num_local)
+    num_rows = ep_size * capacity
+    if capacity < max_tokens_per_rank * min(top_k, num_local):
+        collectives.check_capacity(mine_GK.view(ep_size, -1).sum(1), capacity, group_name,
+                                   "a rank holds the experts of more of another rank's "
+                                   "slots than the capacity")
+    # Slots of this rank's experts sort first: the first R rows hold them all.
+    order_R, expert_R = order_S[:num_rows], expert_S[:num_rows]
+    src_R = order_R.masked_fill(expert_R < 0, -1).to(torch.int32)
+    x_RH = gather_rows(hidden_GH, torch.where(src_R < 0, -1, src_R // top_k))
+    weight_R = gather_rows(weights_GK.reshape(-1, 1), src_R)[:, 0]
+    slot_map_TK = torch.full(tuple(topk_ids_TK.shape), -1, dtype=torch.int32,
+                             device=topk_ids_TK.device)
+    return x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), slot_map_TK
+
+
+def _sum_gathered_slots(rows_RH, src_R, ep_size, max_tokens, top_k):
+    """``[P * M, H]``: each gathered token's rows summed in slot order."""
+    slots_GKH = scatter_rows(rows_RH, src_R, ep_size * max_tokens * top_k)
+    summed = slots_GKH.view(-1, top_k, rows_RH.shape[1]).to(compute_dtype(rows_RH.dtype)).sum(1)
+    return summed.to(rows_RH.dtype)
+
+
+def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    num_tokens, top_k = slot_map_TK.shape
+    summed_GH = _sum_gathered_slots(weighted_rows(y_RH, weight_R, src_R), src_R, ep_size,
+                                    max_tokens_per_rank, top_k)
+    return _scatter_home(summed_GH, num_tokens, group_name, ep_size)
+
+
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+                      max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    num_tokens, top_k = slot_map_TK.shape
+    summed_GH = _sum_gathered_slots(grad_x_RH, src_R, ep_size, max_tokens_per_rank, top_k)
+    grad_weights_GK = scatter_rows(grad_weight_R.unsqueeze(1), src_R,
+                                   ep_size * max_tokens_per_rank * top_k).view(-1, top_k)
+    return (_scatter_home(summed_GH, num_tokens, group_name, ep_size),
+            _scatter_home(grad_weights_GK, num_tokens, group_name, ep_size))
+
+
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+                     max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    top_k = slot_map_TK.shape[1]
+    grad_GH = _gather_padded(grad_out_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
+    grad_RH = gather_rows(grad_GH, torch.where(src_R < 0, -1, src_R // top_k))
+    return combine_grads(grad_RH, y_RH, weight_R, src_R)
+
+
+def supports(spec, problem, device) -> str | None:
+    if not dist.is_available():
+        return "this torch has no torch.distributed"
+    if problem.ep_size is not None and problem.ep_size < 2:
+        return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
+    return None
+
+
+define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
+                               "dispatch_backward": dispatch_backward,
+                               "combine_backward": combine_backward})
+
+REGISTRY.register_a2a(A2ABackend(
+    name="allgather", namespace=NAMESPACE, layout="rows", supports=supports,
+    description="all-gather tokens, local experts on all of them, reduce-scatter back"))

@@ -1,0 +1,60 @@
+"""Moving rows between the frames of dispatch and combine, with static shapes.
+
+Legend: T tokens, H hidden size, K experts per token, R rows, N rows of
+another frame (slots, send or receive positions), an index of -1 means "none".
+
+Every helper is a gather, or a scatter whose targets are distinct (each row
+has one place to go), so results do not depend on the order threads run in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops.ops.checks import compute_dtype
+
+
+def gather_rows(values_NH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
+    """``out[r] = values[index[r]]``, zeros where ``index[r] == -1``."""
+    missing_R1 = (index_R < 0).unsqueeze(1)
+    if values_NH.shape[0] == 0:
+        return values_NH.new_zeros((index_R.shape[0], values_NH.shape[1]))
+    taken_RH = values_NH[index_R.clamp(min=0).long()]
+    return taken_RH.masked_fill(missing_R1, 0)
+
+
+def scatter_rows(rows_RH: torch.Tensor, index_R: torch.Tensor, size: int) -> torch.Tensor:
+    """``out[index[r]] = rows[r]`` in a ``[size, ...]`` zero buffer; rows with
+    index -1 go nowhere. The targets of the other rows are distinct."""
+    out_NH = rows_RH.new_zeros((size + 1, *rows_RH.shape[1:]))
+    # Rows that go nowhere land on one extra row, dropped after.
+    out_NH.index_copy_(0, torch.where(index_R < 0, size, index_R).long(), rows_RH)
+    return out_NH[:size]
+
+
+def sum_slots(values_NH: torch.Tensor, slot_map_TK: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k values[slot_map[t, k]]`` (-1 adds nothing), summed in
+    slot order in fp32 (fp64 for fp64), returned in ``values``' dtype."""
+    num_tokens, top_k = slot_map_TK.shape
+    out_TH = values_NH.new_zeros((num_tokens, values_NH.shape[1]),
+                                 dtype=compute_dtype(values_NH.dtype))
+    for k in range(top_k):
+        out_TH += gather_rows(values_NH, slot_map_TK[:, k])
+    return out_TH.to(values_NH.dtype)
+
+
+def weighted_rows(y_RH: torch.Tensor, weight_R: torch.Tensor, src_R: torch.Tensor
+                  ) -> torch.Tensor:
+    """``weight[r] * y[r]`` in ``y``'s dtype, 0 for rows that go nowhere (``src == -1``)."""
+    product_RH = y_RH.to(compute_dtype(y_RH.dtype)) * weight_R.unsqueeze(1)
+    return product_RH.masked_fill((src_R < 0).unsqueeze(1), 0).to(y_RH.dtype)
+
+
+def combine_grads(grad_RH: torch.Tensor, y_RH: torch.Tensor, weight_R: torch.Tensor,
+                  src_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `weighted_rows` given each row's output gradient
+    ``grad_RH``: ``(weight * grad, sum_h y * grad)``, zero for rows that go nowhere."""
+    dtype = compute_dtype(y_RH.dtype)
+    grad_y_RH = weighted_rows(grad_RH, weight_R, src_R).to(y_RH.dtype)
+    grad_weight_R = (y_RH.to(dtype) * grad_RH.to(dtype)).sum(-1).float()
+    return grad_y_RH, grad_weight_R.masked_fill(src_R < 0, 0.0)

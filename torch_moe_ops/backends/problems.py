@@ -1,0 +1,45 @@
+"""The `Problem` an op call poses, read from its arguments (real or fake tensors).
+
+The eager kernels of the generic ops choose a backend from it, and the compile
+backend reads it from each node of the graph, so that every ``supports`` sees
+the sizes, dtype and expert-parallel layout it has to run.
+"""
+
+from __future__ import annotations
+
+from torch_moe_ops.backends.registry import Problem
+
+
+def _experts_problem(x, w13, activation, top_k=None) -> Problem:
+    return Problem(dtype=x.dtype, num_local_experts=w13.shape[0], hidden_size=x.shape[1],
+                   intermediate_size=w13.shape[1] // 2, top_k=top_k, activation=activation)
+
+
+def _ep_problem(x, top_k, ep_size, max_tokens_per_rank, num_experts=None, capacity=None
+                ) -> Problem:
+    return Problem(dtype=x.dtype, num_experts=num_experts,
+                   num_local_experts=None if num_experts is None else num_experts // ep_size,
+                   hidden_size=x.shape[1], top_k=top_k, ep_size=ep_size,
+                   capacity=capacity if ep_size > 1 else None,
+                   max_tokens_per_rank=max_tokens_per_rank if ep_size > 1 else None)
+
+
+def problem_of(op_name: str, args: tuple) -> Problem:
+    """What the call ``moe::<op_name>(*args)`` asks of a backend (schema order,
+    defaults filled in)."""
+    if op_name == "experts":
+        hidden, _, topk_ids, w13, _, _, _, activation, *_ = args
+        return _experts_problem(hidden, w13, activation, topk_ids.shape[1])
+    if op_name == "experts_rows":
+        x_rows, _, _, w13, _, _, _, activation, *_ = args
+        return _experts_problem(x_rows, w13, activation)
+    if op_name == "dispatch":
+        hidden, _, topk_ids, num_experts, ep_size, _, max_tokens, capacity = args
+        return _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts, capacity)
+    if op_name in ("combine", "dispatch_backward"):
+        rows, _, _, slot_map, ep_size, _, max_tokens = args
+        return _ep_problem(rows, slot_map.shape[1], ep_size, max_tokens)
+    if op_name == "combine_backward":
+        grad_out, _, _, _, slot_map, ep_size, _, max_tokens = args
+        return _ep_problem(grad_out, slot_map.shape[1], ep_size, max_tokens)
+    return Problem(dtype=args[0].dtype)
