@@ -37,7 +37,7 @@ import triton.testing
 from peer_vllm import source_version, vllm_peers
 
 import torch_moe_ops as tmo
-from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.backends.registry import REGISTRY, Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +151,7 @@ def our_backends(shape: Shape, num_tokens: int) -> dict[str, str]:
     device = torch.device("cuda")
     names = {}
     for backend in REGISTRY.experts.values():
-        if backend.supports(tmo.BackendSpec(), None, device, torch.bfloat16) is not None:
+        if backend.supports(tmo.BackendSpec(), Problem(torch.bfloat16), device) is not None:
             continue
         if backend.name == "reference":
             dense_flops = 2 * num_tokens * shape.num_experts * 3 * shape.hidden * shape.inter

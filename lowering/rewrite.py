@@ -38,8 +38,9 @@ def _example_args(node: fx.Node) -> tuple:
     if not isinstance(args[0], torch.Tensor):
         raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
                         "tensor metadata (was the graph traced by Dynamo?)")
-    overload = node.target if isinstance(node.target, torch._ops.OpOverload) else node.target.default
-    return full_args(overload, args, kwargs)
+    target = node.target
+    return full_args(target if isinstance(target, torch._ops.OpOverload) else target.default,
+                     args, kwargs)
 
 
 def check_combination(spec: BackendSpec, device: torch.device, problem: Problem) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_moe_ops as tmo
-from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.backends.registry import REGISTRY, Problem
 
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,8 +34,7 @@ def small_problem_backends(dtypes=tuple(SMALL_DTYPES)) -> list:
             continue
         for dtype in dtypes:
             marks = [pytest.mark.triton] if backend.name in TRITON_BACKENDS else []
-            reason = backend.supports(tmo.BackendSpec(experts=backend.name), None, DEVICE,
-                                      dtype)
+            reason = backend.supports(tmo.BackendSpec(experts=backend.name), Problem(dtype), DEVICE)
             if not marks and reason is not None:
                 marks = [pytest.mark.skip(reason=f"{backend.name}: {reason}")]
             params.append(pytest.param(backend.namespace, dtype, marks=marks,
@@ -73,8 +72,8 @@ def run_both(namespace, args, act, rows=False):
         return (getattr(torch.ops, namespace).experts(*args, *static),
                 torch.ops.moe_reference.experts(*args, *static))
     hidden_TH, weights_TK, ids_TK, *weights = args
-    x_RH, expert_R, _, _, count_E = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
-                                                           weights[0].shape[0])
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
+                                                              weights[0].shape[0])
     y_RH = getattr(torch.ops, namespace).experts_rows(x_RH, expert_R, count_E, *weights, *static)
     return y_RH, torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *weights, *static)
 
@@ -122,7 +121,7 @@ def gpu_backends():
     device = torch.device("cuda")
     return [b.namespace for b in REGISTRY.experts.values()
             if b.name != "reference"
-            and b.supports(tmo.BackendSpec(), None, device, torch.bfloat16) is None]
+            and b.supports(tmo.BackendSpec(), Problem(torch.bfloat16), device) is None]
 
 
 GPU_SHAPES = {  # (T, H, I, E, K)

@@ -53,6 +53,10 @@ def logits(num_experts=8):
     return torch.randn((T, num_experts), generator=torch.Generator().manual_seed(0))
 
 
+# T = 3 tokens, K = 2: each slot's row in 2 rows.
+SLOT_MAP_3x2 = torch.tensor([[0, -1], [1, -1], [-1, -1]], dtype=torch.int32)
+
+
 class ConcreteOps:
     """``ops.<name>`` is the concrete op that runs ``moe::<name>`` by default on the CPU:
     the reference backend's for routing and experts, the local one's for dispatch/combine."""
@@ -115,8 +119,20 @@ CONFIG_CASES = {
          "(shared_expert_intermediate_size=0), got True")),
     "ep_size_does_not_divide_experts": (lambda: config(ep_size=3),
                                         "ep_size must be a divisor of num_experts (8), got 3"),
-    "module_with_ep_size": (lambda: tmo.MoE(config(ep_size=2)),
-                            "MoE runs experts on one device (ep_size=1), got ep_size=2"),
+    "module_ep_without_group": (
+        lambda: tmo.MoE(config(ep_size=2, max_tokens_per_rank=4)),
+        ("ep_group must be the expert-parallel ProcessGroup or 1-D DeviceMesh when ep_size > 1, "
+        "got None (ep_size=2)")),
+    "ep_without_max_tokens": (
+        lambda: config(ep_size=2),
+        ("max_tokens_per_rank must be a positive int when ep_size > 1 (got ep_size=2): the "
+        "largest token count one rank sends, which sizes the static buffers, got None")),
+    "max_tokens_without_ep": (lambda: config(max_tokens_per_rank=4),
+                              "max_tokens_per_rank must be None when ep_size == 1, got 4"),
+    "ep_capacity_above_worst_case": (
+        lambda: config(ep_size=2, max_tokens_per_rank=4, ep_capacity=100),
+        ("ep_capacity must be <= the worst case max_tokens_per_rank * min(top_k, experts per "
+        "rank) (8), or None for it, got 100")),
     "module_input_H_mismatch": (lambda: tmo.MoE(config())(torch.randn(2, 3, H + 1)),
                                 "x.shape[-1] must equal hidden_size (8), got shape (2, 3, 9)"),
 }
@@ -242,18 +258,19 @@ OP_CASES = {
             torch.randn(2, H), torch.tensor([0, 1], dtype=torch.int32),
             torch.zeros(E + 1, dtype=torch.int32), *expert_args()[3:]),
         "count_experts.shape[0] must equal w13.shape[0] (E) (4), got shape (5,)"),
-    "combine_src_at_num_tokens": (
+    "combine_src_past_slots": (
         lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
-                                      torch.tensor([0, 3], dtype=torch.int32), 3),
-        "src_rows must hold -1 (skip) or token indices in [0, 3), got 3"),
+                                torch.tensor([0, 6], dtype=torch.int32), SLOT_MAP_3x2),
+        "src_rows must hold -1 (skip) or slot indices in [0, 6), got 6"),
+    "combine_slot_map_past_rows": (
+        lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
+                                torch.tensor([0, 1], dtype=torch.int32),
+                                torch.tensor([[0, 1], [2, -1], [-1, -1]], dtype=torch.int32)),
+        "slot_map must hold -1 (skip) or row indices in [0, 2), got 2"),
     "combine_bf16_weights": (
         lambda ops: ops.combine(torch.randn(2, H), torch.ones(2, dtype=torch.bfloat16),
-                                      torch.tensor([0, 1], dtype=torch.int32), 3),
+                                torch.tensor([0, 1], dtype=torch.int32), SLOT_MAP_3x2),
         "weight_rows must have dtype in (float32), got bfloat16"),
-    "combine_negative_num_tokens": (
-        lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
-                                      torch.tensor([-1, -1], dtype=torch.int32), -1),
-        "num_tokens must be >= 0, got -1"),
     "backward_grad_out_shape": (
         lambda ops: ops.experts_backward(torch.randn(T + 1, H), *expert_args()),
         "grad_out must have hidden's shape (3, 8), got (4, 8)"),
@@ -281,6 +298,38 @@ def test_bad_op_input(case, ops):
     call, message = OP_CASES[case]
     with pytest.raises(ValueError, match=exactly(message)):
         call(OPS[ops])
+
+
+def _dispatch(namespace: str, *ep_args):
+    return lambda: getattr(torch.ops, namespace).dispatch(*expert_args()[:3], 4, *ep_args)
+
+
+# Expert-parallel arguments, through the generic op and each expert-parallel
+# backend's own (one process: no group exists).
+EP_NAMESPACES = ("moe", "moe_all_to_all", "moe_allgather")
+EP_OP_CASES = {  # name: (ep_size, group_name, max_tokens_per_rank, capacity), message
+    "without_group": ((2, "", 8, 4), ("group_name must name the expert-parallel process "
+                                     "group when ep_size > 1, got '' with ep_size=2")),
+    "tokens_above_max": ((2, "ep", 2, 4), (
+        "hidden.shape[0] (tokens on this rank) must be <= max_tokens_per_rank (2), got 3: "
+        "build the layer with a larger max_tokens_per_rank or split the batch")),
+    "capacity_above_worst": ((2, "ep", 4, 9), (
+        "capacity must be in [1, 8] (rows one rank sends another; 8 is the worst case) "
+        "when ep_size > 1, got 9")),
+    "ep_size_not_dividing_experts": ((3, "ep", 4, 4),
+                                     "num_experts must be divisible by ep_size (3), got 4"),
+    "without_process_group": ((2, "ep", 4, 4), (
+        "group_name must name a live process group, got 'ep' (torch.distributed is not "
+        "initialised: call dist.init_process_group first)")),
+}
+
+
+@pytest.mark.parametrize("namespace", EP_NAMESPACES)
+@pytest.mark.parametrize("case", sorted(EP_OP_CASES))
+def test_bad_expert_parallel_arguments(case, namespace):
+    ep_args, message = EP_OP_CASES[case]
+    with pytest.raises(ValueError, match=exactly(message)):
+        _dispatch(namespace, *ep_args)()
 
 
 def test_bad_input_is_rejected_by_fake_kernels_too():

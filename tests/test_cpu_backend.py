@@ -15,7 +15,7 @@ import torch_moe_ops as tmo
 from graph_tests.aot_graphs import AotGraphs
 from torch_moe_ops.backends import cpu
 from torch_moe_ops.backends.common.tracing import for_inductor
-from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
 
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
@@ -38,7 +38,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def rows_of(inputs) -> tuple:
     """The rows format of ``inputs`` (dispatch's), with the expert weights."""
-    x_RH, expert_R, _, _, count_E = torch.ops.moe.dispatch(
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
         inputs.hidden_TH, inputs.topk_weights_TK, inputs.topk_ids_TK, inputs.w13_EFH.shape[0])
     return (x_RH, expert_R, count_E, inputs.w13_EFH, inputs.w2_EHI, inputs.b13_EF,
             inputs.b2_EH)
@@ -192,12 +192,12 @@ def test_backward_runs_on_reference(expert_inputs):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_picks_cpu_on_the_cpu_and_not_elsewhere(dtype):
-    assert REGISTRY.choose_experts(BackendSpec(), None, torch.device("cpu"), dtype).name == "cpu"
-    reason = cpu.supports(BackendSpec(), None, torch.device("cuda"), dtype)
+    assert REGISTRY.choose_experts(BackendSpec(), Problem(dtype), torch.device("cpu")).name == "cpu"
+    reason = cpu.supports(BackendSpec(), Problem(dtype), torch.device("cuda"))
     assert reason == "runs on the CPU only (it reads row counts on the host, a sync on a GPU), " \
                      "got device cuda"
     assert "float32, bfloat16, float16 or float64, got torch.int32" in cpu.supports(
-        BackendSpec(), None, torch.device("cpu"), torch.int32)
+        BackendSpec(), Problem(torch.int32), torch.device("cpu"))
 
 
 def test_listed_as_forward_only():

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_on_ranks
 
 import torch_moe_ops as tmo
+from distributed import run_on_ranks
 from torch_moe_ops.ops import op_overload
 
 H, I, K = 16, 8, 2
@@ -100,7 +100,7 @@ def _check_ops(rank, world_size, a2a, route, activation, capacity):
 
 def _check_overflow(rank, world_size, a2a):
     """A capacity below what the routing needs raises on every rank, before any row is lost."""
-    hidden_NH, weights_NK, ids_NK, full = _full_problem(world_size, 11, "one_rank")
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(world_size, 11, "one_rank")
     num_experts = _experts_count(world_size)
     mine = _my_tokens(rank, world_size)
     with pytest.raises(RuntimeError, match="ep_capacity is 1; no row was dropped"):

@@ -19,6 +19,7 @@ from torch_moe_ops.backends.registry import (
     EXPERTS_OPS,
     REGISTRY,
     ROUTE_NAMESPACE,
+    Problem,
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
@@ -28,6 +29,7 @@ CPU = torch.device("cpu")
 # The contract, written out rather than read from the code that defines the ops.
 EXPERT_ARGS = ("Tensor w13, Tensor w2, Tensor? b13, Tensor? b2, str activation, "
                "float swiglu_alpha, float swiglu_limit")
+EP_ARGS = 'int ep_size=1, str group_name="", int max_tokens_per_rank=0'
 SCHEMAS = {
     "route": "(Tensor router_logits, Tensor? correction_bias, int top_k, str scoring, "
              "bool renormalize, int num_expert_groups, int topk_groups, "
@@ -36,12 +38,20 @@ SCHEMAS = {
     "experts_backward": "(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
                         f"{EXPERT_ARGS}) -> (Tensor grad_hidden, Tensor grad_topk_weights, "
                         "Tensor grad_w13, Tensor grad_w2, Tensor grad_b13, Tensor grad_b2)",
-    "dispatch": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts) -> "
+    "dispatch": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
+                f"{EP_ARGS}, int capacity=0) -> "
                 "(Tensor x_rows, Tensor expert_rows, Tensor weight_rows, Tensor src_rows, "
-                "Tensor count_experts)",
+                "Tensor count_experts, Tensor slot_map)",
     "experts_rows": "(Tensor x_rows, Tensor expert_rows, Tensor count_experts, "
                     f"{EXPERT_ARGS}) -> Tensor",
-    "combine": "(Tensor y_rows, Tensor weight_rows, Tensor src_rows, SymInt num_tokens) -> Tensor",
+    "combine": f"(Tensor y_rows, Tensor weight_rows, Tensor src_rows, Tensor slot_map, "
+               f"{EP_ARGS}) -> Tensor",
+    "dispatch_backward": "(Tensor grad_x_rows, Tensor grad_weight_rows, Tensor src_rows, "
+                         f"Tensor slot_map, {EP_ARGS}) -> "
+                         "(Tensor grad_hidden, Tensor grad_topk_weights)",
+    "combine_backward": "(Tensor grad_out, Tensor y_rows, Tensor weight_rows, Tensor src_rows, "
+                        f"Tensor slot_map, {EP_ARGS}) -> "
+                        "(Tensor grad_y_rows, Tensor grad_weight_rows)",
 }
 
 
@@ -51,9 +61,11 @@ def implementations(dtype: torch.dtype) -> dict[tuple[str, str], str | None]:
     found = {(GENERIC_NAMESPACE, name): None for name in CONTRACTS}
     found[(ROUTE_NAMESPACE, "route")] = None
     found[(BACKWARD_NAMESPACE, "experts_backward")] = None
-    experts_reasons = {name: backend.supports(BackendSpec(experts=name), None, CPU, dtype)
+    experts_reasons = {name: backend.supports(BackendSpec(experts=name), Problem(dtype), CPU)
                        for name, backend in REGISTRY.experts.items()}
-    a2a_reasons = {name: backend.supports(BackendSpec(a2a=name), None, CPU, dtype)
+    # One process: the expert-parallel backends are opchecked on several
+    # (tests/test_expert_parallel.py).
+    a2a_reasons = {name: backend.supports(BackendSpec(a2a=name), Problem(dtype, ep_size=1), CPU)
                    for name, backend in REGISTRY.a2a.items()}
     for name, backend in REGISTRY.experts.items():
         found.update({(backend.namespace, op): experts_reasons[name] for op in EXPERTS_OPS})
@@ -138,8 +150,14 @@ def op_args(op_name: str, case: str, generator, expert_inputs) -> tuple:
             count_E = torch.tensor([2, 0, 1, 1], dtype=torch.int32)
             return (rows_RH, expert_R, count_E, *expert_args("silu_bias", expert_inputs)[3:])
         weight_R = torch.tensor([0.5, 1.0, 2.0, 0.0, 3.0, 0.0])
-        src_R = torch.tensor([1, 0, 1, -1, 2, -1], dtype=torch.int32)
-        return rows_RH, weight_R, src_R, 3
+        # T = 3 tokens, K = 2: each row's slot, and each slot's row.
+        src_R = torch.tensor([1, 0, 3, -1, 4, -1], dtype=torch.int32)
+        slot_map_TK = torch.tensor([[1, 0], [-1, 2], [4, -1]], dtype=torch.int32)
+        if op_name == "dispatch_backward":
+            return rows_RH, weight_R, src_R, slot_map_TK
+        if op_name == "combine_backward":
+            return torch.randn((3, H), generator=generator), rows_RH, weight_R, src_R, slot_map_TK
+        return rows_RH, weight_R, src_R, slot_map_TK
     args = expert_args(case, expert_inputs)
     hidden_TH, weights_TK, ids_TK, *expert_weights_and_static = args
     if op_name == "experts":
@@ -148,25 +166,30 @@ def op_args(op_name: str, case: str, generator, expert_inputs) -> tuple:
         grad_out_TH = torch.randn(hidden_TH.shape, generator=generator).to(hidden_TH.dtype)
         return (grad_out_TH, *args)
     if op_name == "dispatch":
-        return hidden_TH, weights_TK, ids_TK, E
-    x_RH, expert_R, weight_R, src_R, count_E = torch.ops.moe.dispatch(
+        return with_grad((hidden_TH, weights_TK, ids_TK, E))
+    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
         hidden_TH, weights_TK, ids_TK, E)
     if case == "noncontiguous_hidden":
         x_RH = transposed_storage(x_RH)
     if op_name == "experts_rows":
-        return (x_RH, expert_R, count_E, *expert_weights_and_static)
-    assert op_name == "combine"
+        return with_grad((x_RH, expert_R, count_E, *expert_weights_and_static))
+    if op_name == "dispatch_backward":
+        return x_RH, weight_R, src_R, slot_map_TK
     y_RH = torch.randn(x_RH.shape, generator=generator).to(x_RH.dtype)
     if case == "noncontiguous_hidden":
         y_RH = transposed_storage(y_RH)
-    return y_RH, weight_R, src_R, hidden_TH.shape[0]
+    if op_name == "combine_backward":
+        grad_out_TH = torch.randn(hidden_TH.shape, generator=generator).to(hidden_TH.dtype)
+        return grad_out_TH, y_RH, weight_R, src_R, slot_map_TK
+    assert op_name == "combine"
+    return with_grad((y_RH, weight_R, src_R, slot_map_TK))
 
 
 def case_names(op_name: str) -> list:
     if op_name == "route":
         return list(ROUTE_CASES)
     names = list(EXPERT_CASES)
-    if op_name in ("experts_rows", "combine"):
+    if op_name in ("experts_rows", "combine", "dispatch_backward", "combine_backward"):
         names.append("minus_one_rows")
     return names
 

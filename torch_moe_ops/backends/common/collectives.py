@@ -18,8 +18,9 @@ _functional = torch.ops._c10d_functional
 def group_of(group_name: str) -> dist.ProcessGroup:
     """The process group ``group_name`` names; a clear error when there is none."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"expert parallelism needs torch.distributed initialised "
-                           f"(group {group_name!r}); call dist.init_process_group first")
+        raise ValueError(f"group_name must name a live process group, got {group_name!r} "
+                         f"(torch.distributed is not initialised: call "
+                         f"dist.init_process_group first)")
     try:
         return distributed_c10d._resolve_process_group(group_name)
     except (KeyError, ValueError, RuntimeError) as error:

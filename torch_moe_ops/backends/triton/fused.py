@@ -29,9 +29,9 @@ import torch
 import triton
 
 from torch_moe_ops.backends.common import grouped_gemm
-from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.common.launch import launcher
 from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES
+from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton.align import align_rows
 from torch_moe_ops.backends.triton.configs import (
     KERNEL_DTYPES,
