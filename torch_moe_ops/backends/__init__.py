@@ -32,6 +32,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     reference,
     triton,
 )
+from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     BACKWARD_NAMESPACE,
@@ -41,7 +42,6 @@ from torch_moe_ops.backends.registry import (
     BackendTable,
     Problem,
 )
-from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
 from torch_moe_ops.ops.library import implement
