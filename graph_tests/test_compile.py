@@ -3,6 +3,8 @@ compilation across token counts, gradients, and (GPU) CUDA-graph capture."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import expecttest
 import pytest
 import torch
@@ -186,3 +188,33 @@ def test_manual_cuda_graph_capture_and_replay(name):
             static_out.fill_(float("nan"))
             graph.replay()
             torch.testing.assert_close(static_out, model(fresh), rtol=2e-2, atol=2e-2)
+
+
+def test_supports_sees_the_layer_problem(monkeypatch):
+    """The compile backend hands every `supports` the layer's sizes, dtype and
+    activation read from the graph, so a backend that cannot run the layer is
+    refused when the model is compiled, with its reason."""
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    seen = []
+    reference = REGISTRY.experts["reference"]
+
+    def recording_supports(spec, problem, device):
+        seen.append(problem)
+        return None if problem.hidden_size is None else f"refused H={problem.hidden_size}"
+
+    monkeypatch.setitem(REGISTRY.experts, "reference", dataclasses.replace(
+        reference, supports=recording_supports))
+    model = make_model("mixtral", num_layers=1)
+    cfg = model.blocks[0].moe.cfg
+    compiled = torch.compile(model, backend=tmo.backend(experts="reference", inner="aot_eager"),
+                             fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
+                       match=f"experts backend 'reference' is not available: refused "
+                             f"H={cfg.hidden_size}"):
+        compiled(_ids(5))
+    problem = seen[0]
+    assert (problem.num_local_experts, problem.hidden_size, problem.intermediate_size,
+            problem.top_k, problem.activation, problem.dtype) == (
+        cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.activation,
+        torch.float32)

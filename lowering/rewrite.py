@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -53,21 +55,57 @@ def check_combination(spec: BackendSpec, device: torch.device, problem: Problem)
                          "no adapter between them is registered")
 
 
+def _generic_op(node: fx.Node) -> str | None:
+    """The name of the generic ``moe::*`` op ``node`` calls, else None."""
+    op = _op_name(node.target) if node.op == "call_function" else None
+    return op[1] if op is not None and op[0] == GENERIC_NAMESPACE else None
+
+
+def _producer(arg: object) -> fx.Node | None:
+    """The node whose output ``arg`` is, looking through tuple indexing."""
+    if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem:
+        arg = arg.args[0]
+    return arg if isinstance(arg, fx.Node) else None
+
+
+def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
+    """Each generic op node's `Problem`, completed with what the other ops of its
+    layer know: ``dispatch`` knows E, the expert-parallel sizes and K,
+    ``experts_rows`` the weights' sizes and the activation; every backend of the
+    layer decides on all of it. Ops of one layer are those joined by data flow."""
+    problems, layer_of = {}, {}
+    for node in gm.graph.nodes:
+        name = _generic_op(node)
+        if name is None:
+            continue
+        problems[node] = problem_of(name, _example_args(node))
+        layer_of[node] = node
+        if name in EXPERTS_OPS or name in A2A_OPS:
+            for arg in node.all_input_nodes:
+                producer = _producer(arg)
+                if producer in layer_of and _generic_op(producer) != "route":
+                    layer_of[node] = layer_of[producer]
+    merged: dict[fx.Node, Problem] = {}
+    for node, root in layer_of.items():
+        merged[root] = merged[root].merged(problems[node]) if root in merged else problems[node]
+    return {node: merged[root] for node, root in layer_of.items()}
+
+
 def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
     """Point every generic ``moe::*`` call in ``gm`` at the backend ``spec`` chooses.
 
-    The choice is made per node from the device and dtype of its first input, so
-    a graph that mixes devices gets each device's backend. A graph with no MoE
-    op is returned untouched. Raises ValueError for an unregistered, unavailable
-    or inconsistent choice.
+    The choice is made per node from its device and its layer's `Problem` (sizes,
+    dtype, activation, expert-parallel layout, read from the graph), so a graph
+    that mixes devices gets each device's backend, and a backend that cannot run
+    a layer fails here, with its reason, not when the model runs. A graph with no
+    MoE op is returned untouched. Raises ValueError for an unregistered,
+    unavailable or inconsistent choice.
     """
     changed = False
-    for node in gm.graph.nodes:
-        op = _op_name(node.target) if node.op == "call_function" else None
-        if op is None or op[0] != GENERIC_NAMESPACE:
-            continue
-        args = _example_args(node)
-        problem, device = problem_of(op[1], args), args[0].device
+    problems = layer_problems(gm)
+    for node, problem in problems.items():
+        op = (GENERIC_NAMESPACE, _generic_op(node))
+        device = _example_args(node)[0].device
         # Routing runs on fp32 logits: only the ops that carry activations decide
         # (and must agree on) the experts and a2a backends.
         if op[1] in EXPERTS_OPS or op[1] in A2A_OPS:

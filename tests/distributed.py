@@ -1,8 +1,11 @@
-"""Run a function on several CPU processes joined by a gloo process group, bounded in time.
+"""Run a function on several processes joined by one process group, bounded in time.
 
-Every process group gets a timeout, and the launcher kills the processes when
-the whole run takes longer than its own deadline: a bug fails a test, it never
-hangs it. A failure in any process fails the caller with that process's traceback.
+``backend="gloo"`` runs CPU processes; ``backend="nccl"`` runs one process per
+GPU, rank ``r`` on ``cuda:r`` (its current device, also given to the group as
+``device_id`` so the communicator is built at once). Every process group gets a
+timeout, and the launcher kills the processes when the whole run takes longer
+than its own deadline: a bug fails a test, it never hangs it. A failure in any
+process fails the caller with that process's traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import pathlib
 import tempfile
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -20,12 +24,18 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 # The whole run, process start-up (importing torch) included.
 RUN_DEADLINE_S = 240
+BACKENDS = ("gloo", "nccl")
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn, args, errors) -> None:
+def _worker(rank: int, world_size: int, init_file: str, backend: str,
+            timeout: datetime.timedelta, fn, args, errors) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    options = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=timeout, **options)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -35,22 +45,32 @@ def _worker(rank: int, world_size: int, init_file: str, fn, args, errors) -> Non
         dist.destroy_process_group()
 
 
-def run_on_ranks(world_size: int, fn, *args) -> None:
-    """``fn(rank, world_size, *args)`` on ``world_size`` processes of one gloo group
-    (``dist.group.WORLD``). ``fn`` must be importable (a module-level function)."""
+def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",
+                 timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+                 deadline_s: float = RUN_DEADLINE_S) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes of one process
+    group (``dist.group.WORLD``) of ``backend``; ``fn`` must be importable (a
+    module-level function). Each collective waits at most ``timeout``, the whole
+    run at most ``deadline_s`` seconds."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend 'nccl' runs one rank per GPU: world_size ({world_size}) "
+                         f"must be <= the GPUs here ({torch.cuda.device_count()})")
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(pathlib.Path(tmp) / "init")
-        processes = mp.start_processes(_worker, args=(world_size, init_file, fn, args, errors),
-                                       nprocs=world_size, join=False, start_method="spawn")
+        processes = mp.start_processes(
+            _worker, args=(world_size, init_file, backend, timeout, fn, args, errors),
+            nprocs=world_size, join=False, start_method="spawn")
         try:
             finished = False
-            deadline = datetime.datetime.now() + datetime.timedelta(seconds=RUN_DEADLINE_S)
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=deadline_s)
             while not finished:
                 remaining = (deadline - datetime.datetime.now()).total_seconds()
                 if remaining <= 0:
-                    raise TimeoutError(f"{world_size} ranks did not finish in {RUN_DEADLINE_S} s")
+                    raise TimeoutError(f"{world_size} ranks did not finish in {deadline_s} s")
                 finished = processes.join(timeout=min(remaining, 5))
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
             messages = []

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
+from torch_moe_ops.lowering.rewrite import layer_problems
 from torch_moe_ops.ops import op_overload
 
 H, I, K = 16, 8, 2
@@ -131,14 +132,29 @@ def _check_module(rank, world_size, a2a, compiled):
 
     x_ref = x_NH.clone().requires_grad_()
     single(x_ref).square().sum().backward()
-    run = sharded
+    run, problems = sharded, []
     if compiled:
-        run = torch.compile(sharded, backend=tmo.backend(a2a=a2a, inner="aot_eager"),
-                            fullgraph=True)
+        lowering = tmo.backend(a2a=a2a, inner="aot_eager")
+
+        def recording(gm, example_inputs):
+            problems.extend(layer_problems(gm).values())
+            return lowering(gm, example_inputs)
+
+        run = torch.compile(sharded, backend=recording, fullgraph=True)
     x_TH = x_NH[mine].clone().requires_grad_()
     out_TH = run(x_TH)
     out_TH.square().sum().backward()
 
+    if compiled:
+        # Every op of the layer is lowered knowing the whole expert-parallel problem.
+        cfg = sharded.cfg
+        expected = (cfg.num_experts, cfg.num_local_experts, H, I, K, world_size,
+                    cfg.rows_per_rank, MAX_TOKENS)
+        layer = [p for p in problems if p.dtype == torch.float32 and p.ep_size is not None]
+        assert len(layer) == 3
+        for p in layer:
+            assert (p.num_experts, p.num_local_experts, p.hidden_size, p.intermediate_size,
+                    p.top_k, p.ep_size, p.capacity, p.max_tokens_per_rank) == expected
     tol = {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(out_TH, single(x_NH)[mine].detach(), **tol)
     torch.testing.assert_close(x_TH.grad, x_ref.grad[mine], **tol)

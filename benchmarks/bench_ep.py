@@ -1,0 +1,679 @@
+"""Expert-parallel transport and layer step of every a2a backend, on 2 GPUs over NCCL.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --smoke  # CPU, gloo, tiny
+
+Legend: P ranks, T tokens per rank (M = max_tokens_per_rank = T here), H hidden
+size, I expert intermediate size, K experts per token, E experts, E_l = E / P,
+C rows one rank sends each rank (the capacity; worst case M * min(K, E_l)),
+b bytes per element (2, bf16).
+
+Three phases, each in the same run, every time the slower rank's (max over ranks):
+
+1. transport: ``dispatch`` then ``combine`` (the rows sent back untouched, no
+   experts) of each a2a backend, at decode (T=128) and prefill (T=4096),
+   H=7168, K=8, E=64 and 256, bf16, uniformly random routing; default (worst-case)
+   capacity, and for all_to_all also a smaller one, ``--capacity-factor`` times the
+   even share T * K / P (2x the even share is the worst case itself at P=2, K=8).
+   Each op is captured in a CUDA graph; the time is the median of back-to-back
+   replays timed with CUDA events. A capacity below the worst case makes dispatch
+   check the routing with an all-reduce and a host read, which a CUDA graph cannot
+   hold: the routing is checked eagerly first, and the captured graph runs without
+   that check (its cost is not in the time).
+2. raw NCCL, captured alike: ``dist.all_to_all_single`` of the same padded
+   ``[P * C, H]`` buffers, forward and back (the bytes dispatch and combine move),
+   the same at the even share (what an exactly sized exchange would move), and
+   ``all_gather_into_tensor`` + ``reduce_scatter_tensor`` of ``[M, H]`` (allgather's
+   collectives).
+3. layer: the forward of a ``tmo.MoE`` with ``ep_size=P`` at DeepSeek-V3 widths
+   (H=7168, I=2048, E=256, K=8, softmax routing), compiled with
+   ``tmo.backend(a2a=...)`` and ``mode="reduce-overhead"`` (if that fails: Inductor
+   without CUDA graphs, captured by hand), against the local experts alone
+   (``moe::experts_rows`` on E_l experts and the rows an all_to_all dispatch of
+   uniformly random routing delivers, captured) plus the raw transport of the
+   backend's collectives.
+
+Bytes one rank sends its peers (GB/s = those bytes / time):
+    all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
+    allgather   (P-1) * M * (2*H*b + 8*K) all-gather of tokens, ids, weights + reduce-scatter
+    raw a2a     2 * (P-1) * C * H * b     (even share: C = T * K / P)
+    raw ag+rs   2 * (P-1) * M * H * b
+
+Targets: all_to_all dispatch + combine within 1.2x raw NCCL on the same bytes;
+layer step <= 1.3x (local experts + raw transport).
+
+Every collective is bounded by the process group's timeout (``--timeout-s``), and
+a case starts only while the run is within ``--budget-s`` (decided on all ranks
+alike); the rest are listed as skipped. Rank 0 writes ``ep.json``, ``ep.md`` and
+``summary.txt`` (the short table it prints last) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import unittest.mock
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import torch_moe_ops as tmo
+from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.ops import op_overload
+
+# The a2a backends measured, where they run; one registered later joins with its name here.
+A2A_NAMES = ("all_to_all", "allgather")
+# Those whose transport shrinks with a capacity below the worst case.
+CAPACITY_A2A_NAMES = ("all_to_all",)
+TARGET_TRANSPORT = 1.2
+TARGET_LAYER = 1.3
+DTYPE_BYTES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    inter: int
+    top_k: int
+    experts: tuple[int, ...]
+    tokens: tuple[int, ...]
+    layer_experts: int
+    layer_tokens: tuple[int, ...]
+    replays: int
+
+
+FULL = Sizes(hidden=7168, inter=2048, top_k=8, experts=(64, 256), tokens=(128, 4096),
+             layer_experts=256, layer_tokens=(128, 4096), replays=50)
+SMOKE = Sizes(hidden=64, inter=32, top_k=2, experts=(8,), tokens=(4, 16), layer_experts=8,
+              layer_tokens=(4, 16), replays=5)
+
+
+class Run:
+    """This process's place in the run: rank, device, group, the clock of the budget."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.smoke = args.smoke
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        timeout = datetime.timedelta(seconds=args.timeout_s)
+        if self.smoke:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timeout)
+        else:
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+        self.group = dist.group.WORLD
+        self.group_name = self.group.group_name
+        self.dtype = torch.bfloat16
+        self.start = time.monotonic()
+        self.skipped: list[str] = []
+
+    def log(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"[{time.monotonic() - self.start:6.1f} s] {text}", flush=True)
+
+    def within_budget(self, what: str) -> bool:
+        """Whether ``what`` may start: the same answer on every rank."""
+        over = torch.tensor([int(time.monotonic() - self.start > self.args.budget_s)],
+                            device=self.device)
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item():
+            self.skipped.append(what)
+            self.log(f"skipped (past --budget-s {self.args.budget_s}): {what}")
+            return False
+        return True
+
+    def slowest(self, seconds: list[float]) -> list[float]:
+        """Each value's maximum over ranks."""
+        values = torch.tensor(seconds, dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values.tolist()
+
+    def capture(self, fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
+        """``fn`` captured in a CUDA graph (warm-up on a side stream first): its
+        replay and the outputs it writes. In smoke mode (CPU) ``fn`` itself and the
+        outputs of one call."""
+        if self.smoke:
+            return fn, fn()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread may query events while this thread captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out
+
+    def time(self, steps: list[Callable[[], object]], warmup: int = 3) -> list[float]:
+        """Median seconds of each of ``steps``, run in turn ``replays`` times back to
+        back (CUDA events between them, one sync at the end); the slower rank's."""
+        replays = self.args.replays or (SMOKE if self.smoke else FULL).replays
+        for _ in range(warmup):
+            for step in steps:
+                step()
+        times: list[list[float]] = [[] for _ in steps]
+        if self.smoke:
+            for _ in range(replays):
+                for i, step in enumerate(steps):
+                    begin = time.perf_counter()
+                    step()
+                    times[i].append(time.perf_counter() - begin)
+        else:
+            torch.cuda.synchronize()
+            events = [[torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
+                      for _ in range(replays)]
+            for marks in events:
+                marks[0].record()
+                for i, step in enumerate(steps):
+                    step()
+                    marks[i + 1].record()
+            torch.cuda.synchronize()
+            for marks in events:
+                for i in range(len(steps)):
+                    times[i].append(marks[i].elapsed_time(marks[i + 1]) * 1e-3)
+        return self.slowest([statistics.median(t) for t in times])
+
+    def release(self) -> None:
+        gc.collect()
+        if not self.smoke:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def capacity_check_skipped():
+    """Dispatch without its capacity check (an all-reduce and a host read, which a
+    CUDA graph cannot capture): only for routing already checked to fit."""
+    with unittest.mock.patch.object(collectives, "check_capacity", lambda *_, **__: None):
+        yield
+
+
+def available_a2a(run: Run, sizes: Sizes) -> list[str]:
+    names = []
+    problem = Problem(run.dtype, hidden_size=sizes.hidden, top_k=sizes.top_k, ep_size=run.world)
+    for name in A2A_NAMES:
+        backend = REGISTRY.a2a.get(name)
+        reason = ("not registered" if backend is None else
+                  backend.supports(tmo.BackendSpec(a2a=name), problem, run.device))
+        if reason is None:
+            names.append(name)
+        else:
+            run.skipped.append(f"a2a {name}: {reason}")
+    return [n for n in names if n in run.args.a2a.split(",")]
+
+
+def worst_capacity(tokens: int, top_k: int, num_experts: int, world: int) -> int:
+    return tokens * min(top_k, num_experts // world)
+
+
+def random_routing(run: Run, sizes: Sizes, num_tokens: int, num_experts: int, seed: int):
+    """``hidden [T, H]`` bf16, ``topk_weights [T, K]`` fp32 (softmax), ``topk_ids [T, K]``
+    int32: K distinct experts per token, uniformly at random, different on each rank."""
+    gen = torch.Generator(run.device).manual_seed(seed * 1000 + run.rank)
+    hidden_TH = torch.randn(num_tokens, sizes.hidden, generator=gen, device=run.device)
+    scores_TE = torch.rand(num_tokens, num_experts, generator=gen, device=run.device)
+    topk_ids_TK = scores_TE.topk(sizes.top_k, dim=-1).indices.to(torch.int32)
+    topk_weights_TK = torch.randn(num_tokens, sizes.top_k, generator=gen,
+                                  device=run.device).softmax(-1)
+    return hidden_TH.to(run.dtype), topk_weights_TK, topk_ids_TK
+
+
+def bytes_sent(a2a: str, run: Run, sizes: Sizes, tokens: int, capacity: int) -> int:
+    peers, row = run.world - 1, sizes.hidden * DTYPE_BYTES
+    if a2a == "allgather":
+        return peers * tokens * (2 * row + 8 * sizes.top_k)
+    if a2a == "all_to_all":
+        return peers * capacity * (2 * row + 8)
+    return 0  # a backend whose formula is not written here: no GB/s
+
+
+def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int,
+                   capacity: int) -> dict:
+    """dispatch, then combine of the dispatched rows, each captured; checked once eagerly
+    (rows sent back untouched sum to ``hidden * sum_k weight``)."""
+    namespace = REGISTRY.a2a[a2a].namespace
+    dispatch, combine = op_overload(namespace, "dispatch"), op_overload(namespace, "combine")
+    ep_args = (run.world, run.group_name, tokens)
+    hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
+    worst = worst_capacity(tokens, sizes.top_k, num_experts, run.world)
+    row = {"a2a": a2a, "experts": num_experts, "tokens": tokens, "capacity": capacity,
+           "worst_capacity": worst, "even_rows": tokens * sizes.top_k // run.world}
+    try:
+        x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = dispatch(
+            hidden_TH, weights_TK, ids_TK, num_experts, *ep_args, capacity)
+    except RuntimeError as error:
+        # Raised on every rank alike: the routing does not fit the capacity.
+        row["error"] = str(error).splitlines()[0]
+        return row
+    out_TH = combine(x_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    expected_TH = hidden_TH.float() * weights_TK.sum(-1, keepdim=True)
+    row["rel_err"] = ((out_TH.float() - expected_TH).norm() / expected_TH.norm()).item()
+    row["rows_received"] = int(count_E.sum())
+    del x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK, out_TH, expected_TH
+
+    skip_check = capacity_check_skipped() if capacity < worst else contextlib.nullcontext()
+    with skip_check:
+        replay_dispatch, dispatched = run.capture(lambda: dispatch(
+            hidden_TH, weights_TK, ids_TK, num_experts, *ep_args, capacity))
+    x_RH, _, weight_R, src_R, _, slot_map_TK = dispatched
+    replay_combine, _ = run.capture(lambda: combine(x_RH, weight_R, src_R, slot_map_TK,
+                                                    *ep_args))
+    dispatch_s, combine_s = run.time([replay_dispatch, replay_combine])
+    sent = bytes_sent(a2a, run, sizes, tokens, capacity)
+    row.update(dispatch_us=dispatch_s * 1e6, combine_us=combine_s * 1e6,
+               total_us=(dispatch_s + combine_s) * 1e6, bytes_sent=sent,
+               gb_per_s=sent / (dispatch_s + combine_s) / 1e9 if sent else None,
+               check_in_graph=capacity == worst)
+    return row
+
+
+def time_raw_all_to_all(run: Run, sizes: Sizes, rows_per_peer: int) -> dict:
+    """``all_to_all_single`` of ``[P * rows_per_peer, H]`` there and back, each captured."""
+    send_QH = torch.randn(run.world * rows_per_peer, sizes.hidden, device=run.device,
+                          dtype=run.dtype)
+    recv_QH, back_QH = torch.empty_like(send_QH), torch.empty_like(send_QH)
+    there, _ = run.capture(lambda: dist.all_to_all_single(recv_QH, send_QH, group=run.group))
+    back, _ = run.capture(lambda: dist.all_to_all_single(back_QH, recv_QH, group=run.group))
+    there_s, back_s = run.time([there, back])
+    sent = 2 * (run.world - 1) * rows_per_peer * sizes.hidden * DTYPE_BYTES
+    return {"collective": "all_to_all_single x2", "rows_per_peer": rows_per_peer,
+            "there_us": there_s * 1e6, "back_us": back_s * 1e6,
+            "total_us": (there_s + back_s) * 1e6, "bytes_sent": sent,
+            "gb_per_s": sent / (there_s + back_s) / 1e9}
+
+
+def time_raw_gather_scatter(run: Run, sizes: Sizes, tokens: int) -> dict:
+    """``all_gather_into_tensor`` of ``[M, H]``, ``reduce_scatter_tensor`` back, each captured."""
+    local_MH = torch.randn(tokens, sizes.hidden, device=run.device, dtype=run.dtype)
+    gathered_GH = local_MH.new_empty((run.world * tokens, sizes.hidden))
+    home_MH = torch.empty_like(local_MH)
+    there, _ = run.capture(lambda: dist.all_gather_into_tensor(gathered_GH, local_MH,
+                                                               group=run.group))
+    back, _ = run.capture(lambda: dist.reduce_scatter_tensor(home_MH, gathered_GH,
+                                                             group=run.group))
+    there_s, back_s = run.time([there, back])
+    sent = 2 * (run.world - 1) * tokens * sizes.hidden * DTYPE_BYTES
+    return {"collective": "all_gather + reduce_scatter", "rows_per_peer": tokens,
+            "there_us": there_s * 1e6, "back_us": back_s * 1e6,
+            "total_us": (there_s + back_s) * 1e6, "bytes_sent": sent,
+            "gb_per_s": sent / (there_s + back_s) / 1e9}
+
+
+@dataclasses.dataclass
+class Results:
+    """What the run measured so far; rank 0 writes it after every case, so a run cut
+    short by a time limit keeps the cases it finished."""
+
+    transport: list = dataclasses.field(default_factory=list)
+    raw: dict = dataclasses.field(default_factory=dict)
+    layers: list = dataclasses.field(default_factory=list)
+
+    def save(self, run: Run, sizes: Sizes) -> str:
+        """Writes ``ep.json``, ``ep.md`` and ``summary.txt`` (rank 0); returns the summary."""
+        if run.rank != 0:
+            return ""
+        header = write_results(run, sizes, self.transport, self.raw, self.layers)
+        summary = f"{header}\n{FORMULAS}\n" + short_table(self.transport, self.layers)
+        with open(os.path.join(run.args.out, "summary.txt"), "w") as f:
+            f.write(summary + "\n")
+        return summary
+
+
+def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) -> None:
+    """Every (experts, tokens, backend, capacity) case and the raw collectives they
+    are judged against (keyed by their sizes: raw transport does not depend on E)."""
+    rows, raw = results.transport, results.raw
+
+    def raw_case(key, fn, size, label):
+        if key not in raw and run.within_budget(f"raw {key}"):
+            raw[key] = {"for": label, **fn(run, sizes, size)}
+            run.release()
+        return raw.get(key)
+
+    for num_experts in sizes.experts:
+        for tokens in sizes.tokens:
+            worst = worst_capacity(tokens, sizes.top_k, num_experts, run.world)
+            even = tokens * sizes.top_k // run.world
+            reduced = min(worst, math.ceil(run.args.capacity_factor * even))
+            for a2a in a2a_names:
+                capacities = [worst] + ([reduced] if a2a in CAPACITY_A2A_NAMES
+                                        and reduced < worst else [])
+                for capacity in capacities:
+                    what = f"transport {a2a} E={num_experts} T={tokens} C={capacity}"
+                    if not run.within_budget(what):
+                        continue
+                    row = time_transport(run, sizes, a2a, num_experts, tokens, capacity)
+                    run.release()
+                    if a2a == "allgather":
+                        base = raw_case(("ag+rs", tokens), time_raw_gather_scatter, tokens,
+                                        f"allgather, T={tokens}")
+                    else:
+                        base = raw_case(("a2a", capacity), time_raw_all_to_all, capacity,
+                                        f"capacity {capacity} (T={tokens})")
+                    if base is not None and "total_us" in row:
+                        row["raw_us"] = base["total_us"]
+                        row["vs_raw"] = row["total_us"] / base["total_us"]
+                    rows.append(row)
+                    results.save(run, sizes)
+                    run.log(transport_line(row))
+            raw_case(("a2a", even), time_raw_all_to_all, even, f"even share, T={tokens}")
+
+
+def moe_config(sizes: Sizes, world: int, tokens: int) -> tmo.MoEConfig:
+    return tmo.MoEConfig(hidden_size=sizes.hidden, intermediate_size=sizes.inter,
+                         num_experts=sizes.layer_experts, top_k=sizes.top_k,
+                         scoring="softmax", renormalize=True, ep_size=world,
+                         max_tokens_per_rank=tokens)
+
+
+def time_local_experts(run: Run, sizes: Sizes, moe: tmo.MoE, tokens: int) -> dict:
+    """``moe::experts_rows`` on this rank's experts and the rows an all_to_all dispatch of
+    uniformly random routing delivers at the layer's capacity, captured."""
+    cfg = moe.cfg
+    hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, cfg.num_experts, seed=2)
+    dispatch = op_overload(REGISTRY.a2a["all_to_all"].namespace, "dispatch")
+    with torch.no_grad():
+        x_RH, expert_R, _, _, count_E, _ = dispatch(
+            hidden_TH, weights_TK, ids_TK, cfg.num_experts, run.world, run.group_name,
+            cfg.max_tokens_per_rank, cfg.rows_per_rank)
+        del hidden_TH
+        args = (x_RH, expert_R, count_E, moe.w13.detach(), moe.w2.detach(), None, None,
+                cfg.activation, cfg.static_float("swiglu_alpha"),
+                cfg.static_float("swiglu_limit"))
+        replay, _ = run.capture(lambda: torch.ops.moe.experts_rows(*args))
+        (seconds,) = run.time([replay])
+    return {"local_us": seconds * 1e6, "rows": x_RH.shape[0], "real_rows": int(count_E.sum())}
+
+
+def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int) -> dict:
+    """The compiled layer's forward: CUDA graphs of ``reduce-overhead`` timed per call,
+    else Inductor without them captured by hand; checked once against eager."""
+    gen = torch.Generator(run.device).manual_seed(3000 + run.rank)
+    x_TH = torch.randn(tokens, sizes.hidden, generator=gen, device=run.device).to(run.dtype)
+    counters = torch._dynamo.utils.counters
+    row: dict = {}
+    with torch.no_grad():
+        expected_TH = moe(x_TH)
+        attempts = [("smoke: aot_eager", dict(inner="aot_eager"))] if run.smoke else [
+            ("reduce-overhead", dict(mode="reduce-overhead")), ("inductor + graph", {})]
+        for how, options in attempts:
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(moe, backend=tmo.backend(a2a=a2a, **options),
+                                     fullgraph=True, dynamic=False)
+            begin = time.monotonic()
+            try:
+                if how == "reduce-overhead":
+                    def step(compiled=compiled):
+                        torch.compiler.cudagraph_mark_step_begin()
+                        return compiled(x_TH)
+                    out_TH = step().clone()
+                    row["compile_s"] = time.monotonic() - begin
+                    (seconds,) = run.time([step])
+                    skips = counters["inductor"]["cudagraph_skips"]
+                    if skips:
+                        how += f" (cudagraph skipped {skips}x)"
+                else:
+                    out_TH = compiled(x_TH).clone()
+                    row["compile_s"] = time.monotonic() - begin
+                    replay, _ = run.capture(lambda compiled=compiled: compiled(x_TH))
+                    (seconds,) = run.time([replay])
+            except Exception as error:  # noqa: BLE001 (the next way is tried, the error kept)
+                row.setdefault("errors", []).append(f"{how}: {type(error).__name__}: "
+                                                    f"{str(error).splitlines()[0][:200]}")
+                run.log(f"layer {a2a} T={tokens} {how} failed: {row['errors'][-1]}")
+                continue
+            err = ((out_TH.float() - expected_TH.float()).norm()
+                   / expected_TH.float().norm().clamp(min=1e-12)).item()
+            row.update(how=how, layer_us=seconds * 1e6, rel_err_vs_eager=err)
+            break
+    torch._dynamo.reset()
+    return row
+
+
+def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) -> None:
+    rows, raw = results.layers, results.raw
+    for tokens in sizes.layer_tokens:
+        if not run.within_budget(f"layer T={tokens}"):
+            continue
+        cfg = moe_config(sizes, run.world, tokens)
+        torch.manual_seed(0)  # the router and experts alike on every rank
+        moe = tmo.MoE(cfg, device=run.device, dtype=run.dtype, ep_group=run.group)
+        experts = REGISTRY.choose_experts(tmo.BackendSpec(), Problem.from_config(cfg, run.dtype),
+                                          run.device).name
+        local = time_local_experts(run, sizes, moe, tokens)
+        run.release()
+        for a2a in a2a_names:
+            if not run.within_budget(f"layer {a2a} T={tokens}"):
+                continue
+            row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens,
+                   "capacity": cfg.rows_per_rank, **local,
+                   **time_layer(run, sizes, moe, a2a, tokens)}
+            key = ("ag+rs", tokens) if a2a == "allgather" else ("a2a", cfg.rows_per_rank)
+            if key in raw:
+                row["raw_us"] = raw[key]["total_us"]
+            if "layer_us" in row and "raw_us" in row:
+                row["vs_local_plus_raw"] = row["layer_us"] / (row["local_us"] + row["raw_us"])
+            rows.append(row)
+            results.save(run, sizes)
+            run.log(layer_line(row))
+            run.release()
+        del moe
+        run.release()
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def transport_line(row: dict) -> str:
+    if "error" in row:
+        return (f"transport {row['a2a']} E={row['experts']} T={row['tokens']} "
+                f"C={row['capacity']}: {row['error']}")
+    return (f"transport {row['a2a']} E={row['experts']} T={row['tokens']} C={row['capacity']}: "
+            f"{row['total_us']:.1f} us, {_fmt(row.get('gb_per_s'))} GB/s, "
+            f"{_fmt(row.get('vs_raw'), '.2f')}x raw")
+
+
+def layer_line(row: dict) -> str:
+    return (f"layer {row['a2a']} T={row['tokens']} ({row.get('how', 'failed')}): "
+            f"{_fmt(row.get('layer_us'))} us, local experts {row['local_us']:.1f} us, "
+            f"raw {_fmt(row.get('raw_us'))} us, {_fmt(row.get('vs_local_plus_raw'), '.2f')}x")
+
+
+def transport_table(rows: list[dict]) -> str:
+    lines = [(f"| a2a | E | T/rank | C (worst) | dispatch us | combine us | total us | "
+              f"MB sent | GB/s | raw NCCL us | vs raw (all_to_all target <= "
+              f"{TARGET_TRANSPORT}) | rel err | note |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['a2a']} | {r['experts']} | {r['tokens']} | {r['capacity']} "
+                         f"({r['worst_capacity']}) | | | | | | | | | {r['error']} |")
+            continue
+        note = "" if r["check_in_graph"] else "routing checked eagerly; graph without the check"
+        lines.append(
+            f"| {r['a2a']} | {r['experts']} | {r['tokens']} | {r['capacity']} "
+            f"({r['worst_capacity']}) | {r['dispatch_us']:.1f} | {r['combine_us']:.1f} | "
+            f"{r['total_us']:.1f} | {r['bytes_sent'] / 1e6:.1f} | {_fmt(r['gb_per_s'])} | "
+            f"{_fmt(r.get('raw_us'))} | {_fmt(r.get('vs_raw'), '.2f')} | "
+            f"{r['rel_err']:.1e} | {note} |")
+    return "\n".join(lines)
+
+
+def raw_table(raw: dict) -> str:
+    lines = ["| collective | for | rows per peer | there us | back us | total us | MB | GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in raw.values():
+        lines.append(f"| {r['collective']} | {r['for']} | {r['rows_per_peer']} | "
+                     f"{r['there_us']:.1f} | "
+                     f"{r['back_us']:.1f} | {r['total_us']:.1f} | {r['bytes_sent'] / 1e6:.1f} | "
+                     f"{r['gb_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def layer_table(rows: list[dict]) -> str:
+    lines = [(f"| a2a | experts | T/rank | C | how | compile s | layer us | local experts us "
+              f"(real rows) | raw transport us | layer / (local + raw) (target <= "
+              f"{TARGET_LAYER}) | rel err vs eager | errors |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['a2a']} | {r['experts_backend']} | {r['tokens']} | {r['capacity']} | "
+            f"{r.get('how', 'failed')} | {_fmt(r.get('compile_s'))} | "
+            f"{_fmt(r.get('layer_us'))} | {r['local_us']:.1f} ({r['real_rows']}) | "
+            f"{_fmt(r.get('raw_us'))} | {_fmt(r.get('vs_local_plus_raw'), '.2f')} | "
+            f"{_fmt(r.get('rel_err_vs_eager'), '.1e')} | {'; '.join(r.get('errors', []))} |")
+    return "\n".join(lines)
+
+
+FORMULAS = """Bytes one rank sends its peers (GB/s = bytes / time; P ranks, capacity C, M = T, b=2):
+    all_to_all  (P-1) * C * (2*H*b + 8)    allgather  (P-1) * M * (2*H*b + 8*K)
+    raw a2a     2 * (P-1) * C * H * b      raw ag+rs  2 * (P-1) * M * H * b"""
+
+
+def short_table(transport: list[dict], layers: list[dict]) -> str:
+    lines = [f"{'case':44} {'us':>9} {'GB/s':>7} {'vs base':>8}"]
+    for r in transport:
+        if "error" in r:
+            continue
+        case = f"{r['a2a']} E={r['experts']} T={r['tokens']} C={r['capacity']}"
+        lines.append(f"{case:44} {r['total_us']:9.1f} {_fmt(r['gb_per_s']):>7} "
+                     f"{_fmt(r.get('vs_raw'), '.2f'):>8}")
+    for r in layers:
+        case = f"layer {r['a2a']} T={r['tokens']} ({r.get('how', 'failed')})"
+        lines.append(f"{case:44} {_fmt(r.get('layer_us')):>9} {'':>7} "
+                     f"{_fmt(r.get('vs_local_plus_raw'), '.2f'):>8}")
+    lines.append(f"vs base: transport / raw NCCL same bytes (all_to_all target <= "
+                 f"{TARGET_TRANSPORT}); layer / (local experts + raw transport) (target <= "
+                 f"{TARGET_LAYER})")
+    return "\n".join(lines)
+
+
+def meta(run: Run, sizes: Sizes) -> dict:
+    info = {"date": str(datetime.date.today()), "torch": torch.__version__,
+            "python": platform.python_version(), "ranks": run.world,
+            "dtype": str(run.dtype).removeprefix("torch."), "sizes": dataclasses.asdict(sizes),
+            "capacity_factor": run.args.capacity_factor, "smoke": run.smoke,
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",
+                                                  "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                  "NVSHMEM_DISABLE_NVLS")}}
+    if run.smoke:
+        info["device"] = f"CPU ({platform.processor() or platform.machine()}), gloo"
+    else:
+        info["device"] = torch.cuda.get_device_name(run.device)
+        version = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    return info
+
+
+def write_results(run: Run, sizes: Sizes, transport: list, raw: dict, layers: list) -> str:
+    info = meta(run, sizes)
+    os.makedirs(run.args.out, exist_ok=True)
+    with open(os.path.join(run.args.out, "ep.json"), "w") as f:
+        json.dump({"meta": info, "formulas": FORMULAS,
+                   "targets": {"all_to_all_vs_raw": TARGET_TRANSPORT,
+                               "layer_vs_local_plus_raw": TARGET_LAYER},
+                   "transport": transport, "raw": list(raw.values()), "layer": layers,
+                   "skipped": run.skipped}, f, indent=1)
+    header = (f"{info['device']}, {info['date']}, torch {info['torch']}, "
+              f"NCCL {info.get('nccl', '-')}, {run.world} ranks, {info['dtype']}, "
+              f"H={sizes.hidden}, K={sizes.top_k}, uniformly random routing")
+    text = "\n\n".join([
+        f"# Expert-parallel transport and layer step\n\n{header}",
+        (f"Targets: all_to_all dispatch + combine within {TARGET_TRANSPORT}x raw NCCL on the "
+         f"same bytes; layer step <= {TARGET_LAYER}x (local experts + raw transport). Times: "
+         + ("median of eager calls (smoke: tiny sizes on the CPU, not a measurement)"
+            if run.smoke else "median of CUDA-graph replays timed with CUDA events")
+         + ", the slower rank's."),
+        "```\n" + FORMULAS + "\n```",
+        "## dispatch + combine\n\n" + transport_table(transport),
+        f"## raw {'gloo (eager)' if run.smoke else 'NCCL (CUDA graphs)'}\n\n" + raw_table(raw),
+        f"## layer step (H={sizes.hidden}, I={sizes.inter}, E={sizes.layer_experts}, "
+        f"K={sizes.top_k}, softmax)\n\n" + layer_table(layers),
+        *([("Skipped: " + "; ".join(run.skipped))] if run.skipped else []),
+    ])
+    with open(os.path.join(run.args.out, "ep.md"), "w") as f:
+        f.write(text + "\n")
+    return header
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for ep.json and ep.md")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes on the CPU over gloo, eager timing: checks the script")
+    parser.add_argument("--a2a", default=",".join(A2A_NAMES), help="comma-separated backends")
+    parser.add_argument("--replays", type=int, default=0, help="timed replays (0: default)")
+    parser.add_argument("--capacity-factor", type=float, default=1.25,
+                        help="the smaller all_to_all capacity, in even shares T*K/P")
+    parser.add_argument("--no-layer", action="store_true", help="skip the layer phase")
+    parser.add_argument("--timeout-s", type=float, default=240,
+                        help="process-group timeout: the longest any collective waits")
+    parser.add_argument("--budget-s", type=float, default=210,
+                        help="no case starts after this many seconds")
+    return parser.parse_args(argv)
+
+
+def check_launch(args: argparse.Namespace) -> None:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        sys.exit("bench_ep.py runs one process per GPU: launch it with "
+                 "`torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR` "
+                 "(add --smoke for a CPU check over gloo)")
+    world = int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        sys.exit(f"expert parallelism needs >= 2 ranks, got WORLD_SIZE={world}")
+    if not args.smoke:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world:
+            sys.exit(f"bench_ep.py needs {world} CUDA GPUs (one per rank), found {found}; "
+                     "--smoke runs tiny sizes on the CPU over gloo")
+        if dist.is_available() and not dist.is_nccl_available():
+            sys.exit("bench_ep.py needs NCCL: this torch has none")
+
+
+def main(argv=None) -> None:
+    # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (*_single); 2.11
+    # has only these names.
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed",
+                            category=FutureWarning)
+    args = parse_args(argv)
+    check_launch(args)
+    run = Run(args)
+    sizes = SMOKE if args.smoke else FULL
+    try:
+        a2a_names = available_a2a(run, sizes)
+        run.log(f"a2a backends: {', '.join(a2a_names) or 'none'}; skipped: "
+                f"{'; '.join(run.skipped) or 'none'}")
+        results = Results()
+        transport_phase(run, sizes, a2a_names, results)
+        if not args.no_layer:
+            layer_phase(run, sizes, a2a_names, results)
+        summary = results.save(run, sizes)
+        if run.rank == 0:
+            print("\n" + summary, flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
