@@ -51,16 +51,20 @@ class MoECompileBackend:
 
 
 def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
-            mode: str | None = None, options: dict[str, Any] | None = None
-            ) -> MoECompileBackend:
+            mode: str | None = None, options: dict[str, Any] | None = None,
+            dispatch_dtype: torch.dtype | None = None) -> MoECompileBackend:
     """A ``torch.compile`` backend that runs the MoE ops on the named backends.
 
     ``experts``: ``"auto"`` (best available for the device and dtype), or a
     registered name (`available_backends()` lists them); ``a2a``: ``"none"`` on one
-    device. An unregistered or unavailable choice raises ValueError when the
-    model is compiled, naming what is available.
+    device, ``"all_to_all"`` or ``"allgather"`` for layers built with
+    ``ep_size > 1``; ``dispatch_dtype``: what tokens travel in (resolved per
+    layer, `torch_moe_ops.backends.dispatch_dtype`). An unregistered or
+    unavailable choice raises ValueError when the model is compiled, naming what
+    is available and why the choice cannot run the layer.
     """
-    return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a), inner, mode, options)
+    return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a,
+                                         dispatch_dtype=dispatch_dtype), inner, mode, options)
 
 
 def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,

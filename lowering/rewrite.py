@@ -8,6 +8,7 @@ import torch
 from torch import fx
 
 from torch_moe_ops.backends import namespace_for
+from torch_moe_ops.backends.dispatch_dtype import resolve_dispatch_dtype
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import A2A_OPS, EXPERTS_OPS, REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
@@ -111,6 +112,12 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
         if op[1] in EXPERTS_OPS or op[1] in A2A_OPS:
             check_combination(spec, device, problem)
         namespace = namespace_for(op[1], spec, device, problem)
+        if op[1] == "dispatch":
+            experts = REGISTRY.choose_experts(spec, problem, device)
+            # Per layer, in the node: no process state, so models may differ.
+            node.meta["moe_dispatch_dtype"] = resolve_dispatch_dtype(
+                problem.dtype, spec.dispatch_dtype, spec.quant, experts.dispatch_dtype,
+                repr(experts.name))
         packet = getattr(getattr(torch.ops, namespace), op[1])
         node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet
         changed = True

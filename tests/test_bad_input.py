@@ -147,8 +147,9 @@ BACKEND_CASES = {
     "backend_unknown_a2a": (lambda: tmo.backend(a2a="nccl"),
                             ("a2a must be one of 'none', 'allgather', 'all_to_all', 'deepep', "
                              "'flashinfer', got 'nccl'")),
-    "spec_dispatch_dtype": (lambda: BackendSpec(dispatch_dtype=torch.float8_e4m3fn),
-                            "dispatch_dtype must be one of None, got torch.float8_e4m3fn"),
+    "spec_dispatch_dtype": (lambda: BackendSpec(dispatch_dtype=torch.int8), (
+        "dispatch_dtype must be one of None, torch.bfloat16, torch.float16, torch.float32, "
+        "torch.float8_e4m3fn, got torch.int8")),
     "unknown_inner_compiler": (lambda: tmo.backend(inner="tvm"),
                                ("inner must be one of 'inductor', 'eager', 'aot_eager', "
                                 "got 'tvm'")),

@@ -132,13 +132,16 @@ def _check_module(rank, world_size, a2a, compiled):
 
     x_ref = x_NH.clone().requires_grad_()
     single(x_ref).square().sum().backward()
-    run, problems = sharded, []
+    run, problems, dispatch_dtypes = sharded, [], []
     if compiled:
         lowering = tmo.backend(a2a=a2a, inner="aot_eager")
 
         def recording(gm, example_inputs):
             problems.extend(layer_problems(gm).values())
-            return lowering(gm, example_inputs)
+            compiled_fn = lowering(gm, example_inputs)
+            dispatch_dtypes.extend(n.meta["moe_dispatch_dtype"] for n in gm.graph.nodes
+                                   if "moe_dispatch_dtype" in n.meta)
+            return compiled_fn
 
         run = torch.compile(sharded, backend=recording, fullgraph=True)
     x_TH = x_NH[mine].clone().requires_grad_()
@@ -152,6 +155,8 @@ def _check_module(rank, world_size, a2a, compiled):
                     cfg.rows_per_rank, MAX_TOKENS)
         layer = [p for p in problems if p.dtype == torch.float32 and p.ep_size is not None]
         assert len(layer) == 3
+        # The layer's dispatch dtype is resolved once, when it is lowered.
+        assert [d.dtype for d in dispatch_dtypes] == [torch.float32]
         for p in layer:
             assert (p.num_experts, p.num_local_experts, p.hidden_size, p.intermediate_size,
                     p.top_k, p.ep_size, p.capacity, p.max_tokens_per_rank) == expected

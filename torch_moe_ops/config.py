@@ -17,9 +17,10 @@ ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "flashinfer")
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
 FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")
-# Dispatch in another dtype than the activations (fp8) and quantized experts have
-# no kernel yet; the fields exist so that specs written today keep their meaning.
-DISPATCH_DTYPES = (None,)
+# What a layer may ask its tokens to travel in (`backends.dispatch_dtype` resolves
+# the choice per layer; today only the activations' own dtype has kernels, fp8
+# falls back with a warning). Quantized experts have no kernel yet.
+DISPATCH_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 QUANT_METHODS = (None,)
 
 
@@ -198,8 +199,10 @@ class BackendSpec:
     """Which kernels run the MoE ops, chosen when the model is compiled.
 
     ``experts="auto"`` picks the fastest available experts backend for the
-    device and dtype. ``dispatch_dtype=None`` keeps the activation dtype and
-    ``quant=None`` runs unquantized weights: the only values with kernels today.
+    device and dtype. ``dispatch_dtype`` asks the tokens to travel in that dtype
+    (resolved per layer, `torch_moe_ops.backends.dispatch_dtype`; ``None`` leaves
+    it to the rule, today the activation dtype). ``quant=None`` runs unquantized
+    weights, the only value with kernels today.
     """
 
     experts: str = "auto"

@@ -74,7 +74,9 @@ SupportsFn = Callable[[BackendSpec, Problem, torch.device], str | None]
 class ExpertsBackend:
     """An experts backend: its concrete ops live in ``torch.ops.<namespace>``.
 
-    ``priority`` orders the candidates of ``experts="auto"`` (highest first).
+    ``priority`` orders the candidates of ``experts="auto"`` (highest first);
+    ``dispatch_dtype`` is the dtype its rows must arrive in, ``None`` for the
+    activations' own (a backend that quantizes inside wants them unquantized).
     """
 
     name: str
@@ -83,6 +85,7 @@ class ExpertsBackend:
     supports: SupportsFn
     priority: int
     description: str
+    dispatch_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)
