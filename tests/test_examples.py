@@ -30,3 +30,17 @@ def test_hf_generate_runs():
         capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr
     assert "new tokens equal to the original's, patched eager: 100%" in result.stdout
+
+
+@pytest.mark.parametrize("a2a, extra", [("all_to_all", []), ("allgather", ["--idle-last-rank"])])
+def test_ep_torchrun_runs(a2a, extra):
+    """Two gloo processes on the CPU (the example picks NCCL only with CUDA: forced to CPU)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(EXAMPLES / "ep_torchrun.py"), "--device", "cpu",
+         "--a2a", a2a, "--tokens", "16", "--repeats", "2", "--timeout-s", "30", *extra],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "matches the single-process reference on every rank" in result.stdout
+    assert f"compiled a2a {a2a}" in result.stdout
+    assert "ms per forward step" in result.stdout

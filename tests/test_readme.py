@@ -2,12 +2,14 @@
 
 ``python`` blocks run, each in a fresh interpreter from the repository root, on
 CUDA where there is one (they compile with Inductor: `slow`). Shell blocks
-(``bash``, and ``sh`` for what needs a GPU) are checked rather than run, since
-they install packages, run this test suite or tune kernels on a GPU: each block
-must parse (``bash -n``), each ``pip install -e`` must name extras the project
-declares, and each ``python`` command's script or module must accept the
-options the README gives it (they must appear in its ``--help``). `.ci/run`
-must run the two commands verbatim.
+(``bash``, and ``sh`` for what needs a GPU or several processes) are checked
+rather than run, since they install packages, run this test suite, tune kernels
+on a GPU or start processes: each block must parse (``bash -n``), each
+``pip install -e`` must name extras the project declares, and each ``python``
+command's script or module must accept the options the README gives it (they
+must appear in its ``--help``; under a launcher such as ``python -m
+torch.distributed.run``, the launcher's options in its help and the script's in
+the script's). `.ci/run` must run the two commands verbatim.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 # Modules that import triton at the top: their --help needs it installed.
 NEEDS_TRITON = ("torch_moe_ops.tune",)
+# ``python -m <launcher> [its options] script.py [the script's options]``.
+LAUNCHERS = ("torch.distributed.run",)
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 
@@ -90,13 +94,25 @@ def test_bash_command_is_valid(argv):
         return
     assert argv[0] == "python", f"a README command this test does not know: {argv}"
     program = argv[1:3] if argv[1] == "-m" else argv[1:2]
+    options = argv[len(program) + 1:]
+    if program[0] == "-m" and program[1] in LAUNCHERS:
+        script = next(i for i, arg in enumerate(options) if arg.endswith(".py"))
+        check_options(program, options[:script])
+        check_options(options[script:script + 1], options[script + 1:])
+    else:
+        check_options(program, options)
+
+
+def check_options(program: list, options: list) -> None:
+    """``program`` (``[script.py]`` or ``["-m", module]``) exists, and its ``--help``
+    names every option of ``options``."""
     if program[0] != "-m":
         assert (ROOT / program[0]).is_file(), program[0]
     result = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT,
                             env=readme_environment(), capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr
-    for option in argv[len(program) + 1:]:
+    for option in options:
         if option.startswith("-"):
             assert re.search(rf"(^|[\s,]){re.escape(option)}\b", result.stdout), option
 

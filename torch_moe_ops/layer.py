@@ -31,7 +31,7 @@ def without_autocast(device_type: str):
 EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
 
 
-def _ep_process_group(cfg: MoEConfig, ep_group):
+def ep_process_group(cfg: MoEConfig, ep_group):
     """The ``ProcessGroup`` of ``ep_group`` (a group or a 1-D ``DeviceMesh``), checked
     against ``cfg.ep_size``; ``None`` for ``ep_size == 1``."""
     if ep_group is None:
@@ -117,7 +117,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig, device=None, dtype=None, ep_group=None):
         super().__init__()
         self.cfg = cfg
-        self.ep_group = _ep_process_group(cfg, ep_group)
+        self.ep_group = ep_process_group(cfg, ep_group)
         self.ep_rank = 0 if self.ep_group is None else self.ep_group.rank()
         # The ops take the group by name (a constant to torch.compile), as torch's
         # functional collectives do.

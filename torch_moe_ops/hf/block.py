@@ -30,6 +30,12 @@ reconverts unconditionally, so it also catches the writes that the eager check
 cannot see (``param.data.copy_``, writes into inference tensors). ``model.to(...)`` and
 ``.half()`` cast the buffers with their sources, so those stay in step, compiled
 or not (the next eager forward still reconverts once: the sources moved).
+
+Expert parallelism (``cfg.ep_size > 1``, built by ``patch(model, ep_group=...)``):
+the experts module holds this rank's experts only (`weights.keep_local_experts`),
+so ``state_dict`` has the same keys with ``[E_l, ...]`` expert tensors;
+``load_state_dict`` takes those or full ``[E, ...]`` ones, of which it keeps
+this rank's slice (the same checkpoint loads on every rank).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from torch import nn
 
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
-from torch_moe_ops.hf.weights import EXPERT_TENSORS, ExpertWeights, SourceStamp
+from torch_moe_ops.hf.weights import EXPERT_TENSORS, ExpertWeights, SourceStamp, source_names
 
 
 class HFMoEBlock(nn.Module):
@@ -50,16 +56,28 @@ class HFMoEBlock(nn.Module):
 
         logits, w, ids = router(x)                       # moe::route inside
         y = experts(x, w, ids)                           # moe::experts
+        # or, expert-parallel: moe::dispatch -> moe::experts_rows -> moe::combine
         y += sigmoid(shared_expert_gate(x)) * shared_expert(x)   # Qwen2-MoE
         y += shared_experts(x)                           # DeepSeek-V3
 
     Built by `patch`; keeps the block's submodules under their transformers names.
+    With ``cfg.ep_size > 1``, ``ep_group`` is the expert-parallel ``ProcessGroup``
+    of ``cfg.ep_size`` ranks and ``experts`` must already hold this rank's experts
+    only, ``local_experts`` (global ids).
     """
 
-    def __init__(self, block: nn.Module, family: Family, cfg: MoEConfig, weights: ExpertWeights):
+    def __init__(self, block: nn.Module, family: Family, cfg: MoEConfig, weights: ExpertWeights,
+                 ep_group=None):
         super().__init__()
         self.family = family.name
         self.cfg = cfg
+        if (cfg.ep_size > 1) != (ep_group is not None):
+            raise ValueError(f"ep_group must be given exactly when cfg.ep_size > 1, got "
+                             f"ep_size={cfg.ep_size} and ep_group={ep_group!r}")
+        self.ep_rank = 0 if ep_group is None else ep_group.rank()
+        # The ops take the group by name (a constant to torch.compile).
+        self.ep_group_name = "" if ep_group is None else ep_group.group_name
+        self.expert_sources = source_names(weights)
         for name, child in block.named_children():
             self.add_module(name, child)
         self.router_name = family.router
@@ -80,7 +98,26 @@ class HFMoEBlock(nn.Module):
             self.register_buffer(name, conversion(self.experts), persistent=False)
             self.source_stamps[name] = SourceStamp(getattr(self.experts, conversion.source))
         self.register_load_state_dict_post_hook(_refresh_after_load)
+        if cfg.ep_size > 1:
+            self._register_load_state_dict_pre_hook(self._keep_local_experts)
         self.train(block.training)
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts this rank holds (all of them without
+        expert parallelism)."""
+        num_local = self.cfg.num_local_experts
+        return range(self.ep_rank * num_local, (self.ep_rank + 1) * num_local)
+
+    def _keep_local_experts(self, state_dict, prefix, *_) -> None:
+        # A full checkpoint holds every expert: keep this rank's slice (a copy, so
+        # that loading with assign=True does not keep the full tensor alive).
+        local = self.local_experts
+        for name in self.expert_sources:
+            key = f"{prefix}experts.{name}"
+            tensor = state_dict.get(key)
+            if tensor is not None and tensor.shape[:1] == (self.cfg.num_experts,):
+                state_dict[key] = tensor[local.start:local.stop].clone()
 
     def refresh_converted(self, force: bool = False) -> tuple[str, ...]:
         """Reconvert the converted expert tensors whose source changed since they
@@ -106,7 +143,8 @@ class HFMoEBlock(nn.Module):
             self._buffers[name] = tensor
 
     def expert_weights(self):
-        """``(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I] or None, b2 [E, H] or None)``."""
+        """``(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I] or None, b2 [E, H] or None)``,
+        ``E_l`` experts (this rank's) in place of ``E`` with expert parallelism."""
         return tuple(None if source is None
                      else getattr(self if source[0] == "self" else self.experts, source[1])
                      for source in self.weight_sources)
@@ -126,11 +164,17 @@ class HFMoEBlock(nn.Module):
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
         _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
-        w13_EFH, w2_EHI, b13_EF, b2_EH = self.expert_weights()
-        y_TH = torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
-                                     b13_EF, b2_EH, cfg.activation,
-                                     cfg.static_float("swiglu_alpha"),
-                                     cfg.static_float("swiglu_limit"))
+        expert_args = (*self.expert_weights(), cfg.activation,
+                       cfg.static_float("swiglu_alpha"), cfg.static_float("swiglu_limit"))
+        if cfg.ep_size == 1:
+            y_TH = torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+        else:
+            ep_args = (cfg.ep_size, self.ep_group_name, cfg.max_tokens_per_rank)
+            x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+                x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args,
+                cfg.rows_per_rank)
+            y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+            y_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
         if self.shared_expert_name is not None:
             shared_TH = getattr(self, self.shared_expert_name)(x_TH)
             if self.shared_expert_gate_name is not None:
@@ -143,8 +187,13 @@ class HFMoEBlock(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"family={self.family}, experts={self.cfg.num_experts}, top_k={self.cfg.top_k}, "
-                f"scoring={self.cfg.scoring}, converted={list(self.converted_names)}")
+        ep = ""
+        if self.cfg.ep_size > 1:
+            local = self.local_experts
+            ep = f", local={local.start}..{local.stop - 1}, ep_size={self.cfg.ep_size}"
+        return (f"family={self.family}, experts={self.cfg.num_experts}{ep}, "
+                f"top_k={self.cfg.top_k}, scoring={self.cfg.scoring}, "
+                f"converted={list(self.converted_names)}")
 
 
 def _refresh_after_load(block: HFMoEBlock, incompatible_keys) -> None:

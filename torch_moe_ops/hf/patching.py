@@ -6,12 +6,17 @@
 Attention, norms and dense MLP layers are not touched. Kernel choice happens at
 compile time (`torch_moe_ops.backend`), so `patch` takes no backend.
 
+Expert parallelism: ``patch(model, ep_group=group, max_tokens_per_rank=M)`` on
+every rank of ``group`` shards each patched block's experts over the group
+(rank ``p`` keeps experts ``[p * E_l, (p + 1) * E_l)``, ``E_l = E / P``) and
+drops the others from the model; see `patch`.
+
 Not supported (the block is left as it is and `PatchReport.skipped` says why):
 per-expert ``nn.ModuleList`` experts (the transformers 4.x layout; every family
-of `FAMILIES` stores fused 3-D experts from transformers 5.0 on), expert-parallel
-or quantized experts, activations other than silu/gelu, blocks carrying hooks
-(accelerate offloading), and routing our ops cannot express (e.g. groups of
-one expert).
+of `FAMILIES` stores fused 3-D experts from transformers 5.0 on), experts that
+transformers itself made expert-parallel (``tp_plan``) or quantized, activations
+other than silu/gelu, blocks carrying hooks (accelerate offloading), and routing
+our ops cannot express (e.g. groups of one expert).
 
 Patching a model again leaves the blocks already patched in place (reported as
 ``"already patched"``) and reconverts their converted expert tensors from the
@@ -25,21 +30,26 @@ import dataclasses
 
 from torch import nn
 
+from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.block import HFMoEBlock
 from torch_moe_ops.hf.families import FAMILIES, Family, Unsupported, family_of
 from torch_moe_ops.hf.router import route_with_ops
-from torch_moe_ops.hf.weights import LAYOUTS
+from torch_moe_ops.hf.weights import LAYOUTS, keep_local_experts
+from torch_moe_ops.layer import ep_process_group
 
 
 @dataclasses.dataclass(frozen=True)
 class PatchedBlock:
-    """One replaced block: its module name, family, and which expert tensors it
-    uses in place (``shared``, transformers names) or copied (``converted``)."""
+    """One replaced block: its module name, family, which expert tensors it
+    uses in place (``shared``, transformers names) or copied (``converted``), and
+    with expert parallelism the global ids of the experts this rank holds
+    (``local_experts``; None without)."""
 
     name: str
     family: str
     shared: tuple[str, ...]
     converted: tuple[str, ...]
+    local_experts: range | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +88,11 @@ class PatchReport:
         families = ", ".join(f"{name}: {count}" for name, count in self.families.items())
         lines = [(f"patched {len(self.blocks)} MoE blocks ({families or 'none'}); expert "
                   f"tensors: {self.shared_weights} shared, {self.converted_weights} converted")]
+        held = sorted({(block.local_experts.start, block.local_experts.stop - 1)
+                       for block in self.blocks if block.local_experts is not None})
+        if held:
+            ranges = ", ".join(f"{first}..{last}" for first, last in held)
+            lines.append(f"expert-parallel: this rank holds experts {ranges} of its blocks")
         if self.refreshed:
             lines.append(f"reconverted the expert tensors of {len(self.refreshed)} blocks "
                          "patched before")
@@ -118,7 +133,38 @@ def _prepare(block: nn.Module, family: Family, model_config):
     return cfg, LAYOUTS[family.layout](experts, cfg)
 
 
-def patch(model: nn.Module) -> PatchReport:
+def _check_ep_args(ep_group, max_tokens_per_rank, ep_capacity) -> None:
+    if ep_group is None:
+        for name, value in (("max_tokens_per_rank", max_tokens_per_rank),
+                            ("ep_capacity", ep_capacity)):
+            if value is not None:
+                raise ValueError(f"{name} must be None without ep_group (it sizes the "
+                                 f"expert-parallel buffers), got {value!r}")
+        return
+    if (not isinstance(max_tokens_per_rank, int) or isinstance(max_tokens_per_rank, bool)
+            or max_tokens_per_rank < 1):
+        raise ValueError(f"max_tokens_per_rank must be a positive int when ep_group is given "
+                         f"(the most tokens, batch x sequence, one rank passes through a "
+                         f"block in one forward; it sizes the static buffers), got "
+                         f"{max_tokens_per_rank!r}")
+
+
+def _expert_parallel(cfg: MoEConfig, ep_group, max_tokens_per_rank, ep_capacity):
+    """``cfg`` sharded over ``ep_group`` and its ``ProcessGroup`` (None on one rank),
+    or `Unsupported` when the experts do not divide over the ranks."""
+    size = ep_group.size()
+    if cfg.num_experts % size:
+        raise Unsupported(f"expert parallelism needs num_experts ({cfg.num_experts}) "
+                          f"divisible by the ep_group size ({size})")
+    if size == 1:
+        return cfg, None
+    cfg = dataclasses.replace(cfg, ep_size=size, max_tokens_per_rank=max_tokens_per_rank,
+                              ep_capacity=ep_capacity)
+    return cfg, ep_process_group(cfg, ep_group)
+
+
+def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = None,
+          ep_capacity: int | None = None) -> PatchReport:
     """Replace, in place, every sparse-MoE block of a supported family in ``model``.
 
     Each block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 or GPT-OSS
@@ -130,9 +176,37 @@ def patch(model: nn.Module) -> PatchReport:
     listed there as ``"already patched"``, and those with converted expert tensors
     reconvert them from the current weights (``PatchReport.refreshed``). Returns
     the report.
+
+    Expert parallelism: with ``ep_group`` (a ``ProcessGroup`` or a 1-D
+    ``DeviceMesh`` of P ranks), call ``patch`` on every rank of the group, on the
+    same model (same weights). Each patched block then holds experts
+    ``[p * E_l, (p + 1) * E_l)`` on rank ``p`` (``E_l = E / P``) and calls
+    ``moe::dispatch``, ``moe::experts_rows`` and ``moe::combine`` (the a2a backend
+    is chosen at compile time, ``torch_moe_ops.backend(a2a=...)``; eagerly
+    ``all_to_all`` runs). The other experts are dropped: each expert parameter
+    of the transformers experts module (``gate_up_proj``, ``down_proj``, their
+    biases) is replaced by a new parameter holding a copy of this rank's slice,
+    so the full tensor is freed once nothing else refers to it (an optimizer
+    built before `patch` would). ``state_dict`` keeps its keys with
+    ``[E_l, ...]`` expert tensors; ``load_state_dict`` takes those or a full
+    checkpoint's ``[E, ...]`` ones, keeping this rank's slice. To run a model
+    whose experts do not fit one GPU, load it on the CPU, patch, then move it
+    to the rank's GPU.
+
+    ``max_tokens_per_rank`` is required with ``ep_group``: the most tokens
+    (batch x sequence) one rank passes through a block in one forward; more
+    raise a ValueError. ``ep_capacity`` (rows one rank may send another; None,
+    the worst case, never overflows; a batch that overflows a smaller one
+    raises on every rank) is as in `torch_moe_ops.MoEConfig`. Every rank must
+    run every forward together, with its own tokens (at least one: transformers'
+    attention does not take an empty batch; a rank with nothing to do passes a
+    dummy token and drops its output). A block whose experts do not divide over
+    the group is left unpatched and listed in ``PatchReport.skipped``. A group
+    of one rank patches as without ``ep_group``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_ep_args(ep_group, max_tokens_per_rank, ep_capacity)
     model_config = getattr(model, "config", None)
     blocks: list[PatchedBlock] = []
     skipped: dict[str, str] = {}
@@ -155,14 +229,23 @@ def patch(model: nn.Module) -> PatchReport:
                              f"{type(block).__name__}; patch the model that holds it")
         try:
             cfg, weights = _prepare(block, family, model_config)
+            group = None
+            if ep_group is not None:
+                cfg, group = _expert_parallel(cfg, ep_group, max_tokens_per_rank, ep_capacity)
         except Unsupported as reason:
             skipped[name] = str(reason)
             continue
         route_with_ops(getattr(block, family.router), family, cfg, routed_classes)
+        local = None
+        if group is not None:
+            local = range(group.rank() * cfg.num_local_experts,
+                          (group.rank() + 1) * cfg.num_local_experts)
+            keep_local_experts(block.experts, weights, local)
         parent_name, _, child_name = name.rpartition(".")
         model.get_submodule(parent_name).add_module(
-            child_name, HFMoEBlock(block, family, cfg, weights))
+            child_name, HFMoEBlock(block, family, cfg, weights, ep_group=group))
         blocks.append(PatchedBlock(name=name, family=family.name,
                                    shared=tuple(weights.shared.values()),
-                                   converted=tuple(c.source for c in weights.converted.values())))
+                                   converted=tuple(c.source for c in weights.converted.values()),
+                                   local_experts=local))
     return PatchReport(blocks=tuple(blocks), skipped=skipped, refreshed=tuple(refreshed))

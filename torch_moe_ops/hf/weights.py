@@ -10,6 +10,11 @@ place: no copy, and gradients reach them. GPT-OSS stores ``gate_up_proj
 those are converted into copies in our layout (`Conversion`), which the block
 keeps as non-persistent buffers and reconverts when a `SourceStamp` shows that
 the tensor they came from changed.
+
+With expert parallelism (`keep_local_experts`) the experts module keeps only
+this rank's experts: each expert tensor is replaced by a copy of its slice
+``[start, stop)`` along the expert dimension (every family stores the experts
+first), and the full tensor is dropped.
 """
 
 from __future__ import annotations
@@ -134,6 +139,28 @@ def _gpt_oss_weights(experts: nn.Module, cfg: MoEConfig) -> ExpertWeights:
         "b13": Conversion("gate_up_proj_bias", _gate_then_up),
         "w2": Conversion("down_proj", _w2_from_down),
     })
+
+
+def source_names(weights: ExpertWeights) -> tuple[str, ...]:
+    """The experts module's attributes that ``weights`` reads, in `EXPERT_TENSORS` order."""
+    return tuple(weights.shared[name] if name in weights.shared else weights.converted[name].source
+                 for name in EXPERT_TENSORS if name in weights.shared or name in weights.converted)
+
+
+def keep_local_experts(experts: nn.Module, weights: ExpertWeights, local: range) -> None:
+    """Replace each expert tensor of ``experts`` that ``weights`` reads (``[E, ...]``)
+    by a copy of its experts ``local`` (``[E_l, ...]``): a parameter stays a
+    parameter (same ``requires_grad``), a buffer a buffer. The full tensor is no
+    longer referenced by the module, so its memory is freed unless something
+    else holds it."""
+    for name in source_names(weights):
+        full = getattr(experts, name)
+        with torch.no_grad(), torch.inference_mode(False):
+            part = full.detach()[local.start:local.stop].clone()
+        if name in experts._parameters:
+            setattr(experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
+        else:
+            setattr(experts, name, part)
 
 
 # Family.layout -> (experts module, config) -> ExpertWeights, or Unsupported.
