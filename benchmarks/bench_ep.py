@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -247,15 +248,23 @@ def bytes_sent(a2a: str, run: Run, sizes: Sizes, tokens: int, capacity: int) -> 
 
 
 def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int,
-                   capacity: int) -> dict:
+                   capacity: int, compiled: bool) -> dict:
     """dispatch, then combine of the dispatched rows, each captured; checked once eagerly
-    (rows sent back untouched sum to ``hidden * sum_k weight``)."""
+    (rows sent back untouched sum to ``hidden * sum_k weight``). ``compiled``: each op
+    compiled by Inductor first (the backend's body traced around its collectives,
+    as in a compiled model), else the op's eager kernels."""
     namespace = REGISTRY.a2a[a2a].namespace
     dispatch, combine = op_overload(namespace, "dispatch"), op_overload(namespace, "combine")
+    if compiled:
+        # Every case has its own sizes: a compile cache of its own.
+        torch._dynamo.reset()
+        dispatch = torch.compile(dispatch, fullgraph=True, dynamic=False)
+        combine = torch.compile(combine, fullgraph=True, dynamic=False)
     ep_args = (run.world, run.group_name, tokens)
     hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
     worst = worst_capacity(tokens, sizes.top_k, num_experts, run.world)
-    row = {"a2a": a2a, "experts": num_experts, "tokens": tokens, "capacity": capacity,
+    row = {"a2a": a2a, "mode": "compiled" if compiled else "eager", "experts": num_experts,
+           "tokens": tokens, "capacity": capacity,
            "worst_capacity": worst, "even_rows": tokens * sizes.top_k // run.world}
     try:
         x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = dispatch(
@@ -357,11 +366,12 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
             for a2a in a2a_names:
                 capacities = [worst] + ([reduced] if a2a in CAPACITY_A2A_NAMES
                                         and reduced < worst else [])
-                for capacity in capacities:
+                for capacity, compiled in itertools.product(capacities, (True, False)):
                     what = f"transport {a2a} E={num_experts} T={tokens} C={capacity}"
                     if not run.within_budget(what):
                         continue
-                    row = time_transport(run, sizes, a2a, num_experts, tokens, capacity)
+                    row = time_transport(run, sizes, a2a, num_experts, tokens, capacity,
+                                         compiled)
                     run.release()
                     if a2a == "allgather":
                         base = raw_case(("ag+rs", tokens), time_raw_gather_scatter, tokens,
@@ -489,7 +499,8 @@ def transport_line(row: dict) -> str:
     if "error" in row:
         return (f"transport {row['a2a']} E={row['experts']} T={row['tokens']} "
                 f"C={row['capacity']}: {row['error']}")
-    return (f"transport {row['a2a']} E={row['experts']} T={row['tokens']} C={row['capacity']}: "
+    return (f"transport {row['a2a']} {row['mode']} E={row['experts']} T={row['tokens']} "
+            f"C={row['capacity']}: "
             f"{row['total_us']:.1f} us, {_fmt(row.get('gb_per_s'))} GB/s, "
             f"{_fmt(row.get('vs_raw'), '.2f')}x raw")
 
@@ -501,18 +512,19 @@ def layer_line(row: dict) -> str:
 
 
 def transport_table(rows: list[dict]) -> str:
-    lines = [(f"| a2a | E | T/rank | C (worst) | dispatch us | combine us | total us | "
+    lines = [(f"| a2a | mode | E | T/rank | C (worst) | dispatch us | combine us | total us | "
               f"MB sent | GB/s | raw NCCL us | vs raw (all_to_all target <= "
               f"{TARGET_TRANSPORT}) | rel err | note |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['a2a']} | {r['experts']} | {r['tokens']} | {r['capacity']} "
-                         f"({r['worst_capacity']}) | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['a2a']} | {r['mode']} | {r['experts']} | {r['tokens']} | "
+                         f"{r['capacity']} ({r['worst_capacity']}) | | | | | | | | | "
+                         f"{r['error']} |")
             continue
         note = "" if r["check_in_graph"] else "routing checked eagerly; graph without the check"
         lines.append(
-            f"| {r['a2a']} | {r['experts']} | {r['tokens']} | {r['capacity']} "
+            f"| {r['a2a']} | {r['mode']} | {r['experts']} | {r['tokens']} | {r['capacity']} "
             f"({r['worst_capacity']}) | {r['dispatch_us']:.1f} | {r['combine_us']:.1f} | "
             f"{r['total_us']:.1f} | {r['bytes_sent'] / 1e6:.1f} | {_fmt(r['gb_per_s'])} | "
             f"{_fmt(r.get('raw_us'))} | {_fmt(r.get('vs_raw'), '.2f')} | "
@@ -556,7 +568,7 @@ def short_table(transport: list[dict], layers: list[dict]) -> str:
     for r in transport:
         if "error" in r:
             continue
-        case = f"{r['a2a']} E={r['experts']} T={r['tokens']} C={r['capacity']}"
+        case = f"{r['a2a']} {r['mode'][0]} E={r['experts']} T={r['tokens']} C={r['capacity']}"
         lines.append(f"{case:44} {r['total_us']:9.1f} {_fmt(r['gb_per_s']):>7} "
                      f"{_fmt(r.get('vs_raw'), '.2f'):>8}")
     for r in layers:

@@ -45,9 +45,10 @@ def sum_slots(values_NH: torch.Tensor, slot_map_TK: torch.Tensor) -> torch.Tenso
 
 def weighted_rows(y_RH: torch.Tensor, weight_R: torch.Tensor, src_R: torch.Tensor
                   ) -> torch.Tensor:
-    """``weight[r] * y[r]`` in ``y``'s dtype, 0 for rows that go nowhere (``src == -1``)."""
-    product_RH = y_RH.to(compute_dtype(y_RH.dtype)) * weight_R.unsqueeze(1)
-    return product_RH.masked_fill((src_R < 0).unsqueeze(1), 0).to(y_RH.dtype)
+    """``weight[r] * y[r]`` in ``y``'s dtype (multiplied in fp32 or wider, one pass
+    over the rows), weight 0 for rows that go nowhere (``src == -1``)."""
+    kept_R1 = weight_R.masked_fill(src_R < 0, 0.0).unsqueeze(1)
+    return torch.mul(y_RH, kept_R1, out=torch.empty_like(y_RH))
 
 
 def combine_grads(grad_RH: torch.Tensor, y_RH: torch.Tensor, weight_R: torch.Tensor,
