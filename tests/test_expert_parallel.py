@@ -189,3 +189,35 @@ def _run_cases(rank, world_size, a2a):
 @pytest.mark.parametrize("a2a", sorted(A2A_NAMESPACES))
 def test_expert_parallel_matches_single_process(a2a, world_size):
     run_on_ranks(world_size, _run_cases, a2a)
+
+
+def _check_inductor_idle_rank(rank, world_size):
+    """Inductor, forward and backward, with rank 1 idle: every rank still runs each
+    collective, in the same order (an idle rank's outputs are empty, and a compiler
+    that dropped or moved its collectives would leave its peers waiting)."""
+    for a2a in sorted(A2A_NAMESPACES):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        single = tmo.MoE(_moe_config(world_size, 1, "silu"))
+        sharded = tmo.MoE(_moe_config(world_size, world_size, "silu"), ep_group=dist.group.WORLD)
+        sharded.load_full_weights(single.state_dict())
+        compiled = torch.compile(sharded, backend=tmo.backend(a2a=a2a), fullgraph=True,
+                                 dynamic=False)
+        x_NH = torch.randn(MAX_TOKENS, H, generator=torch.Generator().manual_seed(2))
+        x_TH = (x_NH if rank == 0 else x_NH[:0]).clone().requires_grad_()
+        out_TH = compiled(x_TH)
+        out_TH.square().sum().backward()
+        x_ref = x_NH.clone().requires_grad_()
+        single(x_ref).square().sum().backward()
+        tol = {"rtol": 1e-4, "atol": 1e-5}
+        mine = slice(0, MAX_TOKENS) if rank == 0 else slice(0, 0)
+        torch.testing.assert_close(out_TH, single(x_NH)[mine].detach(), **tol)
+        torch.testing.assert_close(x_TH.grad, x_ref.grad[mine], **tol)
+        local = sharded.local_experts
+        torch.testing.assert_close(sharded.w13.grad, single.w13.grad[local.start:local.stop],
+                                   **tol)
+
+
+@pytest.mark.slow
+def test_inductor_keeps_every_collective_on_an_idle_rank():
+    run_on_ranks(2, _check_inductor_idle_rank)

@@ -27,6 +27,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     all_to_all,
     allgather,
     cpu,
+    deepep,
     grouped_mm,
     local,
     reference,

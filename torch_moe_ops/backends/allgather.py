@@ -34,7 +34,7 @@ from torch_moe_ops.backends.common.rows import (
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
-from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
+from torch_moe_ops.ops import define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
 
 NAMESPACE = "moe_allgather"
@@ -125,13 +125,9 @@ def supports(spec, problem, device) -> str | None:
     return None
 
 
-RETURN_KERNELS = {"combine": combine, "dispatch_backward": dispatch_backward,
-                  "combine_backward": combine_backward}
-define_backend_ops(NAMESPACE, {"dispatch": dispatch, **RETURN_KERNELS})
-# Compiled, the bodies trace into the graph around the functional collectives, so
-# Inductor fuses the gathers and sums on either side of each transfer.
-decompose_backend_ops(NAMESPACE, {"dispatch": dispatch}, collectives.traceable_dispatch)
-decompose_backend_ops(NAMESPACE, RETURN_KERNELS, lambda *_: True)
+define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
+                               "dispatch_backward": dispatch_backward,
+                               "combine_backward": combine_backward})
 
 REGISTRY.register_a2a(A2ABackend(
     name="allgather", namespace=NAMESPACE, layout="rows", supports=supports,

@@ -23,9 +23,11 @@ class OpContract:
 
     ``check(*args)`` validates shapes and dtypes (it sees fake tensors too);
     ``check_values(*args)`` validates tensor contents and only sees real tensors;
-    ``fake(*args)`` allocates the outputs; ``backward``/``setup_context`` follow
-    `torch.library.register_autograd`, and ``backward`` finds the namespace of
-    the op that ran forward in ``ctx.namespace``.
+    ``ordered`` ops (collectives) keep their order in compiled graphs and are
+    never dropped, even where a rank's outputs are empty: every rank must run the
+    same collectives in the same order. ``fake(*args)`` allocates the outputs;
+    ``backward``/``setup_context`` follow `torch.library.register_autograd`, and
+    ``backward`` finds the namespace of the op that ran forward in ``ctx.namespace``.
     """
 
     name: str
@@ -36,6 +38,7 @@ class OpContract:
     backward: Callable[..., object] | None = None
     setup_context: Callable[..., None] | None = None
     tags: tuple = ()
+    ordered: bool = False
 
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
@@ -84,6 +87,13 @@ def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
         return contract.fake(*args)
 
     torch.library.register_fake(qualname, fake, lib=_library(namespace))
+    if contract.ordered:
+        # An ordered effect threads a token through the op in traced graphs:
+        # Inductor can neither remove it (an idle rank's outputs are empty) nor
+        # move it past the next collective.
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        _register_effectful_op(op_overload(namespace, contract.name), _EffectType.ORDERED)
     if contract.backward is not None:
         def setup_context(ctx, inputs, output):
             # A gradient that needs the forward's backend (a transport's reverse

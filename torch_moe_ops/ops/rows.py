@@ -229,18 +229,20 @@ def _experts_rows_backward(ctx, grad_y_RH):
 
 DISPATCH = OpContract(name="dispatch", schema=DISPATCH_SCHEMA, check=check_dispatch,
                       check_values=check_dispatch_values, fake=fake_dispatch,
-                      backward=_dispatch_backward, setup_context=_setup_dispatch)
+                      backward=_dispatch_backward, setup_context=_setup_dispatch, ordered=True)
 EXPERTS_ROWS = OpContract(name="experts_rows", schema=EXPERTS_ROWS_SCHEMA,
                           check=check_experts_rows, check_values=check_experts_rows_values,
                           fake=fake_experts_rows, backward=_experts_rows_backward,
                           setup_context=_setup_experts_rows)
 COMBINE = OpContract(name="combine", schema=COMBINE_SCHEMA, check=check_combine,
                      check_values=check_combine_values, fake=fake_combine,
-                     backward=_combine_backward, setup_context=_setup_combine)
+                     backward=_combine_backward, setup_context=_setup_combine, ordered=True)
 DISPATCH_BACKWARD = OpContract(name="dispatch_backward", schema=DISPATCH_BACKWARD_SCHEMA,
-                               check=check_dispatch_backward, fake=fake_dispatch_backward)
+                               check=check_dispatch_backward, fake=fake_dispatch_backward,
+                               ordered=True)
 COMBINE_BACKWARD = OpContract(name="combine_backward", schema=COMBINE_BACKWARD_SCHEMA,
-                              check=check_combine_backward, fake=fake_combine_backward)
+                              check=check_combine_backward, fake=fake_combine_backward,
+                              ordered=True)
 dispatch = define(GENERIC_NAMESPACE, DISPATCH)
 experts_rows = define(GENERIC_NAMESPACE, EXPERTS_ROWS)
 combine = define(GENERIC_NAMESPACE, COMBINE)

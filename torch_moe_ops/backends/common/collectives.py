@@ -58,15 +58,6 @@ def reduce_scatter(full_NX: torch.Tensor, group_name: str, ep_size: int) -> torc
         _functional.reduce_scatter_tensor(full_NX.contiguous(), "sum", ep_size, group_name))
 
 
-def traceable_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
-                       group_name, max_tokens_per_rank, capacity) -> bool:
-    """Whether a dispatch body may be traced into a compiled graph: unless its
-    capacity is below the worst case, where its overflow check reads the device
-    on the host (the other expert-parallel bodies always may)."""
-    worst = max_tokens_per_rank * min(topk_ids_TK.shape[1], num_experts // ep_size)
-    return capacity >= worst
-
-
 def check_capacity(needed: torch.Tensor, capacity: int, group_name: str, what: str) -> None:
     """Raise on every rank if any rank needs more than ``capacity`` rows.
 

@@ -1,0 +1,233 @@
+"""A CPU stand-in for ``deep_ep`` (the measured commit's ``Buffer`` API), written from
+its documented behaviour, so that the ``deepep`` backend's bookkeeping runs on gloo.
+
+It keeps what the backend relies on and nothing of how DeepEP gets there: the same
+calls, argument checks and result layouts; exchanges are ``all_gather_object`` over
+the group. What it cannot tell is whether DeepEP's kernels behave as documented:
+tests/test_deepep_gpu.py runs the real one.
+
+- Normal mode (intranode): ``dispatch(num_worst_tokens=N)`` returns ``[N, ...]``
+  with the received tokens first, in source-rank order, local expert ids (-1 for
+  another rank's expert) and their weights (0 there); padding tokens have ids -1
+  and garbage elsewhere. ``combine`` sums each token's rows (and ``topk_weights``)
+  over the ranks it went to, in fp32, rounded to bf16 once. A cached-handle
+  ``dispatch`` sends the same tokens to the same places.
+- Low-latency mode: each (token, slot) is one message to the expert's rank; rank
+  ``p``'s messages for expert ``e`` land in one block ``[begin, begin + count)``, the
+  blocks in an arbitrary (here random) arrival order and the messages of a block in
+  an arbitrary (random) order; ``layout_range`` packs count (low 32 bits) and begin
+  (high); positions past the count hold garbage. ``low_latency_combine`` sends each
+  block back by ``src_info`` and ``layout_range`` and sums ``weight * row`` per token.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import torch
+import torch.distributed as dist
+
+topk_idx_t = torch.int64
+GARBAGE = 1e4
+
+
+class Config:
+    def __init__(self, num_sms=20, *chunk_sizes):
+        self.num_sms = num_sms
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 1 << 20
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 0 if num_ranks <= 8 else 1 << 20
+
+
+def _exchange(per_rank: list, group) -> list:
+    """``per_rank[q]`` goes to rank ``q``; returns what each rank sent here, by source."""
+    gathered = [None] * group.size()
+    dist.all_gather_object(gathered, per_rank, group=group)
+    return [sent[group.rank()] for sent in gathered]
+
+
+def _garbage(shape, dtype):
+    return (torch.randn(shape) * GARBAGE).to(dtype)
+
+
+class Buffer:
+    num_sms = 20
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None):
+        assert num_qps_per_rank > 0
+        self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        self.low_latency_mode = low_latency_mode
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.destroyed = False
+        self.calls = collections.Counter()
+        self.arrival = random.Random(1234 + self.rank)
+
+    def destroy(self):
+        assert not self.destroyed
+        self.destroyed = True
+
+    @staticmethod
+    def is_sm90_compiled():
+        return True
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts):
+        return 1 << 20
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return Config(Buffer.num_sms)
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        assert topk_idx.dtype == topk_idx_t and topk_idx.is_contiguous()
+        num_local = num_experts // self.group_size
+        rank_TK = torch.where(topk_idx < 0, -1, topk_idx // num_local)
+        in_rank_TP = torch.stack([(rank_TK == p).any(1) for p in range(self.group_size)], 1)
+        per_expert = torch.stack([(topk_idx == e).sum() for e in range(num_experts)]).int()
+        return in_rank_TP.sum(0).int(), None, per_expert, in_rank_TP.contiguous(), None
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        assert not self.low_latency_mode and not self.destroyed
+        assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] >= 1
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            _, _, in_rank_TP, num_worst = handle
+            got = _exchange([x[in_rank_TP[:, q]] for q in range(self.group_size)], self.group)
+            recv_NH = _garbage((num_worst, x.shape[1]), x.dtype)
+            rows = torch.cat(got)
+            recv_NH[:rows.shape[0]] = rows
+            self.calls["cached_dispatch"] += 1
+            return recv_NH, None, None, None, None, None
+        assert num_worst_tokens > 0 and topk_idx.dtype == topk_idx_t
+        assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+        num_local = num_tokens_per_expert.shape[0] // self.group_size
+        sends = []
+        for q in range(self.group_size):
+            sent = is_token_in_rank[:, q]
+            ids = topk_idx[sent]
+            local = torch.where((ids >= q * num_local) & (ids < (q + 1) * num_local),
+                                ids - q * num_local, -1)
+            weights = torch.where(local >= 0, topk_weights[sent], 0.0)
+            sends.append((x[sent], local, weights, torch.nonzero(sent)[:, 0].int()))
+        got = _exchange(sends, self.group)
+        counts = [g[0].shape[0] for g in got]
+        num_recv, top_k = sum(counts), topk_idx.shape[1]
+        assert num_recv <= num_worst_tokens
+        recv_x = _garbage((num_worst_tokens, x.shape[1]), x.dtype)
+        recv_ids = torch.full((num_worst_tokens, top_k), -1, dtype=topk_idx_t)
+        recv_weights = _garbage((num_worst_tokens, top_k), torch.float32)
+        src_idx = torch.full((num_worst_tokens,), -1, dtype=torch.int32)
+        for out, part in ((recv_x, 0), (recv_ids, 1), (recv_weights, 2), (src_idx, 3)):
+            out[:num_recv] = torch.cat([g[part] for g in got])
+        self.calls["dispatch"] += 1
+        handle = (counts, src_idx, is_token_in_rank.clone(), num_worst_tokens)
+        return recv_x, recv_ids, recv_weights, [], handle, None
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        assert not self.destroyed and x.dtype == torch.bfloat16 and x.is_contiguous()
+        counts, src_idx, in_rank_TP, num_worst = handle
+        assert x.shape[0] == num_worst
+        if topk_weights is not None:
+            assert topk_weights.shape[0] == num_worst and topk_weights.is_contiguous()
+            assert topk_weights.dtype == torch.float32
+        sends, start = [], 0
+        for count in counts:
+            rows = slice(start, start + count)
+            sends.append((x[rows], src_idx[rows],
+                          None if topk_weights is None else topk_weights[rows]))
+            start += count
+        num_tokens = in_rank_TP.shape[0]
+        out_TH = torch.zeros((num_tokens, x.shape[1]))
+        out_TK = None if topk_weights is None else torch.zeros((num_tokens,
+                                                                 topk_weights.shape[1]))
+        for rows_XH, src_X, weights_XK in _exchange(sends, self.group):
+            out_TH.index_add_(0, src_X.long(), rows_XH.float())
+            if weights_XK is not None:
+                out_TK.index_add_(0, src_X.long(), weights_XK)
+        self.calls["combine"] += 1
+        return out_TH.to(torch.bfloat16), out_TK, None
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        assert self.low_latency_mode and not self.destroyed and not use_fp8
+        assert x.dtype == torch.bfloat16 and x.is_contiguous() and topk_idx.dtype == topk_idx_t
+        max_tokens = num_max_dispatch_tokens_per_rank
+        assert 1 <= x.shape[0] <= max_tokens and x.shape[1] % 128 == 0
+        assert (self.group_size * max_tokens) % 4 == 0
+        num_local = num_experts // self.group_size
+        sends = [[] for _ in range(self.group_size)]
+        for t, ids in enumerate(topk_idx.tolist()):
+            for expert in ids:
+                if expert >= 0:
+                    sends[expert // num_local].append((expert % num_local, t, x[t]))
+        got = _exchange(sends, self.group)
+        num_positions = self.group_size * max_tokens
+        recv_EQH = _garbage((num_local, num_positions, x.shape[1]), x.dtype)
+        src_info_EQ = torch.randint(-5, 10 ** 6, (num_local, num_positions), dtype=torch.int32)
+        layout_range_EP = torch.zeros((num_local, self.group_size), dtype=torch.int64)
+        count_E = torch.zeros(num_local, dtype=torch.int32)
+        for e in range(num_local):
+            arrival = list(range(self.group_size))
+            self.arrival.shuffle(arrival)
+            begin = 0
+            for p in arrival:
+                block = [m for m in got[p] if m[0] == e]
+                self.arrival.shuffle(block)
+                for i, (_, t, row) in enumerate(block):
+                    recv_EQH[e, begin + i], src_info_EQ[e, begin + i] = row, t
+                layout_range_EP[e, p] = (begin << 32) | len(block)
+                begin += len(block)
+            count_E[e] = begin
+        self.calls["low_latency_dispatch"] += 1
+        handle = (src_info_EQ, layout_range_EP, max_tokens, x.shape[1], num_experts)
+        return recv_EQH, count_E, handle, None, None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False, out=None,
+                            combine_wait_recv_cost_stats=None):
+        assert self.low_latency_mode and not self.destroyed
+        src_info_EQ, layout_range_EP, max_tokens, hidden, num_experts = handle
+        num_local = num_experts // self.group_size
+        assert x.shape == (num_local, self.group_size * max_tokens, hidden)
+        assert x.dtype == torch.bfloat16 and x.is_contiguous()
+        assert src_info_EQ.dtype == torch.int32 and src_info_EQ.is_contiguous()
+        assert layout_range_EP.dtype == torch.int64 and layout_range_EP.is_contiguous()
+        assert layout_range_EP.shape == (num_local, self.group_size)
+        assert topk_idx.dtype == topk_idx_t and topk_weights.dtype == torch.float32
+        assert topk_idx.shape == topk_weights.shape and 1 <= topk_idx.shape[0] <= max_tokens
+        sends = [{} for _ in range(self.group_size)]
+        for e in range(num_local):
+            for p, packed in enumerate(layout_range_EP[e].tolist()):
+                begin, count = packed >> 32, packed & 0xFFFFFFFF
+                for j in range(begin, begin + count):
+                    key = (self.rank * num_local + e, int(src_info_EQ[e, j]))
+                    assert key not in sends[p], key
+                    sends[p][key] = x[e, j]
+        received = {}
+        for sent in _exchange(sends, self.group):
+            received.update(sent)
+        out_TH = torch.zeros((topk_idx.shape[0], hidden))
+        for t, (ids, weights) in enumerate(zip(topk_idx.tolist(), topk_weights.tolist())):
+            for expert, weight in zip(ids, weights):
+                if expert >= 0:
+                    out_TH[t] += weight * received[(expert, t)].float()
+        self.calls["low_latency_combine"] += 1
+        return out_TH.to(torch.bfloat16), None, None

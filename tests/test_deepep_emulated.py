@@ -1,0 +1,207 @@
+"""The ``deepep`` a2a backend's bookkeeping on CPU processes (gloo), with DeepEP itself
+replaced by tests/deepep_emulator.py: every rank's outputs and gradients equal the
+single-process reference (bf16 bounds), in normal and low-latency mode, with an idle
+rank, skipped slots, every slot on one rank, a capacity below the worst case, and
+low-latency messages arriving in a random order.
+
+What this cannot tell is whether DeepEP's kernels behave as the emulator does:
+tests/test_deepep_gpu.py runs the real one on GPUs.
+
+Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
+I expert intermediate size, E experts, E_l = E / P, K experts per token, M
+max_tokens_per_rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import deepep_emulator
+import torch_moe_ops as tmo
+from distributed import run_on_ranks
+
+# A hidden size DeepEP's low-latency kernels are compiled for.
+H, I = 2048, 16
+TOKENS_PER_RANK = {2: (5, 0), 4: (6, 0, 3, 1)}
+M_NORMAL, M_LOW_LATENCY = 8, 6
+# (K, E_l): K above, at and below E_l.
+SHAPES = ((2, 3), (3, 2), (1, 4))
+STATIC = ("silu", 1.702, 7.0)
+OUT_TOL, GRAD_TOL = 2e-2, 3e-2
+
+
+def _use_emulator():
+    """In this worker: DeepEP is the emulator, and CPU tensors are let through."""
+    sys.modules["deep_ep"] = deepep_emulator
+    from torch_moe_ops.backends import deepep
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    def check_tensor(name, t):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+
+    deepep._check_tensor = check_tensor
+    REGISTRY.a2a["deepep"] = dataclasses.replace(REGISTRY.a2a["deepep"],
+                                                 supports=lambda *_: None)
+    return deepep
+
+
+def _assert_close(actual, expected, tol):
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol * scale)
+
+
+def _my_tokens(rank, world_size):
+    counts = TOKENS_PER_RANK[world_size]
+    return slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+
+
+def _full_problem(world_size, num_experts, top_k, route, seed=7):
+    """Every rank's tokens and routing and every expert's weights, alike on all ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(TOKENS_PER_RANK[world_size])
+    hidden_NH = torch.randn(num_tokens, H, generator=gen).bfloat16()
+    scores_NE = torch.rand(num_tokens, num_experts, generator=gen)
+    if route == "one_rank":
+        scores_NE[:, num_experts // world_size:] = -1.0
+    weights_NK, ids_NK = scores_NE.topk(top_k, dim=-1)
+    ids_NK = ids_NK.to(torch.int32)
+    if route == "random":
+        ids_NK[::3, -1] = -1
+    experts = (torch.randn(num_experts, 2 * I, H, generator=gen) / H ** 0.5,
+               torch.randn(num_experts, H, I, generator=gen) / I ** 0.5,
+               torch.randn(num_experts, 2 * I, generator=gen) / 4,
+               torch.randn(num_experts, H, generator=gen) / 4)
+    return hidden_NH, weights_NK, ids_NK, [w.bfloat16() for w in experts]
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity_drop):
+    num_experts = num_local * world_size
+    max_tokens = M_NORMAL if mode == "normal" else M_LOW_LATENCY
+    group = dist.group.WORLD.group_name
+    comm = deepep.communicator(group, H, num_experts, top_k, max_tokens, torch.bfloat16,
+                               mode=mode, device="cpu")
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(world_size, num_experts, top_k, route)
+    mine = _my_tokens(rank, world_size)
+    local = slice(rank * num_local, (rank + 1) * num_local)
+    ref_leaves = _leaves(hidden_NH, weights_NK, *full)
+    ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
+                                             *ref_leaves[2:], *STATIC)
+    grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref_NH.backward(grad_NH)
+
+    hidden_TH, weights_TK, *experts = _leaves(hidden_NH[mine], weights_NK[mine],
+                                              *(w[local] for w in full))
+    capacity = max_tokens * min(top_k, num_local) - capacity_drop
+    ep_args = (world_size, group, max_tokens)
+    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_deepep.dispatch(
+        hidden_TH, weights_TK, ids_NK[mine], num_experts, *ep_args, capacity)
+    assert x_RH.shape == (world_size * capacity, H)
+    offset = 0
+    for e, count in enumerate(count_E.tolist()):
+        assert (expert_R[offset:offset + count] == e).all()
+        offset += count
+    assert (expert_R[offset:] == -1).all() and (src_R[offset:] == -1).all()
+    y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
+    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH.backward(grad_NH[mine])
+
+    _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
+    _assert_close(hidden_TH.grad, ref_leaves[0].grad[mine], GRAD_TOL)
+    _assert_close(weights_TK.grad, ref_leaves[1].grad[mine], GRAD_TOL)
+    for ours, ref in zip(experts, ref_leaves[2:]):
+        _assert_close(ours.grad, ref.grad[local], GRAD_TOL)
+    assert comm.mode == mode and comm.buffer.calls
+
+
+def _ops_cases(rank, world_size):
+    deepep = _use_emulator()
+    for mode in ("normal", "low_latency"):
+        for top_k, num_local in SHAPES:
+            for route, drop in (("random", 0), ("one_rank", 0), ("random", 1)):
+                _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, drop)
+                gc.collect()
+                # A normal-mode handle lives as long as its src_rows.
+                assert not any(c.handles for c in deepep.open_communicators())
+            if mode == "low_latency":
+                # One NVSHMEM communicator per process: close it before the next shape.
+                deepep.close_all()
+    deepep.close_all()
+    assert not deepep.open_communicators()
+
+
+def _moe_config(world_size, ep_size, max_tokens):
+    return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4 * world_size,
+                         top_k=2, renormalize=True, expert_bias=True, ep_size=ep_size,
+                         max_tokens_per_rank=max_tokens if ep_size > 1 else None)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x_TH):
+        for layer in self.layers:
+            x_TH = x_TH + layer(x_TH)
+        return x_TH
+
+
+def _compiled_cases(rank, world_size, inner):
+    """Two `MoE` layers sharded over the group, compiled with ``a2a="deepep"``, against
+    the same layers in one process: outputs and input gradients. Under Inductor the
+    idle rank's collectives must survive though their outputs are empty."""
+    deepep = _use_emulator()
+    group = dist.group.WORLD
+    for mode, max_tokens in (("normal", M_NORMAL), ("low_latency", M_LOW_LATENCY)):
+        torch._dynamo.reset()
+        deepep.communicator(group.group_name, H, 4 * world_size, 2, max_tokens, torch.bfloat16,
+                            mode=mode, device="cpu")
+        torch.manual_seed(5)
+        singles = [tmo.MoE(_moe_config(world_size, 1, max_tokens), dtype=torch.bfloat16)
+                   for _ in range(2)]
+        sharded = [tmo.MoE(_moe_config(world_size, world_size, max_tokens),
+                           dtype=torch.bfloat16, ep_group=group) for _ in range(2)]
+        for one, many in zip(singles, sharded):
+            many.load_full_weights(one.state_dict())
+        x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                           generator=torch.Generator().manual_seed(9)).bfloat16()
+        mine = _my_tokens(rank, world_size)
+        x_ref = x_NH.clone().requires_grad_()
+        ref_NH = TwoLayers(singles)(x_ref)
+        ref_NH.float().square().sum().backward()
+        compiled = torch.compile(TwoLayers(sharded),
+                                 backend=tmo.backend(a2a="deepep", inner=inner),
+                                 fullgraph=True, dynamic=False)
+        x_TH = x_NH[mine].clone().requires_grad_()
+        out_TH = compiled(x_TH)
+        out_TH.float().square().sum().backward()
+        _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
+        _assert_close(x_TH.grad, x_ref.grad[mine], GRAD_TOL)
+        assert deepep.open_communicators()[0].buffer.calls
+        deepep.close_all()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ops_match_single_process(world_size):
+    run_on_ranks(world_size, _ops_cases)
+
+
+def test_compiled_layers_match_single_process():
+    run_on_ranks(2, _compiled_cases, "aot_eager")
+
+
+@pytest.mark.slow
+def test_idle_rank_keeps_its_collectives_under_inductor():
+    run_on_ranks(2, _compiled_cases, "inductor")

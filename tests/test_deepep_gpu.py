@@ -1,0 +1,281 @@
+"""The ``deepep`` a2a backend on 2 GPUs over NCCL: every rank's outputs and gradients
+equal the single-process reference on the same tokens and weights (bf16 bounds), in
+DeepEP's normal and low-latency modes, with one rank idle, in a captured CUDA graph
+replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
+backward; and forward under ``mode="reduce-overhead"``).
+
+Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
+I expert intermediate size, E experts, E_l = E / P, K experts per token, M
+max_tokens_per_rank.
+
+Skipped (with `deepep.supports`' reason) where DeepEP is not built: see
+scripts/build_deepep.sh. Each test starts its P processes once and runs its cases
+in them; low-latency mode initialises NVSHMEM, which a process holds once, so each
+mode has its own test (and processes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_moe_ops as tmo
+from distributed import run_on_ranks
+from torch_moe_ops.backends import deepep
+from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.config import BackendSpec
+
+WORLD = 2
+# One rank full, one idle.
+TOKENS_PER_RANK = (5, 0)
+# H: one of the sizes DeepEP's low-latency kernels are compiled for.
+H, I, E, K = 2048, 64, 8, 2
+M_NORMAL, M_LOW_LATENCY = 8, 6
+STATIC = ("silu", 1.702, 7.0)
+OUT_TOL, GRAD_TOL = 2e-2, 3e-2
+TIMEOUT = datetime.timedelta(seconds=120)
+DEADLINE_S = 480
+
+REASON = deepep.supports(BackendSpec(a2a="deepep"),
+                         Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K),
+                         torch.device("cuda"))
+pytestmark = [pytest.mark.multigpu,
+              pytest.mark.skipif(REASON is not None, reason=f"a2a 'deepep': {REASON}")]
+
+
+def _full_problem(seed: int, route: str):
+    """Every rank's tokens and routing, and every expert's weights, drawn alike on all ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(TOKENS_PER_RANK)
+    hidden_NH = torch.randn(num_tokens, H, generator=gen)
+    scores_NE = torch.rand(num_tokens, E, generator=gen)
+    if route == "one_rank":
+        # Every slot goes to rank 0's experts.
+        scores_NE[:, E // WORLD:] = -1.0
+    weights_NK, ids_NK = scores_NE.topk(K, dim=-1)
+    ids_NK = ids_NK.to(torch.int32)
+    if route == "random":
+        ids_NK[::3, -1] = -1
+    experts = {
+        "w13": torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5,
+        "w2": torch.randn(E, H, I, generator=gen) / I ** 0.5,
+        "b13": torch.randn(E, 2 * I, generator=gen) / 4,
+        "b2": torch.randn(E, H, generator=gen) / 4,
+    }
+    device = torch.device("cuda", torch.cuda.current_device())
+    experts = {name: w.to(device, torch.bfloat16) for name, w in experts.items()}
+    return (hidden_NH.to(device, torch.bfloat16), weights_NK.to(device), ids_NK.to(device),
+            experts)
+
+
+def _mine(rank: int) -> slice:
+    return slice(sum(TOKENS_PER_RANK[:rank]), sum(TOKENS_PER_RANK[:rank + 1]))
+
+
+def _local(rank: int) -> slice:
+    num_local = E // WORLD
+    return slice(rank * num_local, (rank + 1) * num_local)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol * scale)
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _rows_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens, capacity):
+    """``moe_deepep::dispatch -> moe_reference::experts_rows -> moe_deepep::combine``:
+    the output and the rows' experts and counts."""
+    ep_args = (WORLD, dist.group.WORLD.group_name, max_tokens)
+    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_deepep.dispatch(
+        hidden_TH, weights_TK, ids_TK, E, *ep_args, capacity)
+    assert x_RH.shape == (WORLD * capacity, H)
+    y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
+    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    return out_TH, expert_R, count_E
+
+
+def _check_rows_layout(expert_R: torch.Tensor, count_E: torch.Tensor) -> None:
+    """Rows of expert e at [offset_e, offset_e + count_e), the rest skipped."""
+    offset = 0
+    for e, count in enumerate(count_E.tolist()):
+        assert (expert_R[offset:offset + count] == e).all()
+        offset += count
+    assert (expert_R[offset:] == -1).all()
+
+
+def _check_ops(rank, route, max_tokens, capacity):
+    """Outputs and gradients of this rank's tokens and experts against
+    ``moe_reference::experts`` on all tokens."""
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route)
+    mine, local = _mine(rank), _local(rank)
+    ref_leaves = _leaves(hidden_NH, weights_NK, *full.values())
+    ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
+                                             *ref_leaves[2:], *STATIC)
+    grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).to(
+        ref_NH.device, ref_NH.dtype)
+    ref_NH.backward(grad_NH)
+
+    hidden_TH, weights_TK, *experts = _leaves(hidden_NH[mine], weights_NK[mine],
+                                              *(w[local] for w in full.values()))
+    out_TH, expert_R, count_E = _rows_pipeline(hidden_TH, weights_TK, ids_NK[mine], experts,
+                                               max_tokens, capacity)
+    _check_rows_layout(expert_R, count_E)
+    out_TH.backward(grad_NH[mine])
+
+    _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
+    _assert_close(hidden_TH.grad, ref_leaves[0].grad[mine], GRAD_TOL)
+    _assert_close(weights_TK.grad, ref_leaves[1].grad[mine], GRAD_TOL)
+    for ours, ref in zip(experts, ref_leaves[2:]):
+        _assert_close(ours.grad, ref.grad[local], GRAD_TOL)
+
+
+def _check_graph(rank, max_tokens):
+    """dispatch -> experts_rows -> combine captured once in a CUDA graph (static input
+    buffers, warm-up on a side stream) and replayed on new inputs: the reference's output."""
+    capacity = max_tokens * min(K, E // WORLD)
+    mine, local = _mine(rank), _local(rank)
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(11, "random")
+    experts = [w[local] for w in full.values()]
+    static = [hidden_NH[mine].clone(), weights_NK[mine].clone(), ids_NK[mine].clone()]
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                _rows_pipeline(*static, experts, max_tokens, capacity)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread may query events while this thread captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out_TH, _, _ = _rows_pipeline(*static, experts, max_tokens, capacity)
+        for seed, route in ((12, "random"), (13, "one_rank"), (14, "random")):
+            hidden_NH, weights_NK, ids_NK, _ = _full_problem(seed, route)
+            for target, source in zip(static, (hidden_NH, weights_NK, ids_NK)):
+                target.copy_(source[mine])
+            out_TH.fill_(float("nan"))
+            graph.replay()
+            ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK,
+                                                     *full.values(), *STATIC)
+            _assert_close(out_TH, ref_NH[mine], OUT_TOL)
+        del graph
+    torch.cuda.synchronize()
+
+
+def _moe_config(ep_size: int, max_tokens: int) -> tmo.MoEConfig:
+    return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
+                         renormalize=True, expert_bias=True, ep_size=ep_size,
+                         max_tokens_per_rank=max_tokens if ep_size > 1 else None)
+
+
+def _check_module(rank, max_tokens):
+    """`MoE` sharded over the group and compiled by Inductor with ``a2a="deepep"``
+    against the single-process `MoE` with the same full weights: outputs and gradients
+    (the idle rank's empty gradients included: its ops must not be dropped as dead code)."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    device = torch.device("cuda", torch.cuda.current_device())
+    # Built on the CPU so that every rank draws the same weights.
+    single = tmo.MoE(_moe_config(1, max_tokens)).to(device, torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(WORLD, max_tokens), device=device, dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
+    x_NH = x_NH.to(device, torch.bfloat16)
+    mine, local = _mine(rank), sharded.local_experts
+
+    x_ref = x_NH.clone().requires_grad_()
+    ref_NH = single(x_ref)
+    ref_NH.float().square().sum().backward()
+    compiled = torch.compile(sharded, backend=tmo.backend(a2a="deepep"), fullgraph=True,
+                             dynamic=False)
+    x_TH = x_NH[mine].clone().requires_grad_()
+    out_TH = compiled(x_TH)
+    out_TH.float().square().sum().backward()
+
+    _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
+    _assert_close(x_TH.grad, x_ref.grad[mine], GRAD_TOL)
+    for name in ("w13", "w2", "b13", "b2"):
+        _assert_close(getattr(sharded, name).grad,
+                      getattr(single, name).grad[local.start:local.stop], GRAD_TOL)
+
+
+def _check_reduce_overhead(rank, max_tokens):
+    """`MoE` compiled by Inductor with ``a2a="deepep"`` and ``mode="reduce-overhead"``
+    (CUDA graphs: warm-up, one recording, replays) against the single-process `MoE`."""
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    device = torch.device("cuda", torch.cuda.current_device())
+    # Built on the CPU so that every rank draws the same weights.
+    single = tmo.MoE(_moe_config(1, max_tokens)).to(device, torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(WORLD, max_tokens), device=device, dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    compiled = torch.compile(sharded, backend=tmo.backend(a2a="deepep", mode="reduce-overhead"),
+                             fullgraph=True, dynamic=False)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        for seed in range(4):
+            gen = torch.Generator().manual_seed(20 + seed)
+            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(device,
+                                                                          torch.bfloat16)
+            out_TH = compiled(x_NH[_mine(rank)]).clone()
+            _assert_close(out_TH, single(x_NH)[_mine(rank)], OUT_TOL)
+    # DeepEP's ops ran inside the CUDA graphs, not beside them.
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    torch._dynamo.reset()
+
+
+def _no_handles_left() -> None:
+    gc.collect()
+    assert all(not comm.handles for comm in deepep.open_communicators())
+
+
+def _run_normal(rank, world_size):
+    group = dist.group.WORLD.group_name
+    # max_tokens_per_rank this small would take the low-latency kernels: fix the mode.
+    comm = deepep.communicator(group, H, E, K, M_NORMAL, torch.bfloat16, mode="normal")
+    assert comm.mode == "normal"
+    worst = M_NORMAL * min(K, E // WORLD)
+    for route in ("random", "one_rank"):
+        _check_ops(rank, route, M_NORMAL, worst)
+    # A capacity below the worst case that the routing still fits.
+    _check_ops(rank, "random", M_NORMAL, worst - 1)
+    _no_handles_left()
+    _check_graph(rank, M_NORMAL)
+    _check_module(rank, M_NORMAL)
+    _check_reduce_overhead(rank, M_NORMAL)
+    _no_handles_left()
+    # Collective: on every rank, and only once every rank got here.
+    deepep.close_all()
+
+
+def _run_low_latency(rank, world_size):
+    worst = M_LOW_LATENCY * min(K, E // WORLD)
+    for route in ("random", "one_rank"):
+        _check_ops(rank, route, M_LOW_LATENCY, worst)
+    # max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS and H among its sizes: low-latency.
+    (comm,) = deepep.open_communicators()
+    assert comm.mode == "low_latency", comm
+    _check_ops(rank, "random", M_LOW_LATENCY, worst - 1)
+    _check_graph(rank, M_LOW_LATENCY)
+    _check_module(rank, M_LOW_LATENCY)
+    _check_reduce_overhead(rank, M_LOW_LATENCY)
+    deepep.close_all()
+
+
+def test_normal_mode_matches_single_process():
+    run_on_ranks(WORLD, _run_normal, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
+
+
+def test_low_latency_mode_matches_single_process():
+    run_on_ranks(WORLD, _run_low_latency, backend="nccl", timeout=TIMEOUT,
+                 deadline_s=DEADLINE_S)
