@@ -38,11 +38,13 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
                             world_size=world_size, timeout=timeout, **options)
     try:
         fn(rank, world_size, *args)
-    except BaseException:
+    except Exception:  # noqa: BLE001 (reported through the queue; the process exits)
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+        # Leave at once: tearing the group down would wait on peers still inside a
+        # collective this rank will never join. The launcher sees the exit, stops
+        # the peers and reports this traceback.
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",

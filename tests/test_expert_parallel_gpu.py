@@ -49,6 +49,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # which computes in fp32 and rounds once.
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 GRAD_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
+# Compiled against eager over two layers: Inductor fuses the residual adds and rounds
+# once where eager rounds after each op, a few bf16 steps of the residual stream.
+COMPILED_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (4e-2, 4e-2)}
 # Inductor compiles while the peer waits in a collective: more than the CPU tests allow.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
 RUN_DEADLINE_S = 300
@@ -308,7 +311,7 @@ def _compiled_cases(rank, world_size, a2a):
         with torch.no_grad():
             x_TH = _tokens(rank, dtype, seed=1)
             out_TH = compiled(x_TH)
-            _assert_close(out_TH, model(x_TH))
+            _assert_close(out_TH, model(x_TH), COMPILED_TOLERANCES)
         assert counter.frame_count == 1, counter.frame_count
         assert not counters["graph_break"], dict(counters["graph_break"])
 
@@ -320,7 +323,7 @@ def _compiled_cases(rank, world_size, a2a):
         for seed in range(4):
             x_TH = _tokens(rank, torch.bfloat16, seed)
             out_TH = compiled(x_TH).clone()
-            _assert_close(out_TH, model(x_TH))
+            _assert_close(out_TH, model(x_TH), COMPILED_TOLERANCES)
     assert counter.frame_count == 1, counter.frame_count
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
