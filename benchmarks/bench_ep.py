@@ -251,8 +251,8 @@ def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: i
                    capacity: int, compiled: bool) -> dict:
     """dispatch, then combine of the dispatched rows, each captured; checked once eagerly
     (rows sent back untouched sum to ``hidden * sum_k weight``). ``compiled``: each op
-    compiled by Inductor first (the backend's body traced around its collectives,
-    as in a compiled model), else the op's eager kernels."""
+    called from an Inductor-compiled function, as in a compiled model (the ops stay
+    whole there: collectives keep their order), else called eagerly."""
     namespace = REGISTRY.a2a[a2a].namespace
     dispatch, combine = op_overload(namespace, "dispatch"), op_overload(namespace, "combine")
     if compiled:
