@@ -13,7 +13,10 @@ Experts backends, highest ``auto`` priority first (each runs where its
 - ``reference`` (`reference`): dense plain PyTorch, any device; the correctness oracle.
 
 The gradient of every experts backend runs on the reference backend. The a2a
-backend ``none`` (`local`) sorts and combines rows on one device. What several
+backend ``none`` (`local`) sorts and combines rows on one device; with expert
+parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
+them over torch.distributed, ``deepep`` (`deepep`) over DeepEP (eagerly
+``all_to_all`` runs). What several
 backends run (the sort by expert, activations, Triton epilogues, the grouped-GEMM
 path) lives in `common`; backends never import each other.
 """
