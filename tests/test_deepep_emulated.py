@@ -26,6 +26,7 @@ from torch import nn
 import deepep_emulator
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
+from ep_problems import draw_problem, token_slice
 
 # A hidden size DeepEP's low-latency kernels are compiled for.
 H, I = 2048, 16
@@ -59,27 +60,14 @@ def _assert_close(actual, expected, tol):
 
 
 def _my_tokens(rank, world_size):
-    counts = TOKENS_PER_RANK[world_size]
-    return slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    return token_slice(TOKENS_PER_RANK[world_size], rank)
 
 
 def _full_problem(world_size, num_experts, top_k, route, seed=7):
     """Every rank's tokens and routing and every expert's weights, alike on all ranks."""
-    gen = torch.Generator().manual_seed(seed)
-    num_tokens = sum(TOKENS_PER_RANK[world_size])
-    hidden_NH = torch.randn(num_tokens, H, generator=gen).bfloat16()
-    scores_NE = torch.rand(num_tokens, num_experts, generator=gen)
-    if route == "one_rank":
-        scores_NE[:, num_experts // world_size:] = -1.0
-    weights_NK, ids_NK = scores_NE.topk(top_k, dim=-1)
-    ids_NK = ids_NK.to(torch.int32)
-    if route == "random":
-        ids_NK[::3, -1] = -1
-    experts = (torch.randn(num_experts, 2 * I, H, generator=gen) / H ** 0.5,
-               torch.randn(num_experts, H, I, generator=gen) / I ** 0.5,
-               torch.randn(num_experts, 2 * I, generator=gen) / 4,
-               torch.randn(num_experts, H, generator=gen) / 4)
-    return hidden_NH, weights_NK, ids_NK, [w.bfloat16() for w in experts]
+    hidden_NH, weights_NK, ids_NK, experts = draw_problem(
+        seed, route, sum(TOKENS_PER_RANK[world_size]), num_experts, world_size, H, I, top_k)
+    return hidden_NH.bfloat16(), weights_NK, ids_NK, [w.bfloat16() for w in experts.values()]
 
 
 def _leaves(*tensors):

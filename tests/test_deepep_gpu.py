@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
+from ep_problems import draw_problem, token_slice
 from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec
@@ -48,24 +49,10 @@ pytestmark = [pytest.mark.multigpu,
 
 
 def _full_problem(seed: int, route: str):
-    """Every rank's tokens and routing, and every expert's weights, drawn alike on all ranks."""
-    gen = torch.Generator().manual_seed(seed)
-    num_tokens = sum(TOKENS_PER_RANK)
-    hidden_NH = torch.randn(num_tokens, H, generator=gen)
-    scores_NE = torch.rand(num_tokens, E, generator=gen)
-    if route == "one_rank":
-        # Every slot goes to rank 0's experts.
-        scores_NE[:, E // WORLD:] = -1.0
-    weights_NK, ids_NK = scores_NE.topk(K, dim=-1)
-    ids_NK = ids_NK.to(torch.int32)
-    if route == "random":
-        ids_NK[::3, -1] = -1
-    experts = {
-        "w13": torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5,
-        "w2": torch.randn(E, H, I, generator=gen) / I ** 0.5,
-        "b13": torch.randn(E, 2 * I, generator=gen) / 4,
-        "b2": torch.randn(E, H, generator=gen) / 4,
-    }
+    """Every rank's tokens and routing, and every expert's weights, drawn alike on all
+    ranks, on this rank's GPU: activations and experts in bf16, routing weights fp32."""
+    hidden_NH, weights_NK, ids_NK, experts = draw_problem(
+        seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K)
     device = torch.device("cuda", torch.cuda.current_device())
     experts = {name: w.to(device, torch.bfloat16) for name, w in experts.items()}
     return (hidden_NH.to(device, torch.bfloat16), weights_NK.to(device), ids_NK.to(device),
@@ -73,7 +60,7 @@ def _full_problem(seed: int, route: str):
 
 
 def _mine(rank: int) -> slice:
-    return slice(sum(TOKENS_PER_RANK[:rank]), sum(TOKENS_PER_RANK[:rank + 1]))
+    return token_slice(TOKENS_PER_RANK, rank)
 
 
 def _local(rank: int) -> slice:

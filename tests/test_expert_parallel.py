@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
+from ep_problems import draw_problem, token_slice
 from torch_moe_ops.lowering.rewrite import layer_problems
 from torch_moe_ops.ops import op_overload
 
@@ -32,32 +33,14 @@ def _experts_count(world_size: int) -> int:
     return 3 * world_size
 
 
-def _full_problem(world_size: int, seed: int, route: str, dtype=torch.float32):
+def _full_problem(world_size: int, seed: int, route: str):
     """Every rank's tokens and routing, and every expert's weights, drawn alike on all ranks."""
-    gen = torch.Generator().manual_seed(seed)
-    num_experts = _experts_count(world_size)
-    num_tokens = sum(TOKENS_PER_RANK[world_size])
-    hidden_NH = torch.randn(num_tokens, H, generator=gen, dtype=dtype)
-    scores_NE = torch.rand(num_tokens, num_experts, generator=gen)
-    if route == "one_rank":
-        # Every slot goes to rank 0's experts.
-        scores_NE[:, num_experts // world_size:] = -1.0
-    topk_weights_NK, topk_ids_NK = scores_NE.topk(K, dim=-1)
-    topk_ids_NK = topk_ids_NK.to(torch.int32)
-    if route == "random":
-        topk_ids_NK[::3, 1] = -1
-    weights = {
-        "w13": torch.randn(num_experts, 2 * I, H, generator=gen, dtype=dtype) / H ** 0.5,
-        "w2": torch.randn(num_experts, H, I, generator=gen, dtype=dtype) / I ** 0.5,
-        "b13": torch.randn(num_experts, 2 * I, generator=gen, dtype=dtype) / 4,
-        "b2": torch.randn(num_experts, H, generator=gen, dtype=dtype) / 4,
-    }
-    return hidden_NH, topk_weights_NK.to(dtype), topk_ids_NK, weights
+    return draw_problem(seed, route, sum(TOKENS_PER_RANK[world_size]),
+                        _experts_count(world_size), world_size, H, I, K)
 
 
 def _my_tokens(rank: int, world_size: int) -> slice:
-    counts = TOKENS_PER_RANK[world_size]
-    return slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    return token_slice(TOKENS_PER_RANK[world_size], rank)
 
 
 def _leaves(*tensors):

@@ -28,6 +28,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
+from ep_problems import draw_problem, token_slice
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.ops import op_overload
 
@@ -80,29 +81,13 @@ def _launch(fn, *args) -> None:
                  deadline_s=RUN_DEADLINE_S)
 
 
-def _my_tokens(rank: int, tokens_per_rank: tuple[int, ...]) -> slice:
-    return slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
-
-
 def _full_problem(seed: int, route: str, dtype: torch.dtype, num_tokens: int):
     """Every rank's tokens and routing and every expert's weights, drawn on the CPU
     alike on all ranks, then moved to this rank's GPU."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden_NH = torch.randn(num_tokens, H, generator=gen)
-    scores_NE = torch.rand(num_tokens, E, generator=gen)
-    if route == "one_rank":
-        # Every slot goes to rank 0's experts.
-        scores_NE[:, E // WORLD_SIZE:] = -1.0
-    topk_weights_NK, topk_ids_NK = scores_NE.topk(K, dim=-1)
-    topk_ids_NK = topk_ids_NK.to(torch.int32)
-    if route == "random":
-        topk_ids_NK[::3, 1] = -1
-    weights = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5,
-               torch.randn(E, H, I, generator=gen) / I ** 0.5,
-               torch.randn(E, 2 * I, generator=gen) / 4,
-               torch.randn(E, H, generator=gen) / 4)
+    hidden_NH, topk_weights_NK, topk_ids_NK, experts = draw_problem(
+        seed, route, num_tokens, E, WORLD_SIZE, H, I, K)
     device = torch.device("cuda", torch.cuda.current_device())
-    floats = (hidden_NH, topk_weights_NK, *weights)
+    floats = (hidden_NH, topk_weights_NK, *experts.values())
     hidden_NH, topk_weights_NK, *weights = (t.to(device, dtype) for t in floats)
     return hidden_NH, topk_weights_NK, topk_ids_NK.to(device), weights
 
@@ -137,7 +122,7 @@ def _check_ops(rank, layout, a2a, dtype, route, capacity):
     """The chain against ``moe::experts`` of the reference on all tokens: this
     rank's outputs and the gradients of its tokens and experts."""
     hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route, dtype, sum(layout))
-    mine, local = _my_tokens(rank, layout), _local_experts(rank)
+    mine, local = token_slice(layout, rank), _local_experts(rank)
 
     ref_leaves = _leaves(hidden_NH, weights_NK, *full)
     ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
@@ -163,7 +148,7 @@ def _check_overflow(rank, layout, a2a):
     """A capacity below what the routing needs raises on every rank."""
     hidden_NH, weights_NK, ids_NK, _ = _full_problem(11, "one_rank", torch.float32,
                                                      sum(layout))
-    mine = _my_tokens(rank, layout)
+    mine = token_slice(layout, rank)
     with pytest.raises(RuntimeError, match="ep_capacity is 1; no row was dropped"):
         op_overload(REGISTRY.a2a[a2a].namespace, "dispatch")(
             hidden_NH[mine], weights_NK[mine], ids_NK[mine], E, *_ep_args(), 1)
@@ -188,7 +173,7 @@ def _check_module(rank, layout, dtype):
     sharded.load_full_weights(single.state_dict())
     gen = torch.Generator().manual_seed(9)
     x_NH = torch.randn(sum(layout), H, generator=gen).to(device, dtype)
-    mine, local = _my_tokens(rank, layout), sharded.local_experts
+    mine, local = token_slice(layout, rank), sharded.local_experts
 
     x_ref = x_NH.clone().requires_grad_()
     ref_NH = single(x_ref)
@@ -211,7 +196,7 @@ def _check_module(rank, layout, dtype):
 def _check_graph_replay(rank, layout, a2a, dtype):
     """The chain captured in a CUDA graph (eager ops, static input buffers, warm-up on
     a side stream) and replayed on new tokens and routing equals the eager chain."""
-    mine, local = _my_tokens(rank, layout), _local_experts(rank)
+    mine, local = token_slice(layout, rank), _local_experts(rank)
     hidden_NH, weights_NK, ids_NK, full = _full_problem(13, "random", dtype, sum(layout))
     experts = [w[local] for w in full]
     static = [hidden_NH[mine].clone(), weights_NK[mine].clone(), ids_NK[mine].clone()]
@@ -290,7 +275,7 @@ def _two_layers(rank, dtype) -> TwoLayers:
 def _tokens(rank, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     x_NH = torch.randn(sum(COMPILED_TOKENS_PER_RANK), H, generator=gen)
-    return x_NH[_my_tokens(rank, COMPILED_TOKENS_PER_RANK)].to(torch.device("cuda", rank),
+    return x_NH[token_slice(COMPILED_TOKENS_PER_RANK, rank)].to(torch.device("cuda", rank),
                                                                 dtype)
 
 

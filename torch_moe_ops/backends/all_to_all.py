@@ -25,7 +25,6 @@ another more than ``C`` rows, and raises on all of them if one does.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
@@ -123,18 +122,10 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)
 
 
-def supports(spec, problem, device) -> str | None:
-    if not dist.is_available():
-        return "this torch has no torch.distributed"
-    if problem.ep_size is not None and problem.ep_size < 2:
-        return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
-    return None
-
-
 define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_backward": dispatch_backward,
                                "combine_backward": combine_backward})
 
 REGISTRY.register_a2a(A2ABackend(
-    name="all_to_all", namespace=NAMESPACE, layout="rows", supports=supports,
+    name="all_to_all", namespace=NAMESPACE, layout="rows", supports=collectives.supports,
     description="static-capacity all_to_all_single over torch.distributed (NCCL, gloo)"))

@@ -22,7 +22,6 @@ T here (every entry is -1).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from torch_moe_ops.backends.common import collectives
@@ -117,18 +116,10 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(grad_RH, y_RH, weight_R, src_R)
 
 
-def supports(spec, problem, device) -> str | None:
-    if not dist.is_available():
-        return "this torch has no torch.distributed"
-    if problem.ep_size is not None and problem.ep_size < 2:
-        return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
-    return None
-
-
 define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_backward": dispatch_backward,
                                "combine_backward": combine_backward})
 
 REGISTRY.register_a2a(A2ABackend(
-    name="allgather", namespace=NAMESPACE, layout="rows", supports=supports,
+    name="allgather", namespace=NAMESPACE, layout="rows", supports=collectives.supports,
     description="all-gather tokens, local experts on all of them, reduce-scatter back"))

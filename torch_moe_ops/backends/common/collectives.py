@@ -15,6 +15,16 @@ from torch.distributed import distributed_c10d
 _functional = torch.ops._c10d_functional
 
 
+def supports(spec, problem, device) -> str | None:
+    """What every torch.distributed a2a backend needs (the registry's ``supports``):
+    torch.distributed, and a layer with expert parallelism where that is known."""
+    if not dist.is_available():
+        return "this torch has no torch.distributed"
+    if problem.ep_size is not None and problem.ep_size < 2:
+        return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
+    return None
+
+
 def group_of(group_name: str) -> dist.ProcessGroup:
     """The process group ``group_name`` names; a clear error when there is none."""
     if not dist.is_available() or not dist.is_initialized():
