@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Each collective gives up after this: a rank that never comes fails its peers.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+# Generous: on a loaded 2-core machine one rank may still be compiling (Dynamo,
+# AOTAutograd) while its peers wait in the first collective.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
 # The whole run, process start-up (importing torch) included.
-RUN_DEADLINE_S = 240
+RUN_DEADLINE_S = 480
 BACKENDS = ("gloo", "nccl")
 
 
