@@ -116,6 +116,9 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     try:
         run(args, device)
+        # Meet before tearing down: a rank that leaves while a peer still finishes
+        # the last collective closes the connection under it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -46,6 +46,9 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
         # collective this rank will never join. The launcher sees the exit, stops
         # the peers and reports this traceback.
         os._exit(1)
+    # A rank that tears down while a peer still finishes the last collective
+    # closes the connection under it (gloo then aborts that peer): meet first.
+    dist.barrier()
     dist.destroy_process_group()
 
 
