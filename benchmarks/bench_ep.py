@@ -73,6 +73,7 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import op_overload
 
 # The a2a backends measured, where they run; one registered later joins with its name here.
@@ -223,7 +224,7 @@ def available_a2a(run: Run, sizes: Sizes) -> list[str]:
 
 
 def worst_capacity(tokens: int, top_k: int, num_experts: int, world: int) -> int:
-    return tokens * min(top_k, num_experts // world)
+    return worst_case_capacity(tokens, top_k, num_experts // world)
 
 
 def random_routing(run: Run, sizes: Sizes, num_tokens: int, num_experts: int, seed: int):

@@ -10,7 +10,13 @@ from torch import fx
 from torch_moe_ops.backends import namespace_for
 from torch_moe_ops.backends.dispatch_dtype import resolve_dispatch_dtype
 from torch_moe_ops.backends.problems import problem_of
-from torch_moe_ops.backends.registry import A2A_OPS, EXPERTS_OPS, REGISTRY, Problem
+from torch_moe_ops.backends.registry import (
+    A2A_OPS,
+    EXPERTS_OPS,
+    REGISTRY,
+    ExpertsBackend,
+    Problem,
+)
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import full_args
@@ -46,14 +52,17 @@ def _example_args(node: fx.Node) -> tuple:
                      args, kwargs)
 
 
-def check_combination(spec: BackendSpec, device: torch.device, problem: Problem) -> None:
-    """The a2a backend's output layout must be what the experts backend consumes."""
+def check_combination(spec: BackendSpec, device: torch.device,
+                      problem: Problem) -> ExpertsBackend:
+    """The a2a backend's output layout must be what the experts backend consumes;
+    returns that experts backend."""
     a2a = REGISTRY.choose_a2a(spec, problem, device)
     experts = REGISTRY.choose_experts(spec, problem, device)
     if a2a.layout != experts.layout:
         raise ValueError(f"a2a backend {a2a.name!r} produces the {a2a.layout!r} layout but "
                          f"experts backend {experts.name!r} consumes {experts.layout!r}, and "
                          "no adapter between them is registered")
+    return experts
 
 
 def _generic_op(node: fx.Node) -> str | None:
@@ -106,14 +115,14 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
     problems = layer_problems(gm)
     for node, problem in problems.items():
         op = (GENERIC_NAMESPACE, _generic_op(node))
-        device = _example_args(node)[0].device
+        # layer_problems checked that the first argument carries a tensor.
+        device = _value(node.args[0]).device
         # Routing runs on fp32 logits: only the ops that carry activations decide
         # (and must agree on) the experts and a2a backends.
         if op[1] in EXPERTS_OPS or op[1] in A2A_OPS:
-            check_combination(spec, device, problem)
+            experts = check_combination(spec, device, problem)
         namespace = namespace_for(op[1], spec, device, problem)
         if op[1] == "dispatch":
-            experts = REGISTRY.choose_experts(spec, problem, device)
             # Per layer, in the node: no process state, so models may differ.
             node.meta["moe_dispatch_dtype"] = resolve_dispatch_dtype(
                 problem.dtype, spec.dispatch_dtype, spec.quant, experts.dispatch_dtype,

@@ -24,6 +24,12 @@ DISPATCH_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.flo
 QUANT_METHODS = (None,)
 
 
+def worst_case_capacity(max_tokens_per_rank: int, top_k: int, num_local_experts: int) -> int:
+    """Most rows one expert-parallel rank can send another: each of its tokens sends
+    one row per chosen expert on that rank, at most ``min(top_k, experts per rank)``."""
+    return max_tokens_per_rank * min(top_k, num_local_experts)
+
+
 def _fail(field: str, got: object, expected: str) -> None:
     raise ValueError(f"{field} must be {expected}, got {got!r}")
 
@@ -183,9 +189,9 @@ class MoEConfig:
 
     @property
     def worst_case_capacity(self) -> int:
-        """Most rows one rank can send another: each of its tokens sends one row
-        per chosen expert on that rank, at most ``min(top_k, experts per rank)``."""
-        return (self.max_tokens_per_rank or 0) * min(self.top_k, self.num_local_experts)
+        """`worst_case_capacity` of this layer (0 without ``max_tokens_per_rank``)."""
+        return worst_case_capacity(self.max_tokens_per_rank or 0, self.top_k,
+                                   self.num_local_experts)
 
     @property
     def rows_per_rank(self) -> int:

@@ -36,6 +36,7 @@ from torch_moe_ops.backends.common.rows import (
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_all_to_all"
@@ -64,7 +65,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     collectives.rank_in(group_name, ep_size)
     slot_map_TK, slot_of_pos_Q, count_P = _send_positions(topk_ids_TK, num_experts, ep_size,
                                                           capacity)
-    if capacity < max_tokens_per_rank * min(top_k, num_local):
+    if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
         collectives.check_capacity(count_P, capacity, group_name,
                                    "a rank sends another more rows than the capacity")
     token_Q = torch.where(slot_of_pos_Q < 0, -1, slot_of_pos_Q // top_k)

@@ -33,6 +33,7 @@ from torch_moe_ops.backends.common.rows import (
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
 
@@ -67,7 +68,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     local_GK = torch.where(mine_GK, ids_GK - first, -1)
     order_S, expert_S, count_E = sort_rows(local_GK, num_local)
     num_rows = ep_size * capacity
-    if capacity < max_tokens_per_rank * min(top_k, num_local):
+    if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
         collectives.check_capacity(mine_GK.view(ep_size, -1).sum(1), capacity, group_name,
                                    "a rank holds the experts of more of another rank's "
                                    "slots than the capacity")

@@ -92,6 +92,7 @@ from torch_moe_ops.backends.common.rows import (
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_deepep"
@@ -664,7 +665,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
         comm = communicator(group_name, hidden_TH.shape[1], num_experts, top_k,
                             max_tokens_per_rank, hidden_TH.dtype, device=hidden_TH.device)
         comm.check_tokens(num_tokens)
-        if capacity < max_tokens_per_rank * min(top_k, num_local):
+        if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
             collectives.check_capacity(_rows_per_rank(topk_ids_TK, num_local, ep_size), capacity,
                                        group_name,
                                        "a rank sends another more rows than the capacity")

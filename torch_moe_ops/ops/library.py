@@ -80,9 +80,10 @@ def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
     """Define ``namespace::contract.name`` with the contract's schema, fake and autograd."""
     qualname = qualified_name(namespace, contract)
     _library(namespace).define(contract.name + contract.schema, tags=contract.tags)
+    op = op_overload(namespace, contract.name)
 
     def fake(*args, **kwargs):
-        args = full_args(op_overload(namespace, contract.name), args, kwargs)
+        args = full_args(op, args, kwargs)
         contract.check(*args)
         return contract.fake(*args)
 
@@ -93,18 +94,17 @@ def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
         # move it past the next collective.
         from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
-        _register_effectful_op(op_overload(namespace, contract.name), _EffectType.ORDERED)
+        _register_effectful_op(op, _EffectType.ORDERED)
     if contract.backward is not None:
         def setup_context(ctx, inputs, output):
             # A gradient that needs the forward's backend (a transport's reverse
             # direction) calls ``ctx.namespace``'s op, not the generic one.
             ctx.namespace = namespace
-            contract.setup_context(ctx, full_args(op_overload(namespace, contract.name),
-                                                  tuple(inputs), {}), output)
+            contract.setup_context(ctx, full_args(op, tuple(inputs), {}), output)
 
         torch.library.register_autograd(qualname, contract.backward,
                                         setup_context=setup_context, lib=_library(namespace))
-    return op_overload(namespace, contract.name)
+    return op
 
 
 def implement(namespace: str, contract: OpContract, kernel: Callable,
@@ -115,9 +115,10 @@ def implement(namespace: str, contract: OpContract, kernel: Callable,
     unless ``checked=False``: for a kernel that only forwards to another op
     defined from the same contract, which checks them itself.
     """
+    op = op_overload(namespace, contract.name)
 
     def checked_kernel(*args, **kwargs):
-        args = full_args(op_overload(namespace, contract.name), args, kwargs)
+        args = full_args(op, args, kwargs)
         if checked:
             contract.check(*args)
             if contract.check_values is not None:

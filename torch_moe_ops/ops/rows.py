@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import checks
 from torch_moe_ops.ops.experts import EXPERT_ARGS, check_expert_weights, check_routing
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, op_overload
@@ -83,7 +84,8 @@ def check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size
                          f"max_tokens_per_rank ({max_tokens_per_rank}), got "
                          f"{hidden_TH.shape[0]}: build the layer with a larger "
                          "max_tokens_per_rank or split the batch")
-    worst = max_tokens_per_rank * min(topk_ids_TK.shape[1], num_experts // ep_size)
+    worst = worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1],
+                                num_experts // ep_size)
     if not 1 <= capacity <= worst:
         raise ValueError(f"capacity must be in [1, {worst}] (rows one rank sends another; "
                          f"{worst} is the worst case) when ep_size > 1, got {capacity}")
