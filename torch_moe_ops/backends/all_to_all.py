@@ -28,6 +28,7 @@ import torch
 
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
+    block_of,
     combine_grads,
     gather_rows,
     scatter_rows,
@@ -68,7 +69,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
         collectives.check_capacity(count_P, capacity, group_name,
                                    "a rank sends another more rows than the capacity")
-    token_Q = torch.where(slot_of_pos_Q < 0, -1, slot_of_pos_Q // top_k)
+    token_Q = block_of(slot_of_pos_Q, top_k)
     ids_Q1 = gather_rows(topk_ids_TK.reshape(-1, 1).long() + 1, slot_of_pos_Q) - 1
     local_Q = torch.where(ids_Q1[:, 0] < 0, -1, ids_Q1[:, 0] % num_local).to(torch.int32)
     weight_Q = gather_rows(topk_weights_TK.reshape(-1, 1).float(), slot_of_pos_Q)[:, 0]
@@ -117,7 +118,7 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
                      max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
     slot_of_pos_Q = _slot_of_position(slot_map_TK, y_RH.shape[0])
-    token_Q = torch.where(slot_of_pos_Q < 0, -1, slot_of_pos_Q // slot_map_TK.shape[1])
+    token_Q = block_of(slot_of_pos_Q, slot_map_TK.shape[1])
     recv_grad_QH = collectives.all_to_all(gather_rows(grad_out_TH, token_Q), group_name,
                                           ep_size)
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)

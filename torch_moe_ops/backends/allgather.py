@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
+    block_of,
     combine_grads,
     gather_rows,
     scatter_rows,
@@ -75,7 +76,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     # Slots of this rank's experts sort first: the first R rows hold them all.
     order_R, expert_R = order_S[:num_rows], expert_S[:num_rows]
     src_R = order_R.masked_fill(expert_R < 0, -1).to(torch.int32)
-    x_RH = gather_rows(hidden_GH, torch.where(src_R < 0, -1, src_R // top_k))
+    x_RH = gather_rows(hidden_GH, block_of(src_R, top_k))
     weight_R = gather_rows(weights_GK.reshape(-1, 1), src_R)[:, 0]
     slot_map_TK = torch.full(tuple(topk_ids_TK.shape), -1, dtype=torch.int32,
                              device=topk_ids_TK.device)
@@ -113,7 +114,7 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     collectives.rank_in(group_name, ep_size)
     top_k = slot_map_TK.shape[1]
     grad_GH = _gather_padded(grad_out_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
-    grad_RH = gather_rows(grad_GH, torch.where(src_R < 0, -1, src_R // top_k))
+    grad_RH = gather_rows(grad_GH, block_of(src_R, top_k))
     return combine_grads(grad_RH, y_RH, weight_R, src_R)
 
 

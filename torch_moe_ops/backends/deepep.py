@@ -84,6 +84,7 @@ import torch.distributed as dist
 
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
+    block_of,
     combine_grads,
     gather_rows,
     scatter_rows,
@@ -411,10 +412,6 @@ def _rows_per_rank(topk_ids_TK: torch.Tensor, num_local: int, ep_size: int) -> t
     return count_X.scatter_add_(0, dest_S, torch.ones_like(dest_S))[:ep_size]
 
 
-def _token_of(src_R: torch.Tensor, top_k: int) -> torch.Tensor:
-    return torch.where(src_R < 0, -1, src_R // top_k)
-
-
 # Normal mode: src_R is each row's received slot n * K + k, n < N.
 
 def _sum_received(rows_RH: torch.Tensor, src_R: torch.Tensor, num_received: int,
@@ -443,7 +440,7 @@ def _normal_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
     order_S, sorted_ids_S, count_E = sort_rows(recv_ids_NK, comm.num_local_experts)
     order_R, expert_R = order_S[:num_rows], sorted_ids_S[:num_rows]
     src_R = order_R.masked_fill(expert_R < 0, -1).to(torch.int32)
-    x_RH = gather_rows(recv_x_NH, _token_of(src_R, top_k))
+    x_RH = gather_rows(recv_x_NH, block_of(src_R, top_k))
     weight_R = gather_rows(recv_weights_NK.reshape(-1, 1).float(), src_R)[:, 0]
     comm.remember(src_R, handle)
     slot_map_TK = torch.full((num_tokens, top_k), -1, dtype=torch.int32,
@@ -471,7 +468,7 @@ def _normal_send_out(comm, handle, grad_out_TH, src_R, top_k):
     """Cached-handle ``Buffer.dispatch`` of ``grad_out``: each row's token's gradient."""
     padded = _pad_tokens(grad_out_TH.to(DTYPE), max(grad_out_TH.shape[0], 1), 0)
     recv_NH, *_ = comm.buffer.dispatch(padded, handle=handle, config=comm.dispatch_config)
-    return gather_rows(recv_NH, _token_of(src_R, top_k))
+    return gather_rows(recv_NH, block_of(src_R, top_k))
 
 
 # Low-latency mode: src_R is e * Q + key, key = p * M + t.
@@ -533,7 +530,7 @@ def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
     row_L = torch.where(row_L < num_rows, row_L, -1)
     cells = torch.arange(key_L.shape[0], device=key_L.device)
     src_R = scatter_rows(cells.unsqueeze(1) + 1, row_L, num_rows)[:, 0] - 1
-    expert_R = torch.where(src_R < 0, -1, src_R // num_positions)
+    expert_R = block_of(src_R, num_positions)
     position_R = gather_rows(position_L.unsqueeze(1) + 1, src_R)[:, 0] - 1
     x_RH = gather_rows(recv_x_EQH.view(-1, comm.hidden_size),
                        torch.where(src_R < 0, -1, expert_R * num_positions + position_R))
@@ -610,7 +607,7 @@ def _ll_send_out(comm, grad_out_TH, src_R, slot_map_TK):
     position_L = _ll_position_of_cell(_ll_keys(handle[0], handle[1], comm.max_tokens_per_rank),
                                       num_positions)
     position_R = gather_rows(position_L.unsqueeze(1) + 1, src_R)[:, 0] - 1
-    expert_R = torch.where(src_R < 0, -1, src_R.long() // num_positions)
+    expert_R = block_of(src_R.long(), num_positions)
     return gather_rows(recv_EQH.view(-1, comm.hidden_size),
                        torch.where(position_R < 0, -1, expert_R * num_positions + position_R))
 

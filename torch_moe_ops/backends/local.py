@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops.backends.common.rows import (
+    block_of,
     combine_grads,
     gather_rows,
     sum_slots,
@@ -60,7 +61,7 @@ def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, *_):
 
 
 def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, *_):
-    token_R = torch.where(src_R < 0, -1, src_R // slot_map_TK.shape[1])
+    token_R = block_of(src_R, slot_map_TK.shape[1])
     return combine_grads(gather_rows(grad_out_TH, token_R), y_RH, weight_R, src_R)
 
 

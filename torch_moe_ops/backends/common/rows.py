@@ -14,6 +14,12 @@ import torch
 from torch_moe_ops.ops.checks import compute_dtype
 
 
+def block_of(index_N: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``index // block_size``, keeping -1 ("none"): the token of a slot index
+    (``t * K + k``, blocks of K), the expert of a per-expert cell."""
+    return torch.where(index_N < 0, -1, index_N // block_size)
+
+
 def gather_rows(values_NH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
     """``out[r] = values[index[r]]``, zeros where ``index[r] == -1``."""
     missing_R1 = (index_R < 0).unsqueeze(1)
