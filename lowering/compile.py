@@ -8,7 +8,7 @@ import torch
 
 from torch_moe_ops.backends.common.tracing import for_inductor
 from torch_moe_ops.config import BackendSpec
-from torch_moe_ops.lowering.rewrite import lower
+from torch_moe_ops.lowering.rewrite import expert_parallel, lower
 
 INNER_COMPILERS = ("inductor", "eager", "aot_eager")
 
@@ -34,15 +34,23 @@ class MoECompileBackend:
         self.options = dict(options or {})
         if inner == "inductor":
             self._compile = torch._TorchCompileInductorWrapper(mode, self.options, None)
+            # Inductor's peak-memory reordering ignores the order of effectful ops
+            # (seen with torch 2.13): it moved one collective past another on a rank
+            # whose tokens were all elsewhere, and the ranks deadlocked. Graphs
+            # that run collectives keep the program order of their ops.
+            self._compile_ep = torch._TorchCompileInductorWrapper(
+                mode, {"reorder_for_peak_memory": False, **self.options}, None)
         else:
             self._compile = torch._dynamo.lookup_backend(inner)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        across_ranks = expert_parallel(gm)
         lowered = lower(gm, self.spec)
         if self.inner == "inductor":
+            compile_graph = self._compile_ep if across_ranks else self._compile
             # Some backend bodies only pay off fused (`backends.common.tracing`).
             with for_inductor():
-                return self._compile(lowered, example_inputs)
+                return compile_graph(lowered, example_inputs)
         return self._compile(lowered, example_inputs)
 
     def __repr__(self) -> str:

@@ -136,6 +136,11 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
     return gm
 
 
+def expert_parallel(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` moves tokens between ranks (an op of a layer with ``ep_size > 1``)."""
+    return any((problem.ep_size or 1) > 1 for problem in layer_problems(gm).values())
+
+
 def moe_op_sequence(gm: fx.GraphModule) -> str:
     """The custom ops ``gm`` calls, one per line, in graph order (for pinning in tests)."""
     lines = []

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import draw_problem, token_slice
+from graph_tests.aot_graphs import AotGraphs
+from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.rewrite import layer_problems
 from torch_moe_ops.ops import op_overload
 
@@ -116,12 +118,11 @@ def _check_module(rank, world_size, a2a, compiled):
     x_ref = x_NH.clone().requires_grad_()
     single(x_ref).square().sum().backward()
     run, problems, dispatch_dtypes = sharded, [], []
+    graphs = AotGraphs(BackendSpec(a2a=a2a))
     if compiled:
-        lowering = tmo.backend(a2a=a2a, inner="aot_eager")
-
         def recording(gm, example_inputs):
             problems.extend(layer_problems(gm).values())
-            compiled_fn = lowering(gm, example_inputs)
+            compiled_fn = graphs(gm, example_inputs)
             dispatch_dtypes.extend(n.meta["moe_dispatch_dtype"] for n in gm.graph.nodes
                                    if "moe_dispatch_dtype" in n.meta)
             return compiled_fn
@@ -143,6 +144,14 @@ def _check_module(rank, world_size, a2a, compiled):
         for p in layer:
             assert (p.num_experts, p.num_local_experts, p.hidden_size, p.intermediate_size,
                     p.top_k, p.ep_size, p.capacity, p.max_tokens_per_rank) == expected
+        # Dispatch, combine and their gradients are traced into the graphs (to be
+        # fused around them), each collective an op of its own.
+        collective = {"all_to_all": "moe_collectives.all_to_all",
+                      "allgather": "moe_collectives.all_gather"}[a2a]
+        assert len(graphs.codes) == 2
+        for code in graphs.codes:
+            assert A2A_NAMESPACES[a2a] not in code
+            assert collective in code or "moe_collectives.reduce_scatter" in code
     tol = {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(out_TH, single(x_NH)[mine].detach(), **tol)
     torch.testing.assert_close(x_TH.grad, x_ref.grad[mine], **tol)

@@ -30,8 +30,9 @@ from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
+    gather_index,
     gather_rows,
-    scatter_rows,
+    scatter_index,
     sum_slots,
     weighted_rows,
 )
@@ -54,8 +55,8 @@ def _send_positions(topk_ids_TK, num_experts, ep_size, capacity):
     within_S = torch.arange(num_slots, device=order_S.device) - start_P[dest_S]
     kept_S = (sorted_ids_S >= 0) & (within_S < capacity)
     position_S = torch.where(kept_S, dest_S * capacity + within_S, -1)
-    slot_of_pos_Q = scatter_rows(order_S.unsqueeze(1) + 1, position_S, num_positions)[:, 0] - 1
-    slot_map_S = scatter_rows(position_S.unsqueeze(1) + 1, order_S, num_slots)[:, 0] - 1
+    slot_of_pos_Q = scatter_index(order_S, position_S, num_positions)
+    slot_map_S = scatter_index(position_S, order_S, num_slots)
     return slot_map_S.view(topk_ids_TK.shape).to(torch.int32), slot_of_pos_Q, count_P
 
 
@@ -70,8 +71,8 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
         collectives.check_capacity(count_P, capacity, group_name,
                                    "a rank sends another more rows than the capacity")
     token_Q = block_of(slot_of_pos_Q, top_k)
-    ids_Q1 = gather_rows(topk_ids_TK.reshape(-1, 1).long() + 1, slot_of_pos_Q) - 1
-    local_Q = torch.where(ids_Q1[:, 0] < 0, -1, ids_Q1[:, 0] % num_local).to(torch.int32)
+    ids_Q = gather_index(topk_ids_TK.reshape(-1).long(), slot_of_pos_Q)
+    local_Q = torch.where(ids_Q < 0, -1, ids_Q % num_local).to(torch.int32)
     weight_Q = gather_rows(topk_weights_TK.reshape(-1, 1).float(), slot_of_pos_Q)[:, 0]
     # One message for both: the weight's bits travel as int32 beside the id.
     meta_Q2 = torch.stack([local_Q, weight_Q.view(torch.int32)], 1)
@@ -90,13 +91,16 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
 def _send_back(rows_RX, src_R, group_name, ep_size):
     """Rows to the ranks and send positions they came from: ``[Q, ...]``, in the
     sender's frame."""
-    return collectives.all_to_all(scatter_rows(rows_RX, src_R, rows_RX.shape[0]), group_name,
-                                  ep_size)
+    # A gather through the inverse of src_R, not a scatter: compiled, it fuses
+    # with whatever produced the rows (combine's weighting) into one pass.
+    rows_R = torch.arange(src_R.shape[0], device=src_R.device)
+    row_of_pos_Q = scatter_index(rows_R, src_R, rows_RX.shape[0])
+    return collectives.all_to_all(gather_rows(rows_RX, row_of_pos_Q), group_name, ep_size)
 
 
 def _slot_of_position(slot_map_TK, num_positions):
     slots_S = torch.arange(slot_map_TK.numel(), device=slot_map_TK.device)
-    return scatter_rows(slots_S.unsqueeze(1) + 1, slot_map_TK.reshape(-1), num_positions)[:, 0] - 1
+    return scatter_index(slots_S, slot_map_TK.reshape(-1), num_positions)
 
 
 def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
@@ -124,9 +128,11 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)
 
 
-define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
-                               "dispatch_backward": dispatch_backward,
-                               "combine_backward": combine_backward})
+KERNELS = {"dispatch": dispatch, "combine": combine,
+           "dispatch_backward": dispatch_backward,
+           "combine_backward": combine_backward}
+define_backend_ops(NAMESPACE, KERNELS)
+collectives.trace_into_graphs(NAMESPACE, KERNELS)
 
 REGISTRY.register_a2a(A2ABackend(
     name="all_to_all", namespace=NAMESPACE, layout="rows", supports=collectives.supports,

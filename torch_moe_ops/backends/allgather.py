@@ -118,9 +118,11 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(grad_RH, y_RH, weight_R, src_R)
 
 
-define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
-                               "dispatch_backward": dispatch_backward,
-                               "combine_backward": combine_backward})
+KERNELS = {"dispatch": dispatch, "combine": combine,
+           "dispatch_backward": dispatch_backward,
+           "combine_backward": combine_backward}
+define_backend_ops(NAMESPACE, KERNELS)
+collectives.trace_into_graphs(NAMESPACE, KERNELS)
 
 REGISTRY.register_a2a(A2ABackend(
     name="allgather", namespace=NAMESPACE, layout="rows", supports=collectives.supports,

@@ -86,7 +86,9 @@ from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
+    gather_index,
     gather_rows,
+    scatter_index,
     scatter_rows,
     sum_slots,
     weighted_rows,
@@ -418,7 +420,7 @@ def _sum_received(rows_RH: torch.Tensor, src_R: torch.Tensor, num_received: int,
                   top_k: int) -> torch.Tensor:
     """``[N, H]`` bf16: each received token's rows summed in slot order (fp32)."""
     rows = torch.arange(src_R.shape[0], device=src_R.device)
-    row_of_slot_S = scatter_rows(rows.unsqueeze(1) + 1, src_R, num_received * top_k)[:, 0] - 1
+    row_of_slot_S = scatter_index(rows, src_R, num_received * top_k)
     return sum_slots(rows_RH.to(DTYPE), row_of_slot_S.view(num_received, top_k))
 
 
@@ -504,8 +506,7 @@ def _ll_position_of_cell(key_L: torch.Tensor, num_positions: int) -> torch.Tenso
     cells = torch.arange(key_L.shape[0], device=key_L.device)
     expert_L = cells // num_positions
     cell_L = torch.where(key_L < 0, -1, expert_L * num_positions + key_L)
-    position_L = (cells % num_positions).unsqueeze(1)
-    return scatter_rows(position_L + 1, cell_L, key_L.shape[0])[:, 0] - 1
+    return scatter_index(cells % num_positions, cell_L, key_L.shape[0])
 
 
 def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
@@ -529,9 +530,9 @@ def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
     # Rows past the capacity cannot come: dispatch checked it when C is below the worst case.
     row_L = torch.where(row_L < num_rows, row_L, -1)
     cells = torch.arange(key_L.shape[0], device=key_L.device)
-    src_R = scatter_rows(cells.unsqueeze(1) + 1, row_L, num_rows)[:, 0] - 1
+    src_R = scatter_index(cells, row_L, num_rows)
     expert_R = block_of(src_R, num_positions)
-    position_R = gather_rows(position_L.unsqueeze(1) + 1, src_R)[:, 0] - 1
+    position_R = gather_index(position_L, src_R)
     x_RH = gather_rows(recv_x_EQH.view(-1, comm.hidden_size),
                        torch.where(src_R < 0, -1, expert_R * num_positions + position_R))
     # DeepEP does not move the routing weights: read each row's in every rank's routing.
@@ -572,7 +573,7 @@ def _ll_handle(comm, src_R: torch.Tensor):
     begin_EP = torch.cumsum(count_EP, 1) - count_EP
     layout_range_EP = (begin_EP << 32) | count_EP
     num_cells = num_local * num_positions
-    src_info_EQ = (scatter_rows(token_R.unsqueeze(1) + 1, slot_R, num_cells)[:, 0] - 1).to(
+    src_info_EQ = scatter_index(token_R, slot_R, num_cells).to(
         torch.int32).view(num_local, num_positions)
     handle = (src_info_EQ, layout_range_EP.contiguous(), max_tokens, comm.hidden_size,
               comm.num_experts)
@@ -606,7 +607,7 @@ def _ll_send_out(comm, grad_out_TH, src_R, slot_map_TK):
         async_finish=False, return_recv_hook=False)
     position_L = _ll_position_of_cell(_ll_keys(handle[0], handle[1], comm.max_tokens_per_rank),
                                       num_positions)
-    position_R = gather_rows(position_L.unsqueeze(1) + 1, src_R)[:, 0] - 1
+    position_R = gather_index(position_L, src_R)
     expert_R = block_of(src_R.long(), num_positions)
     return gather_rows(recv_EQH.view(-1, comm.hidden_size),
                        torch.where(position_R < 0, -1, expert_R * num_positions + position_R))

@@ -4,6 +4,13 @@ The process group travels by name (``ProcessGroup.group_name``), as it does in
 the ops' schemas: the functional collectives take it so, run eagerly, trace
 into compiled graphs and capture in CUDA graphs (NCCL), and run on gloo on the CPU.
 Every call returns a finished tensor.
+
+Inside a backend body traced into a compiled graph (`launch.traced`), each
+collective is one op of its own (``moe_collectives::all_to_all``, ...) with an
+ordered effect: Inductor fuses the packing around it, but can neither drop it
+(on a rank with no tokens its results feed empty outputs) nor move it past
+another collective, so every rank runs the same collectives in the same order.
+Eagerly the functional collective is called directly.
 """
 
 from __future__ import annotations
@@ -12,6 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from torch_moe_ops.backends.common.launch import in_traced_body, traced
+from torch_moe_ops.backends.common.tracing import fixed_sizes
+from torch_moe_ops.config import worst_case_capacity
+from torch_moe_ops.ops import decompose_backend_ops
+from torch_moe_ops.ops.library import OpContract, define, implement, op_overload
+
+NAMESPACE = "moe_collectives"
+_SCHEMA = "(Tensor send, str group_name, int group_size) -> Tensor"
 _functional = torch.ops._c10d_functional
 
 
@@ -47,25 +62,75 @@ def rank_in(group_name: str, ep_size: int) -> int:
     return group.rank()
 
 
-def all_to_all(send_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
-    """Equal blocks: block ``p`` of ``send`` goes to rank ``p``, block ``p`` of the
-    result came from rank ``p``."""
-    block = send_NX.shape[0] // ep_size
-    splits = [block] * ep_size
+def _check_blocks(send_NX, group_name, group_size, divides=True) -> None:
+    if not isinstance(send_NX, torch.Tensor) or send_NX.dim() < 1:
+        raise ValueError(f"send must be a tensor of at least 1 dimension, got {send_NX!r}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if divides and send_NX.shape[0] % group_size:
+        raise ValueError(f"send.shape[0] must be divisible by group_size ({group_size}), "
+                         f"got shape {tuple(send_NX.shape)}")
+
+
+def _all_to_all(send_NX, group_name, group_size):
+    splits = [send_NX.shape[0] // group_size] * group_size
     return _functional.wait_tensor(
         _functional.all_to_all_single(send_NX.contiguous(), splits, splits, group_name))
 
 
+def _all_gather(local_NX, group_name, group_size):
+    return _functional.wait_tensor(
+        _functional.all_gather_into_tensor(local_NX.contiguous(), group_size, group_name))
+
+
+def _reduce_scatter(full_NX, group_name, group_size):
+    return _functional.wait_tensor(
+        _functional.reduce_scatter_tensor(full_NX.contiguous(), "sum", group_size, group_name))
+
+
+def _sized(rows):
+    def fake(send_NX, group_name, group_size):
+        return send_NX.new_empty((rows(send_NX.shape[0], group_size), *send_NX.shape[1:]))
+
+    return fake
+
+
+_CONTRACTS = {
+    contract.name: (contract, kernel) for contract, kernel in (
+        (OpContract(name="all_to_all", schema=_SCHEMA, check=_check_blocks,
+                    fake=_sized(lambda n, p: n), ordered=True), _all_to_all),
+        (OpContract(name="all_gather", schema=_SCHEMA,
+                    check=lambda *args: _check_blocks(*args, divides=False),
+                    fake=_sized(lambda n, p: n * p), ordered=True), _all_gather),
+        (OpContract(name="reduce_scatter", schema=_SCHEMA, check=_check_blocks,
+                    fake=_sized(lambda n, p: n // p), ordered=True), _reduce_scatter),
+    )
+}
+for _contract, _kernel in _CONTRACTS.values():
+    define(NAMESPACE, _contract)
+    implement(NAMESPACE, _contract, _kernel)
+
+
+def _collective(name: str, send_NX: torch.Tensor, group_name: str, ep_size: int):
+    if in_traced_body():
+        return op_overload(NAMESPACE, name)(send_NX, group_name, ep_size)
+    return _CONTRACTS[name][1](send_NX, group_name, ep_size)
+
+
+def all_to_all(send_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
+    """Equal blocks: block ``p`` of ``send`` goes to rank ``p``, block ``p`` of the
+    result came from rank ``p``."""
+    return _collective("all_to_all", send_NX, group_name, ep_size)
+
+
 def all_gather(local_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
     """``[ep_size * N, ...]``: every rank's ``local`` in rank order."""
-    return _functional.wait_tensor(
-        _functional.all_gather_into_tensor(local_NX.contiguous(), ep_size, group_name))
+    return _collective("all_gather", local_NX, group_name, ep_size)
 
 
 def reduce_scatter(full_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
     """``[N / ep_size, ...]``: this rank's block of the sum of every rank's ``full``."""
-    return _functional.wait_tensor(
-        _functional.reduce_scatter_tensor(full_NX.contiguous(), "sum", ep_size, group_name))
+    return _collective("reduce_scatter", full_NX, group_name, ep_size)
 
 
 def check_capacity(needed: torch.Tensor, capacity: int, group_name: str, what: str) -> None:
@@ -81,3 +146,25 @@ def check_capacity(needed: torch.Tensor, capacity: int, group_name: str, what: s
         raise RuntimeError(f"{what}: {int(most)} rows, but ep_capacity is {capacity}; no "
                            f"row was dropped, the call failed on every rank: raise "
                            f"ep_capacity (up to the worst case) or lower the tokens per rank")
+
+
+def _dispatch_traceable(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
+                        group_name, max_tokens_per_rank, capacity) -> bool:
+    # Below the worst case, dispatch reads the overflow check on the host: it
+    # stays one op, run eagerly inside the compiled graph.
+    return fixed_sizes(hidden_TH) and capacity >= worst_case_capacity(
+        max_tokens_per_rank, topk_ids_TK.shape[1], num_experts // ep_size)
+
+
+def _sizes_fixed(first: torch.Tensor, *_) -> bool:
+    return fixed_sizes(first)
+
+
+def trace_into_graphs(namespace: str, kernels: dict) -> None:
+    """Under ``torch.compile`` with fixed sizes, trace an a2a backend's kernels
+    (its ``dispatch``, ``combine`` and their gradients) into the graph, where
+    Inductor fuses the packing and unpacking around the ordered collectives."""
+    decompose_backend_ops(namespace, {"dispatch": traced(kernels["dispatch"])},
+                          _dispatch_traceable)
+    decompose_backend_ops(namespace, {name: traced(kernel) for name, kernel in kernels.items()
+                                      if name != "dispatch"}, _sizes_fixed)

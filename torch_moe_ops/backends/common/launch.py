@@ -20,9 +20,14 @@ from torch_moe_ops.backends.common.tracing import ScopedFlag, fixed_sizes
 _TRACED_LAUNCHES = ScopedFlag("torch_moe_ops_traced_launches")
 
 
+def in_traced_body() -> bool:
+    """Whether the caller runs inside a body wrapped by `traced`."""
+    return bool(_TRACED_LAUNCHES)
+
+
 def launcher(kernel):
     """``kernel`` as the current caller should launch it (see the module docstring)."""
-    return torch.library.wrap_triton(kernel) if _TRACED_LAUNCHES else kernel
+    return torch.library.wrap_triton(kernel) if in_traced_body() else kernel
 
 
 def traced(body):

@@ -38,6 +38,17 @@ def scatter_rows(rows_RH: torch.Tensor, index_R: torch.Tensor, size: int) -> tor
     return out_NH[:size]
 
 
+def scatter_index(values_N: torch.Tensor, index_N: torch.Tensor, size: int) -> torch.Tensor:
+    """``out[index[n]] = values[n]`` in a ``[size]`` buffer of -1, for index
+    values (-1: none); ``scatter_index(arange(N), index, size)`` inverts ``index``."""
+    return scatter_rows(values_N.unsqueeze(1) + 1, index_N, size)[:, 0] - 1
+
+
+def gather_index(values_N: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
+    """``out[r] = values[index[r]]`` for index values, -1 where ``index[r] == -1``."""
+    return gather_rows(values_N.unsqueeze(1) + 1, index_R)[:, 0] - 1
+
+
 def sum_slots(values_NH: torch.Tensor, slot_map_TK: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k values[slot_map[t, k]]`` (-1 adds nothing), summed in
     slot order in fp32 (fp64 for fp64), returned in ``values``' dtype."""
