@@ -19,7 +19,11 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    replays timed with CUDA events. A capacity below the worst case makes dispatch
    check the routing with an all-reduce and a host read, which a CUDA graph cannot
    hold: the routing is checked eagerly first, and the captured graph runs without
-   that check (its cost is not in the time).
+   that check (its cost is not in the time). ``deepep`` (where DeepEP is built):
+   low-latency mode at T=128, normal mode at T=4096, eager only (its ops stay whole
+   in a compiled graph); DeepEP's own tests (tests/test_intranode.py,
+   tests/test_low_latency.py) run at the same sizes in the same call
+   (`scripts/ep_gpu_check.sh`), and are its yardstick.
 2. raw NCCL, captured alike: ``dist.all_to_all_single`` of the same padded
    ``[P * C, H]`` buffers, forward and back (the bytes dispatch and combine move),
    the same at the even share (what an exactly sized exchange would move), and
@@ -36,6 +40,7 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
 Bytes one rank sends its peers (GB/s = those bytes / time):
     all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
     allgather   (P-1) * M * (2*H*b + 8*K) all-gather of tokens, ids, weights + reduce-scatter
+    deepep      (P-1) * M * 2*H*b         each token to each peer at most once, there and back
     raw a2a     2 * (P-1) * C * H * b     (even share: C = T * K / P)
     raw ag+rs   2 * (P-1) * M * H * b
 
@@ -71,13 +76,16 @@ import torch
 import torch.distributed as dist
 
 import torch_moe_ops as tmo
+from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import op_overload
 
 # The a2a backends measured, where they run; one registered later joins with its name here.
-A2A_NAMES = ("all_to_all", "allgather")
+A2A_NAMES = ("all_to_all", "allgather", "deepep")
+# Those whose ops stay whole in compiled graphs (DeepEP's kernels): compiled is eager.
+EAGER_ONLY_A2A_NAMES = ("deepep",)
 # Those whose transport shrinks with a capacity below the worst case.
 CAPACITY_A2A_NAMES = ("all_to_all",)
 TARGET_TRANSPORT = 1.2
@@ -223,6 +231,13 @@ def available_a2a(run: Run, sizes: Sizes) -> list[str]:
     return [n for n in names if n in run.args.a2a.split(",")]
 
 
+def release_communicators(a2a: str) -> None:
+    """DeepEP's buffers of a case, freed on every rank (low-latency mode holds NVSHMEM,
+    which one process initialises for one communicator at a time)."""
+    if a2a == "deepep":
+        deepep.close_all()
+
+
 def worst_capacity(tokens: int, top_k: int, num_experts: int, world: int) -> int:
     return worst_case_capacity(tokens, top_k, num_experts // world)
 
@@ -245,6 +260,8 @@ def bytes_sent(a2a: str, run: Run, sizes: Sizes, tokens: int, capacity: int) -> 
         return peers * tokens * (2 * row + 8 * sizes.top_k)
     if a2a == "all_to_all":
         return peers * capacity * (2 * row + 8)
+    if a2a == "deepep":
+        return peers * tokens * 2 * row
     return 0  # a backend whose formula is not written here: no GB/s
 
 
@@ -252,8 +269,9 @@ def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: i
                    capacity: int, compiled: bool) -> dict:
     """dispatch, then combine of the dispatched rows, each captured; checked once eagerly
     (rows sent back untouched sum to ``hidden * sum_k weight``). ``compiled``: each op
-    called from an Inductor-compiled function, as in a compiled model (the ops stay
-    whole there: collectives keep their order), else called eagerly."""
+    called from an Inductor-compiled function, as in a compiled model (all_to_all and
+    allgather trace their packing into it, around one ordered op per collective), else
+    called eagerly."""
     namespace = REGISTRY.a2a[a2a].namespace
     dispatch, combine = op_overload(namespace, "dispatch"), op_overload(namespace, "combine")
     if compiled:
@@ -367,12 +385,14 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
             for a2a in a2a_names:
                 capacities = [worst] + ([reduced] if a2a in CAPACITY_A2A_NAMES
                                         and reduced < worst else [])
-                for capacity, compiled in itertools.product(capacities, (True, False)):
+                modes = (False,) if a2a in EAGER_ONLY_A2A_NAMES else (True, False)
+                for capacity, compiled in itertools.product(capacities, modes):
                     what = f"transport {a2a} E={num_experts} T={tokens} C={capacity}"
                     if not run.within_budget(what):
                         continue
                     row = time_transport(run, sizes, a2a, num_experts, tokens, capacity,
                                          compiled)
+                    release_communicators(a2a)
                     run.release()
                     if a2a == "allgather":
                         base = raw_case(("ag+rs", tokens), time_raw_gather_scatter, tokens,
@@ -487,6 +507,7 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
             rows.append(row)
             results.save(run, sizes)
             run.log(layer_line(row))
+            release_communicators(a2a)
             run.release()
         del moe
         run.release()
@@ -561,6 +582,7 @@ def layer_table(rows: list[dict]) -> str:
 
 FORMULAS = """Bytes one rank sends its peers (GB/s = bytes / time; P ranks, capacity C, M = T, b=2):
     all_to_all  (P-1) * C * (2*H*b + 8)    allgather  (P-1) * M * (2*H*b + 8*K)
+    deepep      (P-1) * M * 2*H*b (each token to each peer at most once, there and back)
     raw a2a     2 * (P-1) * C * H * b      raw ag+rs  2 * (P-1) * M * H * b"""
 
 

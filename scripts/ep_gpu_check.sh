@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Expert parallelism on 2 GPUs in one call: install, the multigpu tests (NCCL, two
-# processes each), then benchmarks/bench_ep.py on 2 ranks; each step under `timeout`.
-# TESTS=0 or BENCH=0 skips a step; TEST_SECONDS and BENCH_SECONDS bound them,
+# Expert parallelism on 2 GPUs in one call: install, DeepEP built from .peers/DeepEP
+# with its own intranode and low-latency tests at the benchmark's sizes (where the
+# source is there), the multigpu tests (NCCL, two processes each), then
+# benchmarks/bench_ep.py on 2 ranks; each step under `timeout`.
+# DEEPEP=0, TESTS=0 or BENCH=0 skips a step; TEST_SECONDS and BENCH_SECONDS bound them,
 # PYTEST_ARGS and BENCH_ARGS are passed on. Logs and results go to $OUT when it is
 # set; a short summary is printed last. NVLink multicast stays off in every process.
 # The default bounds (240 s + 330 s) keep the whole call under 10 minutes.
@@ -20,6 +22,26 @@ python3 -c "import torch; n = torch.cuda.device_count(); print('torch', torch.__
 status=0
 tests="not run"
 bench="not run"
+deepep="not run"
+if [ "${DEEPEP:-1}" = 1 ] && [ -f .peers/DeepEP/setup.py ]; then
+  if timeout -k 10 300 bash scripts/build_deepep.sh >"$OUT/deepep_build.log" 2>&1; then
+    export PYTHONPATH="$PWD/.peers/DeepEP${PYTHONPATH:+:$PYTHONPATH}"
+    deepep="built"
+    # DeepEP's own tests, the yardstick of the deepep backend: normal mode at prefill,
+    # low-latency mode at decode sizes, 2 ranks, H=7168, top-8.
+    for test in "test_intranode.py --num-tokens 4096" "test_low_latency.py --num-tokens 128"; do
+      for experts in ${DEEPEP_EXPERTS:-256}; do
+        log="$OUT/deepep_${test%%.py*}_E$experts.log"
+        (cd .peers/DeepEP && timeout -k 10 "${DEEPEP_TEST_SECONDS:-120}" python3 tests/$test \
+          --num-processes 2 --hidden 7168 --num-topk 8 --num-experts "$experts") >"$log" 2>&1
+        deepep="$deepep; ${test%%.py*} E=$experts rc=$?"
+        grep -E "Best|passed|bandwidth|GB/s" "$log" | tail -8
+      done
+    done
+  else
+    deepep="build failed: $(tail -3 "$OUT/deepep_build.log" | tr '\n' ' ')"
+  fi
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   timeout -k 30 "${TEST_SECONDS:-240}" python3 -m pytest -q -m multigpu -p no:cacheprovider --durations=10 ${PYTEST_ARGS:-} ${TEST_PATHS:-tests graph_tests} 2>&1 | tee "$OUT/ep_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
@@ -34,6 +56,7 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 echo
 echo "=== summary ==="
+echo "DeepEP: $deepep"
 echo "multigpu tests: $tests"
 echo "bench_ep.py: $bench"
 [ -f "$OUT/ep/summary.txt" ] && cat "$OUT/ep/summary.txt"
