@@ -3,7 +3,7 @@
 # with its own intranode and low-latency tests at the benchmark's sizes (where the
 # source is there), the multigpu tests (NCCL, two processes each), then
 # benchmarks/bench_ep.py on 2 ranks; each step under `timeout`.
-# DEEPEP=0, TESTS=0 or BENCH=0 skips a step; TEST_SECONDS and BENCH_SECONDS bound them,
+# DEEPEP=0, TESTS=0 or BENCH=0 skips a step (DEEPEP_TESTS=0 only DeepEP's tests); TEST_SECONDS and BENCH_SECONDS bound them,
 # PYTEST_ARGS and BENCH_ARGS are passed on. Logs and results go to $OUT when it is
 # set; a short summary is printed last. NVLink multicast stays off in every process.
 # The default bounds (240 s + 330 s) keep the whole call under 10 minutes.
@@ -27,17 +27,19 @@ if [ "${DEEPEP:-1}" = 1 ] && [ -f .peers/DeepEP/setup.py ]; then
   if timeout -k 10 300 bash scripts/build_deepep.sh >"$OUT/deepep_build.log" 2>&1; then
     export PYTHONPATH="$PWD/.peers/DeepEP${PYTHONPATH:+:$PYTHONPATH}"
     deepep="built"
-    # DeepEP's own tests, the yardstick of the deepep backend: normal mode at prefill,
-    # low-latency mode at decode sizes, 2 ranks, H=7168, top-8.
-    for test in "test_intranode.py --num-tokens 4096" "test_low_latency.py --num-tokens 128"; do
-      for experts in ${DEEPEP_EXPERTS:-256}; do
-        log="$OUT/deepep_${test%%.py*}_E$experts.log"
-        (cd .peers/DeepEP && timeout -k 10 "${DEEPEP_TEST_SECONDS:-120}" python3 tests/$test \
-          --num-processes 2 --hidden 7168 --num-topk 8 --num-experts "$experts") >"$log" 2>&1
-        deepep="$deepep; ${test%%.py*} E=$experts rc=$?"
-        grep -E "Best|passed|bandwidth|GB/s" "$log" | tail -8
+    if [ "${DEEPEP_TESTS:-1}" = 1 ]; then
+      # DeepEP's own tests, the yardstick of the deepep backend: normal mode at prefill,
+      # low-latency mode at decode sizes, 2 ranks, H=7168, top-8.
+      for test in "test_intranode.py --num-tokens 4096" "test_low_latency.py --num-tokens 128"; do
+        for experts in ${DEEPEP_EXPERTS:-256}; do
+          log="$OUT/deepep_${test%%.py*}_E$experts.log"
+          (cd .peers/DeepEP && timeout -k 10 "${DEEPEP_TEST_SECONDS:-120}" python3 tests/$test \
+            --num-processes 2 --hidden 7168 --num-topk 8 --num-experts "$experts") >"$log" 2>&1
+          deepep="$deepep; ${test%%.py*} E=$experts rc=$?"
+          grep -E "Best|passed|bandwidth|GB/s" "$log" | tail -8
+        done
       done
-    done
+    fi
   else
     deepep="build failed: $(tail -3 "$OUT/deepep_build.log" | tr '\n' ' ')"
   fi
