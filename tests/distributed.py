@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
+import sys
 import tempfile
 import traceback
 
@@ -31,7 +32,9 @@ BACKENDS = ("gloo", "nccl")
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str,
             timeout: datetime.timedelta, fn, args, errors) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One intra-op thread per rank: the ranks share the machine's cores (torch is
+    # imported already, so OMP_NUM_THREADS would come too late).
+    torch.set_num_threads(1)
     options = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -50,6 +53,11 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
     # closes the connection under it (gloo then aborts that peer): meet first.
     dist.barrier()
     dist.destroy_process_group()
+    # Skip the interpreter's teardown: under load a rank sometimes aborted there
+    # ("terminate called without an active exception") after its work passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",
