@@ -19,7 +19,9 @@ of this rank's (token, slot) pairs comes back from; both are the a2a backend's
 own bookkeeping, passed from its dispatch to its combine as tensors so that it
 survives tracing and CUDA-graph capture. All three ops are differentiable; the
 gradients of dispatch and combine run on the same transport as their forward
-(``dispatch_backward``, ``combine_backward`` of the backend that ran forward).
+(``dispatch_backward``, ``combine_backward`` of the backend that ran forward),
+that of experts_rows on the experts backend that ran it where it has one
+(`experts.backward_namespace`).
 
 With ``ep_size > 1``, ``group_name`` names the expert-parallel process group
 (``ProcessGroup.group_name``, as torch's functional collectives take it) and

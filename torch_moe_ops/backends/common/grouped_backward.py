@@ -150,6 +150,8 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
     """
     num_tokens, top_k = topk_ids_TK.shape
     if num_tokens == 0:
+        # torch._grouped_mm rejects a zero-length contraction dimension (R, in the
+        # k-grouped GEMMs), under torch.compile too: no rows, no GEMM.
         return _no_rows(grad_out_TH, hidden_TH, topk_weights_TK, w13_EFH, w2_EHI, b13_EF, b2_EH)
     dtype = hidden_TH.dtype
     order_R, expert_R, count_E = sort_rows(topk_ids_TK, w13_EFH.shape[0])
