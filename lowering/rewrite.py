@@ -110,7 +110,19 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
     a layer fails here, with its reason, not when the model runs. A graph with no
     MoE op is returned untouched. Raises ValueError for an unregistered,
     unavailable or inconsistent choice.
+
+    The bodies of higher-order ops (a region under ``torch.utils.checkpoint``,
+    ...) are graphs of their own, held as submodules of ``gm``: they are lowered
+    too, or their ops would run the eager default whatever ``spec`` says.
     """
+    for body in gm.modules():
+        if isinstance(body, fx.GraphModule):
+            _lower_graph(body, spec)
+    return gm
+
+
+def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
+    """`lower` on the nodes of ``gm``'s own graph (not those of its submodules)."""
     changed = False
     problems = layer_problems(gm)
     for node, problem in problems.items():
@@ -133,7 +145,6 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
     if changed:
         gm.graph.lint()
         gm.recompile()
-    return gm
 
 
 def expert_parallel(gm: fx.GraphModule) -> bool:

@@ -139,3 +139,24 @@ def route_formula(logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | Non
         if renormalize:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
     return weights_TK * routed_scaling_factor, ids_TK
+
+
+def experts_backward_formula(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor,
+                             topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
+                             w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
+                             b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None,
+                             activation: str, swiglu_alpha: float, swiglu_limit: float) -> tuple:
+    """``moe::experts_backward``'s outputs in fp64 on the CPU: the gradients of
+    `experts_formula` (fp64 autograd) against ``grad_out``, in the op's order
+    ``(hidden, topk_weights, w13, w2, b13, b2)``; an absent bias gets ``None``."""
+    leaves = [None if t is None else _fp64(t).requires_grad_(True)
+              for t in (hidden_TH, topk_weights_TK, w13_EFH, w2_EHI, b13_EF, b2_EH)]
+    hidden, weights, w13, w2, b13, b2 = leaves
+    out_TH = experts_formula(hidden, weights, topk_ids_TK, w13, w2, b13, b2, activation,
+                             swiglu_alpha, swiglu_limit)
+    if not out_TH.requires_grad:  # no token, or every slot skipped: nothing depends on them
+        return tuple(None if t is None else torch.zeros_like(t) for t in leaves)
+    present = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(out_TH, present, _fp64(grad_out_TH), allow_unused=True,
+                                     materialize_grads=True))
+    return tuple(None if t is None else next(grads) for t in leaves)

@@ -103,6 +103,8 @@ def test_grouped_mm_rejects_unaligned_sizes():
     args = make_inputs(3, 12, 16, 4, 2, torch.float32, DEVICE, False)
     with pytest.raises(ValueError, match="needs H and I divisible by 8, got H=12, I=16"):
         torch.ops.moe_grouped_mm.experts(*args, "silu", 1.702, 7.0)
+    with pytest.raises(ValueError, match="needs H and I divisible by 8, got H=12, I=16"):
+        torch.ops.moe_grouped_mm.experts_backward(torch.randn(3, 12), *args, "silu", 1.702, 7.0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks about CUDA where torch has none")
@@ -227,3 +229,73 @@ def test_gpu_real_shapes_match_reference(shape, poisoned_empty):
             out_TH = getattr(torch.ops, namespace).experts(*args)
             error = relative_error(out_TH, ref_TH)
             assert error < 2e-2, (namespace, num_tokens, error)
+
+
+def own_backward_gpu_backends() -> list:
+    """The namespaces of the GPU backends whose bf16 gradient is their own here."""
+    device, problem = torch.device("cuda"), Problem(torch.bfloat16)
+    return [b.namespace for b in REGISTRY.experts.values()
+            if b.namespace in gpu_backends()
+            and b.backward_runs(tmo.BackendSpec(), problem, device) == "own"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe", "gpt-oss-20b"])
+def test_gpu_real_shapes_backward_matches_reference(shape, poisoned_empty):
+    """Each GPU backend's own gradient at real model widths, a few tokens (so that
+    many experts get no rows: their gradients must be exactly 0), every fifth slot
+    skipped, every buffer the backends allocate poisoned (NaN)."""
+    num_experts, top_k, hidden, inter, act, bias = LISTED_SHAPES[shape]
+    namespaces = own_backward_gpu_backends()
+    assert namespaces, "no GPU experts backend has its own gradient here"
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+
+    weights = (randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5),
+               randn(num_experts, hidden, inter, scale=inter ** -0.5),
+               randn(num_experts, 2 * inter, scale=0.1) if bias else None,
+               randn(num_experts, hidden, scale=0.1) if bias else None)
+    for num_tokens in (1, 16, 256):
+        logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
+        topk_weights_TK, topk_ids_TK = torch.ops.moe.route(logits_TE, None, top_k, "softmax",
+                                                           True, 1, 1, 1.0)
+        topk_ids_TK.view(-1)[::5] = -1
+        args = (randn(num_tokens, hidden), randn(num_tokens, hidden), topk_weights_TK,
+                topk_ids_TK, *weights, act, 1.702, 7.0)
+        expected = torch.ops.moe_reference.experts_backward(*args)
+        ids = topk_ids_TK[topk_ids_TK >= 0].long()
+        empty_E = torch.bincount(ids, minlength=num_experts) == 0
+        for namespace in namespaces:
+            grads = getattr(torch.ops, namespace).experts_backward(*args)
+            for index, (grad, want) in enumerate(zip(grads, expected)):
+                assert grad.shape == want.shape and grad.dtype == want.dtype
+                if want.numel():
+                    error = relative_error(grad, want)
+                    assert error < 2e-2, (namespace, num_tokens, index, error)
+            for grad in grads[2:]:
+                assert grad.numel() == 0 or (grad[empty_E] == 0).all(), namespace
+
+
+@pytest.mark.gpu
+def test_gpu_backward_captures_in_cuda_graph_and_is_deterministic():
+    args = make_inputs(64, 1024, 512, 16, 4, torch.bfloat16, "cuda", True)
+    static = ("swiglu_oai", 1.702, 7.0)
+    for namespace in own_backward_gpu_backends():
+        op = getattr(torch.ops, namespace).experts_backward
+        grad_out_TH = torch.randn_like(args[0])
+        first = op(grad_out_TH, *args, *static)
+        assert all(torch.equal(a, b) for a, b in zip(first, op(grad_out_TH, *args, *static)))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            grads = op(grad_out_TH, *args, *static)
+        fresh_TH = torch.randn_like(grad_out_TH)
+        grad_out_TH.copy_(fresh_TH)
+        for grad in grads:
+            grad.fill_(float("nan"))
+        graph.replay()
+        expected = torch.ops.moe_reference.experts_backward(fresh_TH, *args, *static)
+        for grad, want in zip(grads, expected):
+            assert relative_error(grad, want) < 2e-2, namespace

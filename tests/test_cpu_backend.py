@@ -200,9 +200,11 @@ def test_auto_picks_cpu_on_the_cpu_and_not_elsewhere(dtype):
         BackendSpec(), Problem(torch.int32), torch.device("cpu"))
 
 
-def test_listed_as_forward_only():
-    row, = [s for s in tmo.available_backends("cpu") if s.name == "cpu"]
-    assert row.available and "forward only: backward runs on reference" in row.description
+@pytest.mark.parametrize("dtype,backward", [(torch.float32, "own"), (torch.bfloat16, "own"),
+                                            (torch.float64, "reference")], ids=str)
+def test_listed_with_where_its_backward_runs(dtype, backward):
+    row, = [s for s in REGISTRY.status(torch.device("cpu"), dtype) if s.name == "cpu"]
+    assert row.available and row.backward == backward
 
 
 def test_ids_out_of_range_raise(expert_inputs):

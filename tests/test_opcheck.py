@@ -68,7 +68,9 @@ def implementations(dtype: torch.dtype) -> dict[tuple[str, str], str | None]:
     a2a_reasons = {name: backend.supports(BackendSpec(a2a=name), Problem(dtype, ep_size=1), CPU)
                    for name, backend in REGISTRY.a2a.items()}
     for name, backend in REGISTRY.experts.items():
-        found.update({(backend.namespace, op): experts_reasons[name] for op in EXPERTS_OPS})
+        own_backward = ("experts_backward",) if backend.backward is not None else ()
+        found.update({(backend.namespace, op): experts_reasons[name]
+                      for op in EXPERTS_OPS + own_backward})
     for name, backend in REGISTRY.a2a.items():
         found.update({(backend.namespace, op): a2a_reasons[name] for op in A2A_OPS})
     for (a2a, experts), namespace in REGISTRY.fused.items():

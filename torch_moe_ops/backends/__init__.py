@@ -12,7 +12,10 @@ Experts backends, highest ``auto`` priority first (each runs where its
 - ``cpu`` (`cpu`): the chosen experts only, on the CPU; the CPU default.
 - ``reference`` (`reference`): dense plain PyTorch, any device; the correctness oracle.
 
-The gradient of every experts backend runs on the reference backend. The a2a
+The gradient of an experts op runs on the backend that ran its forward where
+that backend has one (``triton`` where the ``grouped_mm`` path runs, ``grouped_mm``,
+``cpu``: grouped GEMMs on the routed rows, `common.grouped_backward`), else on the
+reference backend; the ``backward`` column of `available_backends()` says which. The a2a
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
 them over torch.distributed, ``deepep`` (`deepep`) over DeepEP (eagerly
@@ -39,7 +42,6 @@ from torch_moe_ops.backends import (  # noqa: F401
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
-    BACKWARD_NAMESPACE,
     EXPERTS_OPS,
     REGISTRY,
     ROUTE_NAMESPACE,
@@ -48,6 +50,7 @@ from torch_moe_ops.backends.registry import (
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
+from torch_moe_ops.ops.experts import backward_namespace
 from torch_moe_ops.ops.library import implement
 
 DEFAULT_SPEC = BackendSpec()
@@ -58,12 +61,20 @@ DEFAULT_EP_SPEC = BackendSpec(a2a="all_to_all")
 
 def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
                   problem: Problem) -> str:
-    """The namespace whose concrete op runs ``moe::<op_name>`` on ``problem`` under ``spec``."""
+    """The namespace whose concrete op runs ``moe::<op_name>`` on ``problem`` under ``spec``.
+
+    ``experts_backward`` runs where the gradient of the chosen experts backend's
+    ops runs (`ops.experts.backward_namespace`).
+    """
     if op_name in EXPERTS_OPS:
         return REGISTRY.choose_experts(spec, problem, device).namespace
+    if op_name == "experts_backward":
+        return backward_namespace(REGISTRY.choose_experts(spec, problem, device).namespace)
     if op_name in A2A_OPS:
         return REGISTRY.choose_a2a(spec, problem, device).namespace
-    return ROUTE_NAMESPACE if op_name == "route" else BACKWARD_NAMESPACE
+    if op_name == "route":
+        return ROUTE_NAMESPACE
+    raise ValueError(f"op_name must name a generic op ({', '.join(CONTRACTS)}), got {op_name!r}")
 
 
 def default_spec(problem: Problem) -> BackendSpec:

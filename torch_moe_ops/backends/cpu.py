@@ -24,20 +24,25 @@ in as `gathered_experts` instead (see `GATHERED_MAX_SLOTS_PER_EXPERT` and
 `common.tracing`): one loop over slots that Inductor fuses, where a skipped slot
 costs one slot's work (static shapes cannot leave it out) and still adds nothing.
 
-Forward only: the gradient (``moe::experts_backward``) runs on the reference
-backend, as for every experts backend.
+The gradient (`experts_backward`) is its own where ``torch._grouped_mm`` runs
+(`backward_supports`: float32, bfloat16 or float16, H and I in steps of 16
+bytes, weights' strides too): grouped GEMMs on the routed rows only
+(`common.grouped_backward`, its steps in plain PyTorch). Elsewhere (float64, odd
+sizes) the reference backend's runs, called as ``moe_reference::experts_backward``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch_moe_ops.backends.common import grouped_backward
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.common.tracing import fixed_sizes, tracing_for_inductor
-from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
+from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, op_overload
 
 NAMESPACE = "moe_cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -209,10 +214,48 @@ def supports(spec, problem, device) -> str | None:
     return None
 
 
-define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows})
+def backward_supports(spec, problem, device) -> str | None:
+    """``None`` where `experts_backward` runs its own grouped GEMMs on ``problem``,
+    else why it hands the gradient to the reference backend (the registry's
+    ``supports`` signature; ``spec`` is not read). Weights' strides are checked per call."""
+    reason = supports(spec, problem, device)
+    if reason is not None:
+        return reason
+    if problem.dtype not in GROUPED_MM_DTYPES:
+        return f"torch._grouped_mm has no CPU kernel for {problem.dtype}"
+    step = GROUPED_MM_STRIDE_BYTES // problem.dtype.itemsize
+    sizes = {"hidden_size": problem.hidden_size, "intermediate_size": problem.intermediate_size}
+    if any(size is not None and size % step for size in sizes.values()):
+        return (f"torch._grouped_mm needs hidden_size and intermediate_size in steps of "
+                f"{GROUPED_MM_STRIDE_BYTES} bytes ({step} {problem.dtype} values), got "
+                f"{problem.hidden_size} and {problem.intermediate_size}")
+    return None
+
+
+def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
+                     b13_EF, b2_EH, act, alpha, limit):
+    """The gradients of `experts` (``moe::experts_backward``'s outputs).
+
+    `grouped_backward.experts_backward` (the routed rows only, on torch._grouped_mm)
+    where `backward_supports` holds and the weights' strides suit torch._grouped_mm,
+    else the reference backend's op.
+    """
+    args = (grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF,
+            b2_EH, act, alpha, limit)
+    problem = Problem(hidden_TH.dtype, hidden_size=hidden_TH.shape[1],
+                      intermediate_size=w13_EFH.shape[1] // 2)
+    if (backward_supports(None, problem, hidden_TH.device) is None
+            and _grouped_mm_runs(w13_EFH, w2_EHI)):
+        return grouped_backward.experts_backward(*args)
+    return op_overload(REFERENCE_NAMESPACE, "experts_backward")(*args)
+
+
+define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows,
+                               "experts_backward": experts_backward})
 decompose_backend_ops(NAMESPACE, {"experts": gathered_experts}, _gathered_applies)
 
 REGISTRY.register_experts(ExpertsBackend(
     name="cpu", namespace=NAMESPACE, layout="rows", supports=supports, priority=5,
-    description="only the chosen experts, each on its rows (torch._grouped_mm); "
-                "forward only: backward runs on reference"))
+    description="only the chosen experts, each on its rows (torch._grouped_mm), "
+                "in the forward and the backward",
+    backward=backward_supports))

@@ -3,8 +3,10 @@
 The computation is `common.grouped_gemm` (shared with the ``triton`` backend,
 which hands prefill-sized calls to it): a stable device-side sort by expert, one
 grouped GEMM per projection, Triton epilogues for the bias, the activation and
-the weighted gather. Runs without a host sync only for bf16 on sm90+; weights
-are used in the canonical layout (``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
+the weighted gather. Its gradient is its own: grouped GEMMs on the routed rows
+(`common.grouped_backward`), with Triton kernels between them. Runs without a
+host sync only for bf16 on sm90+; weights are used in the canonical layout
+(``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ NAMESPACE = "moe_grouped_mm"
 
 if TRITON_INSTALLED:
     define_backend_ops(NAMESPACE, {"experts": grouped_gemm.experts,
-                                   "experts_rows": grouped_gemm.experts_rows})
-    # Compiled with fixed sizes, Inductor fuses the sort and launches the epilogues itself.
+                                   "experts_rows": grouped_gemm.experts_rows,
+                                   "experts_backward": grouped_gemm.experts_backward})
+    # Compiled with fixed sizes, Inductor fuses the sort and the gathers around the
+    # GEMMs and launches the epilogues itself, in the forward and in the backward.
     decompose_backend_ops(NAMESPACE, {"experts": traced(grouped_gemm.experts),
-                                      "experts_rows": traced(grouped_gemm.experts_rows)},
+                                      "experts_rows": traced(grouped_gemm.experts_rows),
+                                      "experts_backward": traced(grouped_gemm.experts_backward)},
                           static_shapes_on_cuda)
 
 REGISTRY.register_experts(ExpertsBackend(
     name="grouped_mm", namespace=NAMESPACE, layout="rows", supports=grouped_gemm.supports,
-    priority=10, description="torch._grouped_mm on rows sorted by expert (bf16, sm90+)"))
+    priority=10, description="torch._grouped_mm on rows sorted by expert (bf16, sm90+)",
+    backward=grouped_gemm.supports if TRITON_INSTALLED else None))

@@ -30,6 +30,9 @@ def problem_of(op_name: str, args: tuple) -> Problem:
     if op_name == "experts":
         hidden, _, topk_ids, w13, _, _, _, activation, *_ = args
         return _experts_problem(hidden, w13, activation, topk_ids.shape[1])
+    if op_name == "experts_backward":
+        _, hidden, _, topk_ids, w13, _, _, _, activation, *_ = args
+        return _experts_problem(hidden, w13, activation, topk_ids.shape[1])
     if op_name == "experts_rows":
         x_rows, _, _, w13, _, _, _, activation, *_ = args
         return _experts_problem(x_rows, w13, activation)

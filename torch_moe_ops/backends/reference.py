@@ -19,9 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from torch_moe_ops.backends.common.activation import activation
+from torch_moe_ops.backends.common.activation import activation, activation_backward
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
@@ -62,27 +61,6 @@ def _mask_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> 
     top_groups_TJ = group_scores_TG.topk(topk_groups, dim=-1).indices
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, top_groups_TJ, True)
     return choice_TGS.masked_fill(~keep_TG.unsqueeze(-1), -math.inf).view(num_tokens, num_experts)
-
-
-def activation_backward(grad_TI: torch.Tensor, gate_TI: torch.Tensor, up_TI: torch.Tensor,
-                        name: str, alpha: float, limit: float):
-    """Gradients of `activation` with respect to (gate, up), in closed form."""
-    if name == "silu":
-        sig_TI = torch.sigmoid(gate_TI)
-        silu_TI = gate_TI * sig_TI
-        return grad_TI * up_TI * sig_TI * (1 + gate_TI * (1 - sig_TI)), grad_TI * silu_TI
-    if name == "gelu":
-        cdf_TI = 0.5 * (1 + torch.erf(gate_TI * math.sqrt(0.5)))
-        pdf_TI = torch.exp(-0.5 * gate_TI * gate_TI) / math.sqrt(2 * math.pi)
-        return grad_TI * up_TI * (cdf_TI + gate_TI * pdf_TI), grad_TI * F.gelu(gate_TI)
-    gate_c_TI = gate_TI.clamp(max=limit)
-    up_c_TI = up_TI.clamp(min=-limit, max=limit)
-    sig_TI = torch.sigmoid(alpha * gate_c_TI)
-    d_gate_TI = (up_c_TI + 1) * sig_TI * (1 + alpha * gate_c_TI * (1 - sig_TI))
-    # clamp passes the gradient where the input is inside the bounds, ends included.
-    d_gate_TI = d_gate_TI * (gate_TI <= limit)
-    d_up_TI = gate_c_TI * sig_TI * ((up_TI >= -limit) & (up_TI <= limit))
-    return grad_TI * d_gate_TI, grad_TI * d_up_TI
 
 
 def _per_expert(topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int,
@@ -193,4 +171,5 @@ decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)
 
 REGISTRY.register_experts(ExpertsBackend(
     name="reference", namespace=NAMESPACE, layout="rows", supports=supports, priority=0,
-    description="plain PyTorch, dense over experts; the correctness oracle"))
+    description="plain PyTorch, dense over experts; the correctness oracle",
+    backward=supports))

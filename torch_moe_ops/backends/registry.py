@@ -1,7 +1,9 @@
 """Which backends exist, what each supports, and how a choice is resolved.
 
-Experts backends implement ``experts`` and ``experts_rows``; the gradient
-(``experts_backward``) runs on the reference backend whichever one ran forward. A2A
+Experts backends implement ``experts`` and ``experts_rows``, and those with a
+gradient of their own ``experts_backward`` (``ExpertsBackend.backward`` says
+where it computes the gradient itself); the gradient of the others runs on the
+reference backend's ``experts_backward``. A2A
 backends implement ``dispatch`` and ``combine`` and the gradients of both
 (``dispatch_backward``, ``combine_backward``: the same transport, reversed). Routing
 runs on the reference ``route`` until a routing backend is registered. A fused
@@ -20,11 +22,13 @@ from collections.abc import Callable
 import torch
 
 from torch_moe_ops.config import BackendSpec, MoEConfig
+from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, defines
 
 EXPERTS_OPS = ("experts", "experts_rows")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
-ROUTE_NAMESPACE = "moe_reference"
-BACKWARD_NAMESPACE = "moe_reference"
+ROUTE_NAMESPACE = REFERENCE_NAMESPACE
+# Where the gradient of an experts backend without one of its own runs.
+BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,11 @@ class ExpertsBackend:
     ``priority`` orders the candidates of ``experts="auto"`` (highest first);
     ``dispatch_dtype`` is the dtype its rows must arrive in, ``None`` for the
     activations' own (a backend that quantizes inside wants them unquantized).
+    ``backward`` is ``None`` for a backend without a gradient of its own (its
+    gradient runs on the reference backend); else the backend defines
+    ``experts_backward`` and ``backward(spec, problem, device)`` returns ``None``
+    where that op computes the gradient itself, or why it hands it to the
+    reference backend's there.
     """
 
     name: str
@@ -86,6 +95,12 @@ class ExpertsBackend:
     priority: int
     description: str
     dispatch_dtype: torch.dtype | None = None
+    backward: SupportsFn | None = None
+
+    def backward_runs(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str:
+        """Where its gradient runs on ``problem``: ``"own"`` or ``"reference"``."""
+        own = self.backward is not None and self.backward(spec, problem, device) is None
+        return "own" if own else "reference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,22 +116,27 @@ class A2ABackend:
 
 @dataclasses.dataclass(frozen=True)
 class BackendStatus:
+    """One row of `BackendTable`. ``backward``: where an available experts
+    backend's gradient runs (``"own"`` or ``"reference"``); ``"-"`` for an
+    unavailable one and for a2a backends (whose gradients are their transport, reversed)."""
+
     kind: str
     name: str
     available: bool
     reason: str
     description: str
+    backward: str = "-"
 
 
 class BackendTable(list):
     """`available_backends()`'s answer: a list of `BackendStatus` that prints as a table."""
 
     def __str__(self) -> str:
-        header = ("kind", "name", "available", "why not / what")
-        rows = [(s.kind, s.name, "yes" if s.available else "no",
+        header = ("kind", "name", "available", "backward", "why not / what")
+        rows = [(s.kind, s.name, "yes" if s.available else "no", s.backward,
                  s.description if s.available else s.reason) for s in self]
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(3)]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
                  for r in [header, *rows]]
         return "\n".join(lines)
 
@@ -131,6 +151,13 @@ class Registry:
         self.adapters: dict[tuple[str, str], str] = {}
 
     def register_experts(self, backend: ExpertsBackend) -> None:
+        """Register ``backend``; it has a ``backward`` exactly where its namespace
+        defines ``experts_backward`` (which the autograd of the experts ops calls)."""
+        if (backend.backward is not None) != defines(backend.namespace, "experts_backward"):
+            raise ValueError(
+                f"experts backend {backend.name!r}: backward must be given exactly when "
+                f"{backend.namespace}::experts_backward is defined, got backward="
+                f"{backend.backward!r}")
         self.experts[backend.name] = backend
 
     def register_a2a(self, backend: A2ABackend) -> None:
@@ -175,9 +202,13 @@ class Registry:
         for kind, backends in (("experts", self.experts), ("a2a", self.a2a)):
             for backend in backends.values():
                 spec = BackendSpec(a2a=backend.name) if kind == "a2a" else BackendSpec()
-                reason = backend.supports(spec, Problem(dtype), device)
+                problem = Problem(dtype)
+                reason = backend.supports(spec, problem, device)
+                backward = "-"
+                if kind == "experts" and reason is None:
+                    backward = backend.backward_runs(spec, problem, device)
                 table.append(BackendStatus(kind, backend.name, reason is None, reason or "",
-                                           backend.description))
+                                           backend.description, backward))
         return table
 
     @staticmethod

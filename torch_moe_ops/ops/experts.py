@@ -6,6 +6,11 @@ K experts per token.
     for t, k: if topk_ids[t, k] >= 0:
         e = topk_ids[t, k]
         out[t] += topk_weights[t, k] * (act(hidden[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
+
+The gradient of ``moe::experts`` (and of ``moe::experts_rows``) is
+``experts_backward`` of the namespace that ran the forward where that namespace
+defines one, else the reference backend's (`backward_namespace`). The op saves
+only its inputs for it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ import torch
 
 from torch_moe_ops.config import ACTIVATIONS
 from torch_moe_ops.ops import checks
-from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define
+from torch_moe_ops.ops.library import (
+    GENERIC_NAMESPACE,
+    REFERENCE_NAMESPACE,
+    OpContract,
+    define,
+    defines,
+    op_overload,
+)
 
 EXPERT_ARGS = ("Tensor w13, Tensor w2, Tensor? b13, Tensor? b2, str activation, "
                "float swiglu_alpha, float swiglu_limit")
@@ -100,6 +112,13 @@ def fake_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH,
             like(b13_EF), like(b2_EH))
 
 
+def backward_namespace(namespace: str) -> str:
+    """Where the gradient of an experts op that ran on ``namespace`` runs: there,
+    where ``namespace`` defines ``experts_backward``, else on the reference backend.
+    The generic ``moe`` namespace defines one, which runs the default backend's."""
+    return namespace if defines(namespace, "experts_backward") else REFERENCE_NAMESPACE
+
+
 def setup_context(ctx, inputs, output):
     hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, *static = inputs
     ctx.save_for_backward(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
@@ -109,9 +128,9 @@ def setup_context(ctx, inputs, output):
 
 def backward(ctx, grad_out_TH):
     hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH = ctx.saved_tensors
-    grads = torch.ops.moe.experts_backward(grad_out_TH.contiguous(), hidden_TH, topk_weights_TK,
-                                           topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
-                                           *ctx.static_args)
+    grads = op_overload(backward_namespace(ctx.namespace), "experts_backward")(
+        grad_out_TH.contiguous(), hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
+        b13_EF, b2_EH, *ctx.static_args)
     grad_hidden, grad_topk_weights, grad_w13, grad_w2, grad_b13, grad_b2 = grads
     return (grad_hidden, grad_topk_weights, None, grad_w13, grad_w2,
             grad_b13 if b13_EF is not None else None,

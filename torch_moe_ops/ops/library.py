@@ -15,6 +15,9 @@ from collections.abc import Callable
 import torch
 
 GENERIC_NAMESPACE = "moe"
+# The reference backend's namespace (`torch_moe_ops.backends.reference` defines
+# its ops): where a gradient runs when the namespace that ran forward has none.
+REFERENCE_NAMESPACE = "moe_reference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,11 @@ def qualified_name(namespace: str, contract: OpContract) -> str:
 
 def op_overload(namespace: str, name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, namespace), name).default
+
+
+def defines(namespace: str, name: str) -> bool:
+    """Whether the op ``namespace::name`` is defined in this process."""
+    return hasattr(getattr(torch.ops, namespace), name)
 
 
 def full_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple:

@@ -19,7 +19,9 @@ of this rank's (token, slot) pairs comes back from; both are the a2a backend's
 own bookkeeping, passed from its dispatch to its combine as tensors so that it
 survives tracing and CUDA-graph capture. All three ops are differentiable; the
 gradients of dispatch and combine run on the same transport as their forward
-(``dispatch_backward``, ``combine_backward`` of the backend that ran forward).
+(``dispatch_backward``, ``combine_backward`` of the backend that ran forward),
+that of experts_rows on the experts backend that ran it where it has one
+(`experts.backward_namespace`).
 
 With ``ep_size > 1``, ``group_name`` names the expert-parallel process group
 (``ProcessGroup.group_name``, as torch's functional collectives take it) and
@@ -32,7 +34,12 @@ import torch
 
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import checks
-from torch_moe_ops.ops.experts import EXPERT_ARGS, check_expert_weights, check_routing
+from torch_moe_ops.ops.experts import (
+    EXPERT_ARGS,
+    backward_namespace,
+    check_expert_weights,
+    check_routing,
+)
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, op_overload
 
 EP_ARGS = "int ep_size=1, str group_name=\"\", int max_tokens_per_rank=0"
@@ -218,10 +225,12 @@ def _setup_experts_rows(ctx, inputs, output):
 
 
 def _experts_rows_backward(ctx, grad_y_RH):
-    # A row is a token with one expert at weight 1: the experts' gradient applies.
+    # A row is a token with one expert at weight 1: the experts' gradient applies,
+    # on the namespace that ran forward (`backward_namespace`).
     x_RH, expert_R, w13_EFH, w2_EHI, b13_EF, b2_EH = ctx.saved_tensors
     ones_R1 = torch.ones((x_RH.shape[0], 1), dtype=torch.float32, device=x_RH.device)
-    grad_x_RH, _, grad_w13, grad_w2, grad_b13, grad_b2 = torch.ops.moe.experts_backward(
+    experts_backward = op_overload(backward_namespace(ctx.namespace), "experts_backward")
+    grad_x_RH, _, grad_w13, grad_w2, grad_b13, grad_b2 = experts_backward(
         grad_y_RH.contiguous(), x_RH, ones_R1, expert_R.unsqueeze(1), w13_EFH, w2_EHI,
         b13_EF, b2_EH, *ctx.static_args)
     return (grad_x_RH, None, None, grad_w13, grad_w2,

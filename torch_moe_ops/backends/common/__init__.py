@@ -1,10 +1,12 @@
 """Pieces that several backends run: none of them is a backend or registers an op.
 
 - `sorting`: slots grouped by expert (a stable sort on the device).
-- `activation`: the gated activations in plain PyTorch.
-- `triton_activation`, `epilogues`: the same activations as a Triton function, and
+- `activation`: the gated activations and their gradients in plain PyTorch.
+- `triton_activation`, `epilogues`: the same as Triton functions, and
   elementwise Triton kernels around library GEMMs (need triton).
-- `grouped_gemm`: the experts on ``torch._grouped_mm`` with those epilogues.
+- `grouped_backward`: the experts' gradient on the routed rows only, grouped GEMMs.
+- `grouped_gemm`: the experts and their gradient on ``torch._grouped_mm`` with
+  those epilogues.
 - `launch`, `tracing`: how a backend op traced into a compiled graph launches its
   Triton kernels, and what it may ask of the trace (Inductor or not, fixed sizes).
 

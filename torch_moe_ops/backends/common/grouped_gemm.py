@@ -12,21 +12,34 @@ for bf16 on sm90+; elsewhere it loops on the host, which a CUDA graph cannot
 capture: `supports` says so. Weights are used in the canonical layout
 (``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
 
+The gradient (`experts_backward`) is `common.grouped_backward` with its steps
+between the GEMMs run as Triton kernels (`epilogues`): the bias, activation and
+activation gradient in one pass, the sum over each token's slots in another.
+
 The ``grouped_mm`` experts backend is these functions; the ``triton`` backend
-hands prefill-sized calls to them.
+hands prefill-sized calls and, where `supports` holds, its gradient to them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends.common import TRITON_INSTALLED
-from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_backward
+from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
 
 # torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
 ALIGNMENT = 8
 if TRITON_INSTALLED:
-    from torch_moe_ops.backends.common.epilogues import bias_act_rows, gather_weighted_sum
+    from torch_moe_ops.backends.common.epilogues import (
+        bias_act_backward_rows,
+        bias_act_rows,
+        gather_weighted_sum,
+        sum_token_rows,
+        zero_empty_experts_,
+    )
+
+    TRITON_STEPS = grouped_backward.Steps(bias_act_backward_rows, sum_token_rows,
+                                          zero_empty_experts_)
 
 
 def aligned(hidden: int, intermediate: int) -> bool:
@@ -94,7 +107,15 @@ def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2
     x_RH = hidden_TH[order_R // top_k]
     y_RH = _grouped_gemms(x_RH, sorted_ids_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha,
                           limit)
-    row_of_slot_S = torch.empty_like(order_R, dtype=torch.int32)
-    row_of_slot_S[order_R] = torch.arange(order_R.numel(), dtype=torch.int32,
-                                          device=order_R.device)
-    return gather_weighted_sum(y_RH, row_of_slot_S, topk_weights_TK, topk_ids_TK, b2_EH)
+    return gather_weighted_sum(y_RH, rows_of_slots(order_R), topk_weights_TK, topk_ids_TK,
+                               b2_EH)
+
+
+def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
+                     b13_EF, b2_EH, act, alpha, limit):
+    """The gradients of `experts` (``moe::experts_backward``'s outputs), computed on the
+    routed rows only: `grouped_backward.experts_backward` with Triton steps."""
+    _check_alignment(w13_EFH)
+    return grouped_backward.experts_backward(grad_out_TH, hidden_TH, topk_weights_TK,
+                                             topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
+                                             alpha, limit, steps=TRITON_STEPS)

@@ -1,9 +1,9 @@
-"""The gated activations as a Triton function, for kernels that apply them in registers.
+"""The gated activations as Triton functions, for kernels that apply them in registers.
 
     act(gate, up) = silu(gate) * up | gelu(gate) * up (erf) | swiglu_oai(gate, up)
 
-The same formulas as `activation`, computed in the precision of the inputs
-(the kernels pass fp32 accumulators).
+The same formulas as `activation` and `activation_backward`, computed in the
+precision of the inputs (the kernels pass fp32 accumulators).
 """
 
 from __future__ import annotations
@@ -25,3 +25,26 @@ def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
         return (up + 1.0) * gate * tl.sigmoid(swiglu_alpha * gate)
+
+
+@triton.jit
+def _activate_backward(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
+    """``(act(gate, up), d act / d gate, d act / d up)``: `activation_backward`'s
+    closed forms (clamp passes the gradient inside its bounds, ends included)."""
+    if ACTIVATION == 0:
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        return silu * up, up * sig * (1.0 + gate * (1.0 - sig)), silu
+    elif ACTIVATION == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * gate * gate) * 0.3989422804014327
+        return gate * cdf * up, up * (cdf + gate * pdf), gate * cdf
+    else:
+        gate_c = tl.minimum(gate, swiglu_limit)
+        up_c = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        sig = tl.sigmoid(swiglu_alpha * gate_c)
+        glu = gate_c * sig
+        d_gate = (up_c + 1.0) * sig * (1.0 + swiglu_alpha * gate_c * (1.0 - sig))
+        d_gate = tl.where(gate <= swiglu_limit, d_gate, 0.0)
+        d_up = tl.where((up >= -swiglu_limit) & (up <= swiglu_limit), glu, 0.0)
+        return (up_c + 1.0) * glu, d_gate, d_up

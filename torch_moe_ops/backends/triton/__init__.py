@@ -6,6 +6,11 @@ the routing weight, and a deterministic sum over the K slots of each token.
 Tile sizes come from tuned JSON files (`configs`), read on the first call of a
 shape. Weights are used in the canonical layout.
 
+The gradient (`experts_backward`) is the ``grouped_mm`` path's
+(`common.grouped_gemm`: grouped GEMMs on the routed rows) where that runs
+without a host sync (`grouped_gemm.supports`: bf16 on sm90+, H and I multiples
+of 8), else the reference backend's, called as ``moe_reference::experts_backward``.
+
 Runs on CUDA; on the CPU only under the Triton interpreter (``TRITON_INTERPRET=1``),
 which is how the kernels' indexing is tested without a GPU.
 """
@@ -17,8 +22,9 @@ import os
 import torch
 
 from torch_moe_ops.backends.common import TRITON_INSTALLED
-from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem
 from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES
+from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, op_overload
 
 NAMESPACE = "moe_triton"
 
@@ -40,16 +46,35 @@ def supports(spec, problem, device) -> str | None:
 
 
 if TRITON_INSTALLED:
+    from torch_moe_ops.backends.common import grouped_gemm
     from torch_moe_ops.backends.common.launch import static_shapes_on_cuda, traced
     from torch_moe_ops.backends.triton.fused import fused_experts, fused_experts_rows
     from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 
-    define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows})
+    def _grouped_backward_runs(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH,
+                               *_) -> bool:
+        problem = Problem(hidden_TH.dtype, hidden_size=w13_EFH.shape[2],
+                          intermediate_size=w13_EFH.shape[1] // 2)
+        return grouped_gemm.supports(None, problem, hidden_TH.device) is None
+
+    def experts_backward(*args):
+        """``moe::experts_backward`` (schema order): `grouped_gemm.experts_backward`
+        where `grouped_gemm.supports` holds, else the reference backend's op."""
+        if _grouped_backward_runs(*args):
+            return grouped_gemm.experts_backward(*args)
+        return op_overload(REFERENCE_NAMESPACE, "experts_backward")(*args)
+
+    define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows,
+                                   "experts_backward": experts_backward})
     # Compiled with fixed sizes, the kernels are launched by Inductor's own code.
     decompose_backend_ops(NAMESPACE, {"experts": traced(fused_experts),
                                       "experts_rows": traced(fused_experts_rows)},
                           static_shapes_on_cuda)
+    decompose_backend_ops(NAMESPACE, {"experts_backward": traced(grouped_gemm.experts_backward)},
+                          lambda *args: static_shapes_on_cuda(*args)
+                          and _grouped_backward_runs(*args))
 
 REGISTRY.register_experts(ExpertsBackend(
     name="triton", namespace=NAMESPACE, layout="rows", supports=supports, priority=20,
-    description="fused Triton kernels: align, GEMM + activation, GEMM + weighted sum"))
+    description="fused Triton kernels: align, GEMM + activation, GEMM + weighted sum",
+    backward=grouped_gemm.supports if TRITON_INSTALLED else None))
