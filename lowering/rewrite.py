@@ -148,8 +148,11 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
 
 
 def expert_parallel(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` moves tokens between ranks (an op of a layer with ``ep_size > 1``)."""
-    return any((problem.ep_size or 1) > 1 for problem in layer_problems(gm).values())
+    """Whether ``gm`` or a graph it holds moves tokens between ranks (an op of a
+    layer with ``ep_size > 1``)."""
+    return any((problem.ep_size or 1) > 1 for body in gm.modules()
+               if isinstance(body, fx.GraphModule)
+               for problem in layer_problems(body).values())
 
 
 def moe_op_sequence(gm: fx.GraphModule) -> str:

@@ -117,10 +117,6 @@ def _run_cases(rank, world_size, device_type, inner) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-        # One thread per rank: torch sized its pool when it was imported, before the
-        # runner set OMP_NUM_THREADS, and two ranks with a thread per core each
-        # oversubscribe the cores (OpenMP's spinning waits then made this test ~7x slower).
-        torch.set_num_threads(1)
     for name in MODEL_NAMES:
         for backend in (None, tmo.backend(inner=inner)):
             _check_training(rank, world_size, name, device, backend)
