@@ -272,8 +272,11 @@ def test_gpu_real_shapes_backward_matches_reference(shape, poisoned_empty):
             for index, (grad, want) in enumerate(zip(grads, expected)):
                 assert grad.shape == want.shape and grad.dtype == want.dtype
                 if want.numel():
+                    # bf16's gradient tolerance elsewhere too: with one token the
+                    # routing weights' gradient is three bf16 dot products of
+                    # length H, and one off by 1e-2 relative moves the norm that much.
                     error = relative_error(grad, want)
-                    assert error < 2e-2, (namespace, num_tokens, index, error)
+                    assert error < 3e-2, (namespace, num_tokens, index, error)
             for grad in grads[2:]:
                 assert grad.numel() == 0 or (grad[empty_E] == 0).all(), namespace
 
