@@ -164,12 +164,16 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     block_expert_B = torch.empty((num_blocks,), dtype=torch.int32, device=device)
     num_padded_rows_1 = torch.empty((1,), dtype=torch.int32, device=device)
     num_tiles = triton.cdiv(num_slots, SLOT_TILE)
-    # One workspace: per-tile counts and offsets [tiles, E] each, then per-expert
-    # counts and padded starts [E] each.
+    # Per-tile counts and offsets [tiles, E], per-expert counts and padded starts
+    # [E]: four tensors, not views of one workspace. Traced into a training graph,
+    # Inductor (torch 2.11) copied views of one workspace that the kernels mutate
+    # with the whole workspace's length from a [E] buffer: a read out of bounds,
+    # an illegal memory access on the H100 when that buffer ended an allocation.
     table = num_tiles * num_experts
-    workspace = torch.empty((2 * table + 2 * num_experts,), dtype=torch.int32, device=device)
-    tile_counts, tile_offsets, expert_count, expert_start = workspace.split(
-        [table, table, num_experts, num_experts])
+    tile_counts, tile_offsets = (torch.empty((table,), dtype=torch.int32, device=device)
+                                 for _ in range(2))
+    expert_count, expert_start = (torch.empty((num_experts,), dtype=torch.int32, device=device)
+                                  for _ in range(2))
     ids_S = topk_ids_TK.reshape(-1)
     if num_tiles:
         launcher(moe_align_count_kernel)[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
