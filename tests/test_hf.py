@@ -246,14 +246,29 @@ def test_gradients_match_original(family):
             torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
 
 
-def test_converted_blocks_refuse_to_train():
-    model = make_model("gpt_oss")
+def test_converted_blocks_train_their_sources():
+    """GPT-OSS's experts run on converted copies; in training the copies are made
+    with autograd each step, so transformers' own parameters get the gradients
+    (and an update reaches the next eval-mode forward)."""
+    model = make_model("gpt_oss").train()
+    original = copy.deepcopy(model)
+    ids = token_ids()
+    original(ids, labels=ids).loss.backward()
     hf.patch(model)
-    model.train()
-    with pytest.raises(RuntimeError, match="gradients would not reach"):
-        model(token_ids())
+    model(ids, labels=ids).loss.backward()
+    want = dict(original.named_parameters())
+    for name, param in model.named_parameters():
+        assert (param.grad is None) == (want[name].grad is None), name
+        if param.grad is not None:
+            torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
+    for m in (model, original):
+        with torch.no_grad():
+            for param in m.parameters():
+                param -= 0.1 * param.grad
+    model.eval()
+    original.eval()
     with torch.no_grad():
-        model(token_ids())
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, **FP32_TOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -149,22 +149,30 @@ class HFMoEBlock(nn.Module):
                      else getattr(self if source[0] == "self" else self.experts, source[1])
                      for source in self.weight_sources)
 
+    def trainable_expert_weights(self):
+        """`expert_weights`, the converted ones made from transformers' parameters
+        in this call, with autograd, so that their gradients reach those parameters.
+        Training pays one copy of the converted expert tensors per forward (the
+        kept copies serve inference only)."""
+        weights = dict(zip(EXPERT_TENSORS, self.expert_weights()))
+        for name, conversion in self.conversions.items():
+            weights[name] = conversion.convert(getattr(self.experts, conversion.source))
+        return tuple(weights[name] for name in EXPERT_TENSORS)
+
     def forward(self, hidden_states: torch.Tensor):
         cfg = self.cfg
         if self.training and torch.is_grad_enabled() and self.converted_names:
-            raise RuntimeError(
-                f"this {self.family} block runs on copies of experts."
-                f"{', experts.'.join(self.converted_names)} in another layout: gradients would "
-                "not reach those parameters. Train the unpatched model, or run under "
-                "model.eval() or torch.no_grad()")
-        if not torch.compiler.is_compiling():
-            self.refresh_converted()
+            weights = self.trainable_expert_weights()
+        else:
+            if not torch.compiler.is_compiling():
+                self.refresh_converted()
+            weights = self.expert_weights()
         x_TH = hidden_states.reshape(-1, cfg.hidden_size)
         if self.training and self.jitter_noise > 0:
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
         _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
-        expert_args = (*self.expert_weights(), cfg.activation,
+        expert_args = (*weights, cfg.activation,
                        cfg.static_float("swiglu_alpha"), cfg.static_float("swiglu_limit"))
         if cfg.ep_size == 1:
             y_TH = torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
