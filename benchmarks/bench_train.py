@@ -37,7 +37,6 @@ and prints a short table last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -46,6 +45,7 @@ import platform
 import statistics
 import time
 
+import bench_model
 import torch
 import transformers
 
@@ -57,41 +57,9 @@ TARGET_TOKENS = 8192
 TARGET_DENSE_FRACTION = {"qwen3-30b-a3b": 0.55, "olmoe": 0.60, "mixtral-8x7b": 0.80}
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A one-layer transformers config at a checkpoint's widths."""
-
-    config_class: str
-    kwargs: dict
-
-    def config(self) -> transformers.PretrainedConfig:
-        return getattr(transformers, self.config_class)(num_hidden_layers=1, **self.kwargs)
-
-
-SHAPES = {
-    "qwen3-30b-a3b": Shape("Qwen3MoeConfig", dict(
-        vocab_size=1024, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128)),
-    "olmoe": Shape("OlmoeConfig", dict(
-        vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_experts=64,
-        num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16)),
-    "mixtral-8x7b": Shape("MixtralConfig", dict(
-        vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_local_experts=8,
-        num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8)),
-    "gpt-oss-20b": Shape("GptOssConfig", dict(
-        vocab_size=1024, hidden_size=2880, intermediate_size=2880, num_local_experts=32,
-        num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-        sliding_window=128)),
-    "deepseek-v3": Shape("DeepseekV3Config", dict(
-        vocab_size=1024, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
-        n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.5,
-        norm_topk_prob=True, num_attention_heads=128, num_key_value_heads=128,
-        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128)),
-}
-SMOKE_SHAPE = Shape("Qwen3MoeConfig", dict(
+# A one-layer model of each checkpoint's widths: bench_model's shapes.
+SHAPES = bench_model.SHAPES
+SMOKE_SHAPE = bench_model.ModelShape("Qwen3MoeConfig", 1, dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16))
@@ -157,12 +125,12 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-def build_block(shape: Shape, way: str, bench: Bench) -> torch.nn.Module:
+def build_block(shape: bench_model.ModelShape, way: str, bench: Bench) -> torch.nn.Module:
     """The first layer's MoE block for ``way``; the same weights for every way (seed 0)."""
     torch.manual_seed(0)
     with bench.device:
         model = transformers.AutoModelForCausalLM.from_config(
-            shape.config(), dtype=bench.dtype, experts_implementation="grouped_mm")
+            shape.config(1), dtype=bench.dtype, experts_implementation="grouped_mm")
     if way.startswith("tmo"):
         report = tmo.hf.patch(model)
         if not report.blocks:
@@ -189,11 +157,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def run_row(bench: Bench, shape_name: str, shape: Shape, tokens: int, way: str,
+def run_row(bench: Bench, shape_name: str, shape: bench_model.ModelShape, tokens: int, way: str,
             reference: dict | None) -> dict:
     """One (shape, T, way): time, FLOP rate, peak memory and errors against ``reference``
     (the ``hf`` way's output and gradients), which the ``hf`` row fills in."""
-    sizes = moe_sizes(shape.config())
+    sizes = moe_sizes(shape.config(1))
     row = {"shape": shape_name, "tokens": tokens, "way": way, **sizes}
     block = build_block(shape, way, bench)
     x, g = inputs(sizes, tokens, bench)

@@ -11,13 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/install_on_device.sh
 python3 -c "import torch; n = torch.cuda.device_count(); print('torch', torch.__version__, 'NCCL', torch.cuda.nccl.version() if n else '-', n, 'x', torch.cuda.get_device_name() if n else 'no GPU')"
 status=0
 tests="not run"

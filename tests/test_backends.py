@@ -203,12 +203,10 @@ LISTED_SHAPES = {  # (E, K, H, I, activation, bias): the benchmark's real model 
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", sorted(LISTED_SHAPES))
-def test_gpu_real_shapes_match_reference(shape, poisoned_empty):
-    """Every GPU backend at real model shapes, T in {1, 16, 256, 4096}, bf16, with
-    every buffer the backends allocate poisoned (NaN), so an unwritten row fails."""
-    num_experts, top_k, hidden, inter, act, bias = LISTED_SHAPES[shape]
+def _draw_real_shape(shape):
+    """A seeded CUDA generator, a bf16 drawer on it and the expert weights
+    ``(w13, w2, b13, b2)`` of ``LISTED_SHAPES[shape]`` drawn with it."""
+    num_experts, _, hidden, inter, _, bias = LISTED_SHAPES[shape]
     generator = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*size, scale=1.0):
@@ -218,6 +216,16 @@ def test_gpu_real_shapes_match_reference(shape, poisoned_empty):
                randn(num_experts, hidden, inter, scale=inter ** -0.5),
                randn(num_experts, 2 * inter, scale=0.1) if bias else None,
                randn(num_experts, hidden, scale=0.1) if bias else None)
+    return generator, randn, weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(LISTED_SHAPES))
+def test_gpu_real_shapes_match_reference(shape, poisoned_empty):
+    """Every GPU backend at real model shapes, T in {1, 16, 256, 4096}, bf16, with
+    every buffer the backends allocate poisoned (NaN), so an unwritten row fails."""
+    num_experts, top_k, hidden, _, act, _ = LISTED_SHAPES[shape]
+    generator, randn, weights = _draw_real_shape(shape)
     for num_tokens in (1, 16, 256, 4096):
         hidden_TH = randn(num_tokens, hidden)
         logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
@@ -245,18 +253,10 @@ def test_gpu_real_shapes_backward_matches_reference(shape, poisoned_empty):
     """Each GPU backend's own gradient at real model widths, a few tokens (so that
     many experts get no rows: their gradients must be exactly 0), every fifth slot
     skipped, every buffer the backends allocate poisoned (NaN)."""
-    num_experts, top_k, hidden, inter, act, bias = LISTED_SHAPES[shape]
+    num_experts, top_k, hidden, _, act, _ = LISTED_SHAPES[shape]
     namespaces = own_backward_gpu_backends()
     assert namespaces, "no GPU experts backend has its own gradient here"
-    generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, device="cuda", generator=generator) * scale).to(torch.bfloat16)
-
-    weights = (randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5),
-               randn(num_experts, hidden, inter, scale=inter ** -0.5),
-               randn(num_experts, 2 * inter, scale=0.1) if bias else None,
-               randn(num_experts, hidden, scale=0.1) if bias else None)
+    generator, randn, weights = _draw_real_shape(shape)
     for num_tokens in (1, 16, 256):
         logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
         topk_weights_TK, topk_ids_TK = torch.ops.moe.route(logits_TE, None, top_k, "softmax",

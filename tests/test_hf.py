@@ -231,6 +231,14 @@ def test_router_ignores_autocast(family, dtype):
     torch.testing.assert_close(got_weights_TK, want[1], rtol=0, atol=0)
 
 
+def _assert_same_grads(model, original):
+    want = dict(original.named_parameters())
+    for name, param in model.named_parameters():
+        assert (param.grad is None) == (want[name].grad is None), name
+        if param.grad is not None:
+            torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
+
+
 @pytest.mark.parametrize("family", CANONICAL)
 def test_gradients_match_original(family):
     model = make_model(family).train()
@@ -239,11 +247,7 @@ def test_gradients_match_original(family):
     original(ids, labels=ids).loss.backward()
     hf.patch(model)
     model(ids, labels=ids).loss.backward()
-    want = dict(original.named_parameters())
-    for name, param in model.named_parameters():
-        assert (param.grad is None) == (want[name].grad is None), name
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
+    _assert_same_grads(model, original)
 
 
 def test_converted_blocks_train_their_sources():
@@ -256,11 +260,7 @@ def test_converted_blocks_train_their_sources():
     original(ids, labels=ids).loss.backward()
     hf.patch(model)
     model(ids, labels=ids).loss.backward()
-    want = dict(original.named_parameters())
-    for name, param in model.named_parameters():
-        assert (param.grad is None) == (want[name].grad is None), name
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
+    _assert_same_grads(model, original)
     for m in (model, original):
         with torch.no_grad():
             for param in m.parameters():
