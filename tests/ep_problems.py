@@ -41,3 +41,39 @@ def draw_problem(seed: int, route: str, num_tokens: int, num_experts: int, world
 def token_slice(tokens_per_rank, rank: int) -> slice:
     """The rows of all ranks' tokens that belong to ``rank``."""
     return slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
+
+
+def leaves(*tensors):
+    """Detached copies that require grad: the inputs of one side of a comparison."""
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def assert_close_scaled(actual, expected, rtol: float, atol: float) -> None:
+    """``assert_close`` in fp64 with ``atol`` relative to ``expected``'s largest
+    magnitude (at least 1): low-precision outputs are judged against their scale."""
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol * scale)
+
+
+def check_bf16_out(actual, expected) -> None:
+    """A bf16 output against the fp32 reference."""
+    assert_close_scaled(actual, expected, 2e-2, 2e-2)
+
+
+def check_bf16_grad(actual, expected) -> None:
+    """A gradient of a bf16 computation against the fp32 reference."""
+    assert_close_scaled(actual, expected, 3e-2, 3e-2)
+
+
+def assert_rank_matches(out_TH, ours, ref_NH, ref_leaves, mine: slice, local: slice,
+                        check_out, check_grad) -> None:
+    """This rank's output and gradients against the single-process reference on all
+    tokens. ``ours`` and ``ref_leaves`` are ``[hidden, topk_weights, *experts]``
+    leaves (this rank's tokens and experts, and everyone's); ``mine`` selects this
+    rank's tokens, ``local`` its experts; ``check_out`` / ``check_grad`` are
+    ``(actual, expected)`` assertions."""
+    check_out(out_TH, ref_NH[mine].detach())
+    check_grad(ours[0].grad, ref_leaves[0].grad[mine])
+    check_grad(ours[1].grad, ref_leaves[1].grad[mine])
+    for leaf, ref in zip(ours[2:], ref_leaves[2:]):
+        check_grad(leaf.grad, ref.grad[local])

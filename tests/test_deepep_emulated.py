@@ -26,7 +26,14 @@ from torch import nn
 import deepep_emulator
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
-from ep_problems import draw_problem, token_slice
+from ep_problems import (
+    assert_rank_matches,
+    check_bf16_grad,
+    check_bf16_out,
+    draw_problem,
+    leaves,
+    token_slice,
+)
 
 # A hidden size DeepEP's low-latency kernels are compiled for.
 H, I = 2048, 16
@@ -35,7 +42,6 @@ M_NORMAL, M_LOW_LATENCY = 8, 6
 # (K, E_l): K above, at and below E_l.
 SHAPES = ((2, 3), (3, 2), (1, 4))
 STATIC = ("silu", 1.702, 7.0)
-OUT_TOL, GRAD_TOL = 2e-2, 3e-2
 
 
 def _use_emulator():
@@ -54,11 +60,6 @@ def _use_emulator():
     return deepep
 
 
-def _assert_close(actual, expected, tol):
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol * scale)
-
-
 def _my_tokens(rank, world_size):
     return token_slice(TOKENS_PER_RANK[world_size], rank)
 
@@ -70,10 +71,6 @@ def _full_problem(world_size, num_experts, top_k, route, seed=7):
     return hidden_NH.bfloat16(), weights_NK, ids_NK, [w.bfloat16() for w in experts.values()]
 
 
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
 def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity_drop):
     num_experts = num_local * world_size
     max_tokens = M_NORMAL if mode == "normal" else M_LOW_LATENCY
@@ -83,13 +80,13 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
     hidden_NH, weights_NK, ids_NK, full = _full_problem(world_size, num_experts, top_k, route)
     mine = _my_tokens(rank, world_size)
     local = slice(rank * num_local, (rank + 1) * num_local)
-    ref_leaves = _leaves(hidden_NH, weights_NK, *full)
+    ref_leaves = leaves(hidden_NH, weights_NK, *full)
     ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
                                              *ref_leaves[2:], *STATIC)
     grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref_NH.backward(grad_NH)
 
-    hidden_TH, weights_TK, *experts = _leaves(hidden_NH[mine], weights_NK[mine],
+    hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
                                               *(w[local] for w in full))
     capacity = max_tokens * min(top_k, num_local) - capacity_drop
     ep_args = (world_size, group, max_tokens)
@@ -105,11 +102,8 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
     out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
     out_TH.backward(grad_NH[mine])
 
-    _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
-    _assert_close(hidden_TH.grad, ref_leaves[0].grad[mine], GRAD_TOL)
-    _assert_close(weights_TK.grad, ref_leaves[1].grad[mine], GRAD_TOL)
-    for ours, ref in zip(experts, ref_leaves[2:]):
-        _assert_close(ours.grad, ref.grad[local], GRAD_TOL)
+    assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
+                        local, check_bf16_out, check_bf16_grad)
     assert comm.mode == mode and comm.buffer.calls
 
 
@@ -175,8 +169,8 @@ def _compiled_cases(rank, world_size, inner):
         x_TH = x_NH[mine].clone().requires_grad_()
         out_TH = compiled(x_TH)
         out_TH.float().square().sum().backward()
-        _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
-        _assert_close(x_TH.grad, x_ref.grad[mine], GRAD_TOL)
+        check_bf16_out(out_TH, ref_NH[mine].detach())
+        check_bf16_grad(x_TH.grad, x_ref.grad[mine])
         assert deepep.open_communicators()[0].buffer.calls
         deepep.close_all()
 

@@ -25,7 +25,14 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
-from ep_problems import draw_problem, token_slice
+from ep_problems import (
+    assert_rank_matches,
+    check_bf16_grad,
+    check_bf16_out,
+    draw_problem,
+    leaves,
+    token_slice,
+)
 from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec
@@ -37,7 +44,6 @@ TOKENS_PER_RANK = (5, 0)
 H, I, E, K = 2048, 64, 8, 2
 M_NORMAL, M_LOW_LATENCY = 8, 6
 STATIC = ("silu", 1.702, 7.0)
-OUT_TOL, GRAD_TOL = 2e-2, 3e-2
 TIMEOUT = datetime.timedelta(seconds=120)
 DEADLINE_S = 480
 
@@ -68,15 +74,6 @@ def _local(rank: int) -> slice:
     return slice(rank * num_local, (rank + 1) * num_local)
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol * scale)
-
-
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
 def _rows_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens, capacity):
     """``moe_deepep::dispatch -> moe_reference::experts_rows -> moe_deepep::combine``:
     the output and the rows' experts and counts."""
@@ -103,25 +100,22 @@ def _check_ops(rank, route, max_tokens, capacity):
     ``moe_reference::experts`` on all tokens."""
     hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route)
     mine, local = _mine(rank), _local(rank)
-    ref_leaves = _leaves(hidden_NH, weights_NK, *full.values())
+    ref_leaves = leaves(hidden_NH, weights_NK, *full.values())
     ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
                                              *ref_leaves[2:], *STATIC)
     grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).to(
         ref_NH.device, ref_NH.dtype)
     ref_NH.backward(grad_NH)
 
-    hidden_TH, weights_TK, *experts = _leaves(hidden_NH[mine], weights_NK[mine],
+    hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
                                               *(w[local] for w in full.values()))
     out_TH, expert_R, count_E = _rows_pipeline(hidden_TH, weights_TK, ids_NK[mine], experts,
                                                max_tokens, capacity)
     _check_rows_layout(expert_R, count_E)
     out_TH.backward(grad_NH[mine])
 
-    _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
-    _assert_close(hidden_TH.grad, ref_leaves[0].grad[mine], GRAD_TOL)
-    _assert_close(weights_TK.grad, ref_leaves[1].grad[mine], GRAD_TOL)
-    for ours, ref in zip(experts, ref_leaves[2:]):
-        _assert_close(ours.grad, ref.grad[local], GRAD_TOL)
+    assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
+                        local, check_bf16_out, check_bf16_grad)
 
 
 def _check_graph(rank, max_tokens):
@@ -151,7 +145,7 @@ def _check_graph(rank, max_tokens):
             graph.replay()
             ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK,
                                                      *full.values(), *STATIC)
-            _assert_close(out_TH, ref_NH[mine], OUT_TOL)
+            check_bf16_out(out_TH, ref_NH[mine])
         del graph
     torch.cuda.synchronize()
 
@@ -162,18 +156,26 @@ def _moe_config(ep_size: int, max_tokens: int) -> tmo.MoEConfig:
                          max_tokens_per_rank=max_tokens if ep_size > 1 else None)
 
 
-def _check_module(rank, max_tokens):
-    """`MoE` sharded over the group and compiled by Inductor with ``a2a="deepep"``
-    against the single-process `MoE` with the same full weights: outputs and gradients
-    (the idle rank's empty gradients included: its ops must not be dropped as dead code)."""
+def _single_and_sharded(max_tokens, seed):
+    """The single-process `MoE` (bf16, this rank's GPU) and this rank's shard of it,
+    with the same full weights; Dynamo's caches reset."""
     torch._dynamo.reset()
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device())
     # Built on the CPU so that every rank draws the same weights.
     single = tmo.MoE(_moe_config(1, max_tokens)).to(device, torch.bfloat16)
     sharded = tmo.MoE(_moe_config(WORLD, max_tokens), device=device, dtype=torch.bfloat16,
                       ep_group=dist.group.WORLD)
     sharded.load_full_weights(single.state_dict())
+    return single, sharded
+
+
+def _check_module(rank, max_tokens):
+    """`MoE` sharded over the group and compiled by Inductor with ``a2a="deepep"``
+    against the single-process `MoE` with the same full weights: outputs and gradients
+    (the idle rank's empty gradients included: its ops must not be dropped as dead code)."""
+    single, sharded = _single_and_sharded(max_tokens, seed=5)
+    device = single.w13.device
     x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
     x_NH = x_NH.to(device, torch.bfloat16)
     mine, local = _mine(rank), sharded.local_experts
@@ -187,24 +189,18 @@ def _check_module(rank, max_tokens):
     out_TH = compiled(x_TH)
     out_TH.float().square().sum().backward()
 
-    _assert_close(out_TH, ref_NH[mine].detach(), OUT_TOL)
-    _assert_close(x_TH.grad, x_ref.grad[mine], GRAD_TOL)
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
     for name in ("w13", "w2", "b13", "b2"):
-        _assert_close(getattr(sharded, name).grad,
-                      getattr(single, name).grad[local.start:local.stop], GRAD_TOL)
+        check_bf16_grad(getattr(sharded, name).grad,
+                        getattr(single, name).grad[local.start:local.stop])
 
 
 def _check_reduce_overhead(rank, max_tokens):
     """`MoE` compiled by Inductor with ``a2a="deepep"`` and ``mode="reduce-overhead"``
     (CUDA graphs: warm-up, one recording, replays) against the single-process `MoE`."""
-    torch._dynamo.reset()
-    torch.manual_seed(6)
-    device = torch.device("cuda", torch.cuda.current_device())
-    # Built on the CPU so that every rank draws the same weights.
-    single = tmo.MoE(_moe_config(1, max_tokens)).to(device, torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(WORLD, max_tokens), device=device, dtype=torch.bfloat16,
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
+    single, sharded = _single_and_sharded(max_tokens, seed=6)
+    device = single.w13.device
     compiled = torch.compile(sharded, backend=tmo.backend(a2a="deepep", mode="reduce-overhead"),
                              fullgraph=True, dynamic=False)
     counters = torch._dynamo.utils.counters
@@ -215,7 +211,7 @@ def _check_reduce_overhead(rank, max_tokens):
             x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(device,
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
-            _assert_close(out_TH, single(x_NH)[_mine(rank)], OUT_TOL)
+            check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
     # DeepEP's ops ran inside the CUDA graphs, not beside them.
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
-from ep_problems import draw_problem, token_slice
+from ep_problems import assert_rank_matches, draw_problem, leaves, token_slice
 from graph_tests.aot_graphs import AotGraphs
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.rewrite import layer_problems
@@ -45,10 +45,6 @@ def _my_tokens(rank: int, world_size: int) -> slice:
     return token_slice(TOKENS_PER_RANK[world_size], rank)
 
 
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
 def _check_ops(rank, world_size, a2a, route, activation, capacity):
     """dispatch -> experts_rows -> combine of backend ``a2a`` against ``moe::experts``
     on all tokens: this rank's outputs and the gradients of its tokens and experts."""
@@ -58,14 +54,14 @@ def _check_ops(rank, world_size, a2a, route, activation, capacity):
     mine, local = _my_tokens(rank, world_size), slice(rank * num_local, (rank + 1) * num_local)
     static = (activation, 1.702, 7.0)
 
-    ref_leaves = _leaves(hidden_NH, weights_NK, *full.values())
+    ref_leaves = leaves(hidden_NH, weights_NK, *full.values())
     ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
                                              *ref_leaves[2:], *static)
     grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3))
     ref_NH.backward(grad_NH)
 
-    hidden_TH, weights_TK, w13, w2, b13, b2 = _leaves(
-        hidden_NH[mine], weights_NK[mine], *(w[local] for w in full.values()))
+    ours = leaves(hidden_NH[mine], weights_NK[mine], *(w[local] for w in full.values()))
+    hidden_TH, weights_TK, w13, w2, b13, b2 = ours
     ep_args = (world_size, dist.group.WORLD.group_name, MAX_TOKENS)
     namespace = A2A_NAMESPACES[a2a]
     x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = op_overload(namespace, "dispatch")(
@@ -76,12 +72,10 @@ def _check_ops(rank, world_size, a2a, route, activation, capacity):
     out_TH = op_overload(namespace, "combine")(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
     out_TH.backward(grad_NH[mine])
 
-    tol = {"rtol": 1e-4, "atol": 1e-5}
-    torch.testing.assert_close(out_TH, ref_NH[mine].detach(), **tol)
-    torch.testing.assert_close(hidden_TH.grad, ref_leaves[0].grad[mine], **tol)
-    torch.testing.assert_close(weights_TK.grad, ref_leaves[1].grad[mine], **tol)
-    for ours, ref in zip((w13, w2, b13, b2), ref_leaves[2:]):
-        torch.testing.assert_close(ours.grad, ref.grad[local], **tol)
+    def check(actual, expected):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+    assert_rank_matches(out_TH, ours, ref_NH, ref_leaves, mine, local, check, check)
 
 
 def _check_overflow(rank, world_size, a2a):

@@ -28,7 +28,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
-from ep_problems import draw_problem, token_slice
+from ep_problems import (
+    assert_close_scaled,
+    assert_rank_matches,
+    draw_problem,
+    leaves,
+    token_slice,
+)
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.ops import op_overload
 
@@ -60,9 +66,7 @@ STATIC = ("silu", 1.702, 7.0)
 
 
 def _assert_close(actual, expected, tolerances=TOLERANCES):
-    rtol, atol = tolerances[actual.dtype]
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol * scale)
+    assert_close_scaled(actual, expected, *tolerances[actual.dtype])
 
 
 def _skip_unless_available(a2a: str) -> None:
@@ -90,10 +94,6 @@ def _full_problem(seed: int, route: str, dtype: torch.dtype, num_tokens: int):
     floats = (hidden_NH, topk_weights_NK, *experts.values())
     hidden_NH, topk_weights_NK, *weights = (t.to(device, dtype) for t in floats)
     return hidden_NH, topk_weights_NK, topk_ids_NK.to(device), weights
-
-
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
 
 
 def _ep_args(max_tokens: int = MAX_TOKENS):
@@ -124,24 +124,22 @@ def _check_ops(rank, layout, a2a, dtype, route, capacity):
     hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route, dtype, sum(layout))
     mine, local = token_slice(layout, rank), _local_experts(rank)
 
-    ref_leaves = _leaves(hidden_NH, weights_NK, *full)
+    ref_leaves = leaves(hidden_NH, weights_NK, *full)
     ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
                                              *ref_leaves[2:], *STATIC)
     gen = torch.Generator().manual_seed(3)
     grad_NH = torch.randn(ref_NH.shape, generator=gen).to(ref_NH.device, dtype)
     ref_NH.backward(grad_NH)
 
-    hidden_TH, weights_TK, *experts = _leaves(hidden_NH[mine], weights_NK[mine],
+    hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
                                               *(w[local] for w in full))
     out_TH = _chain(a2a, hidden_TH, weights_TK, ids_NK[mine], experts, capacity)
     assert out_TH.shape == (layout[rank], H) and out_TH.dtype == dtype
     out_TH.backward(grad_NH[mine])
 
-    _assert_close(out_TH, ref_NH[mine].detach())
-    _assert_close(hidden_TH.grad, ref_leaves[0].grad[mine], GRAD_TOLERANCES)
-    _assert_close(weights_TK.grad, ref_leaves[1].grad[mine], GRAD_TOLERANCES)
-    for ours, ref in zip(experts, ref_leaves[2:]):
-        _assert_close(ours.grad, ref.grad[local], GRAD_TOLERANCES)
+    assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
+                        local, _assert_close,
+                        lambda actual, expected: _assert_close(actual, expected, GRAD_TOLERANCES))
 
 
 def _check_overflow(rank, layout, a2a):
