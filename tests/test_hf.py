@@ -30,37 +30,35 @@ COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
           "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
+# family -> (config class, its sizes): tiny models of every family.
+CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=64, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=40, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=64, moe_intermediate_size=24,
+                                         num_experts=8, num_experts_per_tok=3,
+                                         norm_topk_prob=True, head_dim=8)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                                  norm_topk_prob=False)),
+    # Layer 0 stays dense (first_k_dense_replace=1): the patch must leave it alone.
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16,
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=24, num_local_experts=8,
+                                     num_experts_per_tok=2, head_dim=8, sliding_window=8)),
+}
+
+
 def _config(family: str, **overrides):
-    if family == "mixtral":
-        return transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8,
-                                          num_experts_per_tok=2, **overrides)
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**COMMON, intermediate_size=64,
-                                           moe_intermediate_size=24,
-                                           shared_expert_intermediate_size=40, num_experts=8,
-                                           num_experts_per_tok=2, norm_topk_prob=False,
-                                           **overrides)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64,
-                                           moe_intermediate_size=24, num_experts=8,
-                                           num_experts_per_tok=3, norm_topk_prob=True,
-                                           head_dim=8, **overrides)
-    if family == "olmoe":
-        return transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8,
-                                        num_experts_per_tok=2, norm_topk_prob=False, **overrides)
-    if family == "deepseek_v3":
-        # Layer 0 stays dense (first_k_dense_replace=1): the patch must leave it alone.
-        return transformers.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4}, intermediate_size=64,
-            moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-            topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **overrides)
-    assert family == "gpt_oss"
-    return transformers.GptOssConfig(**COMMON, intermediate_size=24, num_local_experts=8,
-                                     num_experts_per_tok=2, head_dim=8, sliding_window=8,
-                                     **overrides)
+    """``family``'s tiny config; ``overrides`` replace or add fields."""
+    class_name, sizes = CONFIGS[family]
+    return getattr(transformers, class_name)(**{**COMMON, **sizes, **overrides})
 
 
 # family -> (MoE blocks, expert tensors used in place, expert tensors converted)

@@ -26,52 +26,26 @@ from distributed import run_on_ranks
 transformers = pytest.importorskip("transformers")
 
 import torch_moe_ops as tmo
+from test_hf import FP32_TOL, make_model
 from torch_moe_ops import hf
 
-COMMON = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-          "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+VOCAB = 64
 # (batch, sequence) of each rank: different sizes, one rank with a single token.
 SHAPES = {2: ((2, 7), (1, 1)), 3: ((2, 7), (1, 1), (1, 5))}
 MAX_TOKENS = 14
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
-NUM_EXPERTS = {"qwen3_moe": 6, "deepseek_v3": 12, "gpt_oss": 6}
-
-
-def _config(family: str):
-    """Expert counts that divide over 2 and 3 ranks."""
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64,
-                                           moe_intermediate_size=24, num_experts=6,
-                                           num_experts_per_tok=2, norm_topk_prob=True,
-                                           head_dim=8)
-    if family == "deepseek_v3":
-        # Group-limited routing, a correction bias and a shared expert.
-        return transformers.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4}, intermediate_size=64,
-            moe_intermediate_size=16, n_routed_experts=12, num_experts_per_tok=4, n_group=4,
-            topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    assert family == "gpt_oss"  # converted expert tensors, expert biases
-    return transformers.GptOssConfig(**COMMON, intermediate_size=24, num_local_experts=6,
-                                     num_experts_per_tok=2, head_dim=8, sliding_window=8)
+EP_SIZES = {"qwen3_moe": dict(num_experts=6, num_experts_per_tok=2),
+            "deepseek_v3": dict(n_routed_experts=12),
+            "gpt_oss": dict(num_local_experts=6)}
 
 
 def _model(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.1, 0.1)
-    return model
+    # test_hf's tiny model, with expert counts that divide over 2 and 3 ranks.
+    return make_model(family, vocab_size=VOCAB, **EP_SIZES[family])
 
 
 def _ids(rank: int, world_size: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + rank)
-    return torch.randint(3, COMMON["vocab_size"], SHAPES[world_size][rank],
+    return torch.randint(3, VOCAB, SHAPES[world_size][rank],
                          generator=generator)  # [B, S]
 
 
@@ -112,7 +86,8 @@ def _check_family(rank, world_size, family):
     numel_before = sum(p.numel() for p in model.parameters())
 
     report = _patch(model)
-    num_local = NUM_EXPERTS[family] // world_size
+    (num_experts,) = {tensor.shape[0] for tensors in full.values() for tensor in tensors.values()}
+    num_local = num_experts // world_size
     local = range(rank * num_local, (rank + 1) * num_local)
     assert report.patched == sorted(full) and report.skipped == {}
     assert all(block.local_experts == local for block in report.blocks)
