@@ -13,6 +13,7 @@ from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
+    QUANT_EXPERTS_OPS,
     REGISTRY,
     ExpertsBackend,
     Problem,
@@ -90,7 +91,7 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
             continue
         problems[node] = problem_of(name, _example_args(node))
         layer_of[node] = node
-        if name in EXPERTS_OPS or name in A2A_OPS:
+        if name in EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS:
             for arg in node.all_input_nodes:
                 producer = _producer(arg)
                 if producer in layer_of and _generic_op(producer) != "route":
@@ -131,13 +132,13 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
         device = _value(node.args[0]).device
         # Routing runs on fp32 logits: only the ops that carry activations decide
         # (and must agree on) the experts and a2a backends.
-        if op[1] in EXPERTS_OPS or op[1] in A2A_OPS:
+        if op[1] in EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS:
             experts = check_combination(spec, device, problem)
         namespace = namespace_for(op[1], spec, device, problem)
         if op[1] == "dispatch":
             # Per layer, in the node: no process state, so models may differ.
             node.meta["moe_dispatch_dtype"] = resolve_dispatch_dtype(
-                problem.dtype, spec.dispatch_dtype, spec.quant, experts.dispatch_dtype,
+                problem.dtype, spec.dispatch_dtype, problem.quant, experts.dispatch_dtype,
                 repr(experts.name))
         packet = getattr(getattr(torch.ops, namespace), op[1])
         node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import torch_moe_ops  # noqa: F401  (registers the ops and their eager kernels)
+from torch_moe_ops import quant
+from torch_moe_ops.config import QuantSpec
 
 # Per-dtype bounds on the error of an op against an fp64 formula evaluated on the
 # same (rounded) inputs: the ops accumulate in fp32 and round the result once.
@@ -143,3 +145,47 @@ def poisoned_empty(monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
+@dataclasses.dataclass
+class QuantInputs:
+    """The tensor arguments of ``moe::experts_quant``: `ExpertInputs`' weights
+    quantized to ``spec`` (`torch_moe_ops.quant`), biases and activations unquantized."""
+
+    spec: QuantSpec
+    float_inputs: ExpertInputs
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+
+    def weight_args(self, activation: str = "silu", swiglu_alpha: float = 1.702,
+                    swiglu_limit: float = 7.0) -> tuple:
+        """Everything after the activations and routing, in schema order."""
+        f = self.float_inputs
+        return (self.w13, self.w2, self.w13_scale, self.w2_scale, f.b13_EF, f.b2_EH,
+                self.spec.weights, self.spec.activations, self.spec.block_list, activation,
+                swiglu_alpha, swiglu_limit)
+
+    def args(self, *static) -> tuple:
+        f = self.float_inputs
+        return (f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, *self.weight_args(*static))
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w13 [E, F, H]``, ``w2 [E, H, I]`` in fp32, as the quantized ones read back."""
+        return (quant.dequantize_weights(self.w13, self.w13_scale, self.spec),
+                quant.dequantize_weights(self.w2, self.w2_scale, self.spec))
+
+
+def make_quant_inputs(generator: torch.Generator, spec: QuantSpec, **sizes) -> QuantInputs:
+    """`make_expert_inputs` (same keywords) with the weights quantized to ``spec``."""
+    f = make_expert_inputs(generator, **sizes)
+    w13, w13_scale = quant.quantize_weights(f.w13_EFH, spec)
+    w2, w2_scale = quant.quantize_weights(f.w2_EHI, spec)
+    return QuantInputs(spec, f, w13, w2, w13_scale, w2_scale)
+
+
+@pytest.fixture
+def quant_inputs(generator) -> Callable[..., QuantInputs]:
+    """``quant_inputs(spec, **sizes)``: see `make_quant_inputs`."""
+    return lambda spec, **kwargs: make_quant_inputs(generator, spec, **kwargs)

@@ -18,10 +18,20 @@ EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "fl
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
 FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")
 # What a layer may ask its tokens to travel in (`backends.dispatch_dtype` resolves
-# the choice per layer; today only the activations' own dtype has kernels, fp8
-# falls back with a warning). Quantized experts have no kernel yet.
+# the choice per layer).
 DISPATCH_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-QUANT_METHODS = (None,)
+# Quantized expert weights (`QuantSpec.weights`) and what their activations become
+# before each GEMM (`QuantSpec.activations`); the first activation format of each
+# weight format is its default.
+QUANT_WEIGHT_FORMATS = {
+    "fp8_tensor": ("fp8_token", "none"),
+    "fp8_channel": ("fp8_token", "none"),
+    "fp8_block": ("fp8_group", "none"),
+    "mxfp4": ("none",),
+}
+QUANT_ACTIVATION_FORMATS = ("fp8_token", "fp8_group", "none")
+# MXFP4 (OCP microscaling): 32 e2m1 values share one e8m0 scale.
+MXFP4_GROUP = 32
 
 
 def worst_case_capacity(max_tokens_per_rank: int, top_k: int, num_local_experts: int) -> int:
@@ -42,6 +52,94 @@ def _check_positive_int(field: str, value: object) -> None:
 def _check_choice(field: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         _fail(field, value, "one of " + ", ".join(repr(a) for a in allowed))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How a layer's expert weights are quantized, and its activations with them.
+
+    ``weights`` (each expert matrix ``W [N, K]``, ``N`` output and ``K`` input
+    columns; ``w = q * scale`` dequantizes):
+
+    - ``"fp8_tensor"``: float8_e4m3fn, one fp32 scale per expert matrix (``[E]``);
+    - ``"fp8_channel"``: float8_e4m3fn, one fp32 scale per output row (``[E, N]``);
+    - ``"fp8_block"``: float8_e4m3fn, one fp32 scale per ``block_size`` block
+      (``[E, N / bn, K / bk]``; DeepSeek-V3's ``weight_scale_inv``, 128 x 128);
+    - ``"mxfp4"``: e2m1 values packed two per uint8 (``[E, N, K / 2]``, the even
+      column in the low nibble) with one e8m0 scale (uint8, ``2 ** (s - 127)``)
+      per 32 columns (``[E, N, K / 32]``; GPT-OSS's ``blocks`` and ``scales``).
+
+    ``activations`` (before each of the two GEMMs, dynamically, from the values
+    at hand; ``None`` picks the weight format's default, the first listed):
+
+    - ``"fp8_token"``: float8_e4m3fn with one scale per row (``amax / 448``);
+    - ``"fp8_group"``: float8_e4m3fn with one scale per row and ``bk`` columns
+      (DeepSeek-V3's 1 x 128 groups), with ``fp8_block`` weights only;
+    - ``"none"``: the activations stay in their own dtype (weight-only: W8A16, W4A16).
+
+    Weights as stored: ``"fp8_*"`` with ``fp8_token``/``fp8_group`` is w8a8,
+    ``"mxfp4"`` with ``"none"`` is GPT-OSS's W4A16.
+    """
+
+    weights: str
+    activations: str | None = None
+    block_size: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("QuantSpec.weights", self.weights, tuple(QUANT_WEIGHT_FORMATS))
+        allowed = QUANT_WEIGHT_FORMATS[self.weights]
+        if self.activations is None:
+            object.__setattr__(self, "activations", allowed[0])
+        _check_choice(f"QuantSpec.activations (with weights={self.weights!r})",
+                      self.activations, allowed)
+        if self.weights == "fp8_block":
+            if self.block_size is None:
+                object.__setattr__(self, "block_size", (128, 128))
+            block = self.block_size
+            if (not isinstance(block, tuple) or len(block) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                               for b in block)):
+                _fail("QuantSpec.block_size", block, "a tuple of two positive ints (rows, "
+                      "columns of one scale block), e.g. (128, 128)")
+        elif self.block_size is not None:
+            _fail("QuantSpec.block_size", self.block_size,
+                  f"None unless weights='fp8_block' (got weights={self.weights!r})")
+
+    @property
+    def name(self) -> str:
+        """A short name, as results and errors print it: ``fp8_block128x128+fp8_group``."""
+        block = "" if self.block_size is None else "{}x{}".format(*self.block_size)
+        return f"{self.weights}{block}+{self.activations}"
+
+    @property
+    def block_list(self) -> list[int]:
+        """``block_size`` as the ops take it: ``[bn, bk]``, or ``[]`` without blocks."""
+        return list(self.block_size or ())
+
+    @classmethod
+    def from_op_args(cls, weight_format: str, activation_format: str,
+                     block_size: list[int]) -> QuantSpec:
+        """The spec of a quantized experts op call (its static arguments)."""
+        return cls(weight_format, activation_format, tuple(block_size) or None)
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
+        """Every GEMM's input columns (H for ``w13``, I for ``w2``) and output rows
+        (2I and H) must split into whole scale blocks and groups."""
+        if self.weights == "fp8_block":
+            rows, cols = self.block_size
+            for dim, size in (("hidden_size", hidden_size),
+                              ("intermediate_size", intermediate_size)):
+                if size % rows or size % cols:
+                    _fail(dim, size, f"a multiple of both block sizes {self.block_size} "
+                          f"(QuantSpec.block_size); hidden_size={hidden_size}, "
+                          f"intermediate_size={intermediate_size}")
+        if self.weights == "mxfp4":
+            for dim, size in (("hidden_size", hidden_size),
+                              ("intermediate_size", intermediate_size)):
+                if size % MXFP4_GROUP:
+                    _fail(dim, size, f"a multiple of {MXFP4_GROUP} for mxfp4 weights (one "
+                          f"scale per {MXFP4_GROUP} columns); hidden_size={hidden_size}, "
+                          f"intermediate_size={intermediate_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +178,9 @@ class MoEConfig:
     one rank passes in one call) and ``ep_capacity`` (rows one rank may send
     another; ``None`` is the worst case, which never overflows; a smaller one
     moves fewer bytes, and a batch that overflows it raises on every rank).
+
+    Quantized experts (``quant``, a `QuantSpec`): the block holds ``w13``/``w2``
+    in that format with their scales, and runs inference only.
     """
 
     hidden_size: int
@@ -102,6 +203,7 @@ class MoEConfig:
     ep_size: int = 1
     max_tokens_per_rank: int | None = None
     ep_capacity: int | None = None
+    quant: QuantSpec | None = None
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "intermediate_size", "num_experts", "top_k",
@@ -147,6 +249,10 @@ class MoEConfig:
         if self.num_experts % self.ep_size:
             _fail("ep_size", self.ep_size, f"a divisor of num_experts ({self.num_experts})")
         self._check_ep_sizes()
+        if self.quant is not None:
+            if not isinstance(self.quant, QuantSpec):
+                _fail("quant", self.quant, "a QuantSpec or None")
+            self.quant.check_sizes(self.hidden_size, self.intermediate_size)
         # Not a field: equality, hashing, repr and dataclasses.replace ignore it.
         object.__setattr__(self, "_float_text",
                            {field: repr(float(getattr(self, field))) for field in FLOAT_FIELDS})
@@ -207,17 +313,15 @@ class BackendSpec:
     ``experts="auto"`` picks the fastest available experts backend for the
     device and dtype. ``dispatch_dtype`` asks the tokens to travel in that dtype
     (resolved per layer, `torch_moe_ops.backends.dispatch_dtype`; ``None`` leaves
-    it to the rule, today the activation dtype). ``quant=None`` runs unquantized
-    weights, the only value with kernels today.
+    it to the rule). How weights are quantized is the layer's (`MoEConfig.quant`):
+    the experts backend chosen here must have kernels for it.
     """
 
     experts: str = "auto"
     a2a: str = "none"
     dispatch_dtype: torch.dtype | None = None
-    quant: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES)
         _check_choice("a2a", self.a2a, A2A_BACKEND_NAMES)
         _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
-        _check_choice("quant", self.quant, QUANT_METHODS)

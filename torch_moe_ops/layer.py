@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
+from torch_moe_ops import quant
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.config import MoEConfig
 
@@ -28,7 +29,11 @@ def without_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
-EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
+EXPERT_TENSORS = ("w13", "w2", "b13", "b2", "w13_scale", "w2_scale")
+# What quantized experts hold as buffers: stored bits, never cast.
+QUANT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
+# Integer dtypes of each element width, through which `MoE._apply` moves quantized tensors.
+BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def ep_process_group(cfg: MoEConfig, ep_group):
@@ -112,6 +117,14 @@ class MoE(nn.Module):
     ``cfg.max_tokens_per_rank`` tokens (0 too). `load_state_dict` (and
     `load_full_weights`) takes full ``[E, ...]`` expert tensors and keeps this
     rank's slice.
+
+    Quantized experts (``cfg.quant``, a `QuantSpec`; inference only): ``w13``,
+    ``w2`` and their scales ``w13_scale``, ``w2_scale`` are buffers in the
+    stored format (`torch_moe_ops.quant`: shapes and dtypes per format), and
+    ``forward`` calls ``moe::experts_quant`` (``moe::experts_rows_quant``).
+    ``dtype`` is then the activations' (and biases') dtype; ``module.to(dtype)``
+    leaves the stored bits alone. `reset_parameters` quantizes random weights;
+    checkpoints load with `load_state_dict` (or `torch_moe_ops.checkpoints`).
     """
 
     def __init__(self, cfg: MoEConfig, device=None, dtype=None, ep_group=None):
@@ -131,8 +144,17 @@ class MoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         num_local = cfg.num_local_experts
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter, **factory))
+        if cfg.quant is None:
+            self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, **factory))
+            self.w2 = nn.Parameter(torch.empty(num_local, hidden, inter, **factory))
+        else:
+            for name, rows, cols in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+                self.register_buffer(name, torch.empty(
+                    quant.weight_shape(cfg.quant, num_local, rows, cols),
+                    dtype=quant.weight_dtype(cfg.quant), device=device))
+                self.register_buffer(name + "_scale", torch.empty(
+                    quant.scale_shape(cfg.quant, num_local, rows, cols),
+                    dtype=quant.scale_dtype(cfg.quant), device=device))
         self.b13 = (nn.Parameter(torch.empty(num_local, 2 * inter, **factory))
                     if cfg.expert_bias else None)
         self.b2 = (nn.Parameter(torch.empty(num_local, hidden, **factory))
@@ -169,15 +191,43 @@ class MoE(nn.Module):
         ``to_empty`` (deferred initialisation from the meta device) this alone
         leaves no tensor holding uninitialised memory."""
         self.gate.reset_parameters()
+        cfg = self.cfg
         # Same scale as nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
-        for weight, fan_in in ((self.w13, self.cfg.hidden_size),
-                               (self.w2, self.cfg.intermediate_size)):
-            nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        for name, fan_in in (("w13", cfg.hidden_size), ("w2", cfg.intermediate_size)):
+            bound = 1 / math.sqrt(fan_in)
+            if cfg.quant is None:
+                nn.init.uniform_(getattr(self, name), -bound, bound)
+                continue
+            rows, cols = ((2 * cfg.intermediate_size, cfg.hidden_size) if name == "w13"
+                          else (cfg.hidden_size, cfg.intermediate_size))
+            stored = getattr(self, name)
+            w_ENK = torch.empty((stored.shape[0], rows, cols), device=stored.device,
+                                dtype=torch.float32).uniform_(-bound, bound)
+            q, scale = quant.quantize_weights(w_ENK, cfg.quant)
+            with torch.no_grad():
+                stored.copy_(q)
+                getattr(self, name + "_scale").copy_(scale)
         for bias in (self.b13, self.b2, self.e_score_correction_bias):
             if bias is not None:
                 nn.init.zeros_(bias)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        if self.cfg.quant is None:
+            return super()._apply(fn, recurse)
+        # Module.to(dtype), .half() and friends cast every floating-point tensor:
+        # quantized weights and their fp32 scales travel as integers of the same
+        # width instead, so a device move keeps their bits and a cast leaves them.
+        dtypes = {name: self._buffers[name].dtype for name in QUANT_TENSORS}
+        for name, dtype in dtypes.items():
+            self._buffers[name] = self._buffers[name].view(
+                BIT_VIEWS[self._buffers[name].element_size()])
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for name, dtype in dtypes.items():
+                self._buffers[name] = self._buffers[name].view(dtype)
 
     def route(self, x_TH: torch.Tensor):
         """Router logits [T, E] (fp32), top-k weights [T, K] (fp32) and ids [T, K] (int32)."""
@@ -199,14 +249,26 @@ class MoE(nn.Module):
         """The routed experts alone: ``[T, H]`` from tokens and their routing
         (global expert ids); across the expert-parallel group with ``ep_size > 1``."""
         cfg = self.cfg
-        expert_args = (self.w13, self.w2, self.b13, self.b2, cfg.activation,
-                       cfg.static_float("swiglu_alpha"), cfg.static_float("swiglu_limit"))
+        act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
+                    cfg.static_float("swiglu_limit"))
+        if cfg.quant is None:
+            expert_args = (self.w13, self.w2, self.b13, self.b2, *act_args)
+        else:
+            expert_args = (self.w13, self.w2, self.w13_scale, self.w2_scale, self.b13, self.b2,
+                           cfg.quant.weights, cfg.quant.activations, cfg.quant.block_list,
+                           *act_args)
         if cfg.ep_size == 1:
-            return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+            if cfg.quant is None:
+                return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+            return torch.ops.moe.experts_quant(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
         ep_args = (cfg.ep_size, self.ep_group_name, cfg.max_tokens_per_rank)
         x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
             x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args, cfg.rows_per_rank)
-        y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+        if cfg.quant is None:
+            y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+        else:
+            y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E,
+                                                    *expert_args)
         return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,4 +297,6 @@ class MoE(nn.Module):
             parts.append(f"scale={cfg.routed_scaling_factor}")
         if cfg.expert_bias:
             parts.append("expert_bias")
+        if cfg.quant is not None:
+            parts.append(f"quant={cfg.quant.name}")
         return ", ".join(parts)

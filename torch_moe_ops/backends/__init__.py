@@ -43,6 +43,7 @@ from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
+    QUANT_EXPERTS_OPS,
     REGISTRY,
     ROUTE_NAMESPACE,
     BackendTable,
@@ -66,7 +67,7 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
     ``experts_backward`` runs where the gradient of the chosen experts backend's
     ops runs (`ops.experts.backward_namespace`).
     """
-    if op_name in EXPERTS_OPS:
+    if op_name in EXPERTS_OPS + QUANT_EXPERTS_OPS:
         return REGISTRY.choose_experts(spec, problem, device).namespace
     if op_name == "experts_backward":
         return backward_namespace(REGISTRY.choose_experts(spec, problem, device).namespace)

@@ -7,12 +7,25 @@ the sizes, dtype and expert-parallel layout it has to run.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.config import QuantSpec
 
 
-def _experts_problem(x, w13, activation, top_k=None) -> Problem:
+def _experts_problem(x, w13, activation, top_k=None, quant=None) -> Problem:
     return Problem(dtype=x.dtype, num_local_experts=w13.shape[0], hidden_size=x.shape[1],
-                   intermediate_size=w13.shape[1] // 2, top_k=top_k, activation=activation)
+                   intermediate_size=w13.shape[1] // 2, top_k=top_k, activation=activation,
+                   quant=quant)
+
+
+def _quant_problem(x, w13, static, top_k=None, out_dtype=None) -> Problem:
+    """``static``: (weight_format, activation_format, block_size, activation, ...)."""
+    weight_format, activation_format, block_size, activation, *_ = static
+    problem = _experts_problem(x, w13, activation, top_k,
+                               QuantSpec.from_op_args(weight_format, activation_format,
+                                                      block_size))
+    return dataclasses.replace(problem, dtype=out_dtype or x.dtype)
 
 
 def _ep_problem(x, top_k, ep_size, max_tokens_per_rank, num_experts=None, capacity=None
@@ -36,6 +49,12 @@ def problem_of(op_name: str, args: tuple) -> Problem:
     if op_name == "experts_rows":
         x_rows, _, _, w13, _, _, _, activation, *_ = args
         return _experts_problem(x_rows, w13, activation)
+    if op_name == "experts_quant":
+        hidden, _, topk_ids, w13, _, _, _, _, _, *static = args
+        return _quant_problem(hidden, w13, static, topk_ids.shape[1])
+    if op_name == "experts_rows_quant":
+        x_rows, _, _, _, w13, _, _, _, _, _, *static = args
+        return _quant_problem(x_rows, w13, static, out_dtype=static[-1])
     if op_name == "dispatch":
         hidden, _, topk_ids, num_experts, ep_size, _, max_tokens, capacity = args
         return _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts, capacity)

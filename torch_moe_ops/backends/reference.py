@@ -12,6 +12,10 @@ nothing to the output or to any gradient, and gets exactly zero weight gradient,
 as the per-slot formula says. That costs E/K times the FLOPs of a sparse kernel
 but needs no data-dependent shapes, no host sync and no sort, so it is
 trivially right, and it runs on any device.
+
+Quantized experts (``experts_quant``, ``experts_rows_quant``) read their weights
+back in fp32 (`torch_moe_ops.quant`) and round each GEMM's input through the
+activation format, then run as above: the oracle of every quantized kernel.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import math
 
 import torch
 
+from torch_moe_ops import quant
 from torch_moe_ops.backends.common.activation import activation, activation_backward
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
 
@@ -81,14 +87,18 @@ def _only(chosen_T1: torch.Tensor, t_TX: torch.Tensor) -> torch.Tensor:
     return torch.where(chosen_T1, t_TX, 0)
 
 
-def _expert_forward(x_TH, w13_FH, w2_HI, b13_F, b2_H, act, alpha, limit):
+def _expert_forward(x_TH, w13_FH, w2_HI, b13_F, b2_H, act, alpha, limit,
+                    round_trip=None):
     """One expert on inputs in the compute dtype; returns the output and what the
-    backward needs."""
+    backward needs. ``round_trip`` is what the second GEMM's input goes through
+    first (the activations' quantization of quantized experts)."""
     h_TF = x_TH @ w13_FH.to(x_TH.dtype).t()
     if b13_F is not None:
         h_TF = h_TF + b13_F.to(x_TH.dtype)
     gate_TI, up_TI = h_TF.chunk(2, dim=-1)
     a_TI = activation(gate_TI, up_TI, act, alpha, limit)
+    if round_trip is not None:
+        a_TI = round_trip(a_TI)
     y_TH = a_TI @ w2_HI.to(x_TH.dtype).t()
     if b2_H is not None:
         y_TH = y_TH + b2_H.to(x_TH.dtype)
@@ -99,17 +109,64 @@ def _bias(b, e):
     return None if b is None else b[e]
 
 
-def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
-            act, alpha, limit):
+def _experts_dense(x_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
+                   alpha, limit, round_trip=None):
+    """Every expert on every token in ``x_TH``'s (compute) dtype, kept where chosen."""
     num_experts = w13_EFH.shape[0]
-    x_TH = hidden_TH.to(compute_dtype(hidden_TH.dtype))
     weights_TE, chosen_TE = _per_expert(topk_weights_TK, topk_ids_TK, num_experts, x_TH.dtype)
     out_TH = torch.zeros_like(x_TH, memory_format=torch.contiguous_format)
     for e in range(num_experts):
         y_TH = _expert_forward(x_TH, w13_EFH[e], w2_EHI[e], _bias(b13_EF, e), _bias(b2_EH, e),
-                               act, alpha, limit)[0]
+                               act, alpha, limit, round_trip)[0]
         out_TH += _only(chosen_TE[:, e:e + 1], weights_TE[:, e:e + 1] * y_TH)
-    return out_TH.to(hidden_TH.dtype)
+    return out_TH
+
+
+def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
+            act, alpha, limit):
+    x_TH = hidden_TH.to(compute_dtype(hidden_TH.dtype))
+    return _experts_dense(x_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
+                          act, alpha, limit).to(hidden_TH.dtype)
+
+
+def _experts_dequantized(x_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w2_scale,
+                         b13_EF, b2_EH, weight_format, activation_format, block_size, act,
+                         alpha, limit):
+    """Quantized experts on activations ``x_TH`` already through their first
+    round trip: the weights read back in fp32, the second GEMM's input rounded
+    through the activation format as the first's was."""
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    w13_EFH = quant.dequantize_weights(w13, w13_scale, spec).to(x_TH.dtype)
+    w2_EHI = quant.dequantize_weights(w2, w2_scale, spec).to(x_TH.dtype)
+    return _experts_dense(x_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH,
+                          act, alpha, limit,
+                          lambda a_TI: quant.round_trip_activations(a_TI, spec).to(a_TI.dtype))
+
+
+def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w2_scale,
+                  b13_EF, b2_EH, weight_format, activation_format, block_size, act, alpha,
+                  limit):
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    x_TH = quant.round_trip_activations(hidden_TH, spec).to(compute_dtype(hidden_TH.dtype))
+    return _experts_dequantized(
+        x_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
+        weight_format, activation_format, block_size, act, alpha, limit).to(hidden_TH.dtype)
+
+
+def experts_rows_quant(x_RH, x_scale, expert_R, count_E, w13, w2, w13_scale, w2_scale, b13_EF,
+                       b2_EH, weight_format, activation_format, block_size, act, alpha, limit,
+                       out_dtype):
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    out_dtype = x_RH.dtype if out_dtype is None else out_dtype
+    if x_scale is None:
+        x_RH = quant.round_trip_activations(x_RH, spec)
+    else:
+        x_RH = quant.dequantize_activations(x_RH, x_scale, spec)
+    weights_R1 = torch.ones((x_RH.shape[0], 1), dtype=torch.float32, device=x_RH.device)
+    return _experts_dequantized(
+        x_RH.to(compute_dtype(out_dtype)), weights_R1, expert_R.unsqueeze(1), w13, w2,
+        w13_scale, w2_scale, b13_EF, b2_EH, weight_format, activation_format, block_size, act,
+        alpha, limit).to(out_dtype)
 
 
 def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
@@ -164,7 +221,8 @@ def supports(spec, problem, device) -> str | None:
 
 define_backend_ops(NAMESPACE, {"route": route, "experts": experts,
                                "experts_backward": experts_backward,
-                               "experts_rows": experts_rows})
+                               "experts_rows": experts_rows, "experts_quant": experts_quant,
+                               "experts_rows_quant": experts_rows_quant})
 # Routing is a handful of small torch ops: compiled, Inductor fuses them with the
 # router's matmul epilogue instead of launching each from a Python kernel.
 decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)

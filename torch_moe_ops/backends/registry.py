@@ -21,10 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from torch_moe_ops.config import BackendSpec, MoEConfig
+from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
 from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, defines
 
 EXPERTS_OPS = ("experts", "experts_rows")
+# The experts ops on quantized weights: a backend has kernels for quantized
+# weights exactly where its namespace defines these (its `supports` says which formats).
+QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 ROUTE_NAMESPACE = REFERENCE_NAMESPACE
 # Where the gradient of an experts backend without one of its own runs.
@@ -52,7 +55,7 @@ class Problem:
     ep_size: int | None = None
     capacity: int | None = None
     max_tokens_per_rank: int | None = None
-    quant: str | None = None
+    quant: QuantSpec | None = None
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dtype: torch.dtype) -> Problem:
@@ -62,7 +65,7 @@ class Problem:
                    intermediate_size=cfg.intermediate_size, top_k=cfg.top_k,
                    activation=cfg.activation, ep_size=cfg.ep_size,
                    capacity=cfg.rows_per_rank if cfg.ep_size > 1 else None,
-                   max_tokens_per_rank=cfg.max_tokens_per_rank)
+                   max_tokens_per_rank=cfg.max_tokens_per_rank, quant=cfg.quant)
 
     def merged(self, other: Problem) -> Problem:
         """The fields either knows (this one's where both do): one layer's ops
@@ -97,6 +100,13 @@ class ExpertsBackend:
     dispatch_dtype: torch.dtype | None = None
     backward: SupportsFn | None = None
 
+    def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
+        """``supports``, after the rule every experts backend shares: quantized
+        weights need the backend's quantized ops."""
+        if problem.quant is not None and not defines(self.namespace, QUANT_EXPERTS_OPS[0]):
+            return f"has no kernels for quantized weights ({problem.quant.name})"
+        return self.supports(spec, problem, device)
+
     def backward_runs(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str:
         """Where its gradient runs on ``problem``: ``"own"`` or ``"reference"``."""
         own = self.backward is not None and self.backward(spec, problem, device) is None
@@ -112,6 +122,9 @@ class A2ABackend:
     layout: str
     supports: SupportsFn
     description: str
+
+    def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
+        return self.supports(spec, problem, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +191,12 @@ class Registry:
         if spec.experts == "auto":
             candidates = sorted(self.experts.values(), key=lambda b: -b.priority)
             for backend in candidates:
-                if backend.supports(spec, problem, device) is None:
+                if backend.why_not(spec, problem, device) is None:
                     return backend
             raise ValueError(f"no experts backend runs on {device} with {problem.dtype}: "
                              + self._why_not(self.experts, spec, problem, device))
         backend = self._lookup("experts", self.experts, spec.experts)
-        reason = backend.supports(spec, problem, device)
+        reason = backend.why_not(spec, problem, device)
         if reason is not None:
             raise ValueError(f"experts backend {spec.experts!r} is not available: {reason}; "
                              + self._available("experts", self.experts, spec, problem, device))
@@ -191,7 +204,7 @@ class Registry:
 
     def choose_a2a(self, spec: BackendSpec, problem: Problem, device: torch.device) -> A2ABackend:
         backend = self._lookup("a2a", self.a2a, spec.a2a)
-        reason = backend.supports(spec, problem, device)
+        reason = backend.why_not(spec, problem, device)
         if reason is not None:
             raise ValueError(f"a2a backend {spec.a2a!r} is not available: {reason}; "
                              + self._available("a2a", self.a2a, spec, problem, device))
@@ -220,13 +233,13 @@ class Registry:
 
     @staticmethod
     def _available(kind, backends, spec, problem, device) -> str:
-        names = [n for n, b in backends.items() if b.supports(spec, problem, device) is None]
+        names = [n for n, b in backends.items() if b.why_not(spec, problem, device) is None]
         return f"available {kind} backends on {device} with {problem.dtype}: " + (
             ", ".join(names) or "none")
 
     @staticmethod
     def _why_not(backends, spec, problem, device) -> str:
-        return "; ".join(f"{n}: {b.supports(spec, problem, device)}"
+        return "; ".join(f"{n}: {b.why_not(spec, problem, device)}"
                          for n, b in backends.items())
 
 
