@@ -16,7 +16,15 @@ ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 
 
 @triton.jit
+def _fp32(swiglu_alpha, swiglu_limit):
+    # Inductor passes Python floats to the kernels it launches as fp64 scalars:
+    # mixed into an fp32 accumulator they would make it fp64, which tl.dot rejects.
+    return tl.cast(swiglu_alpha, tl.float32), tl.cast(swiglu_limit, tl.float32)
+
+
+@triton.jit
 def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
+    swiglu_alpha, swiglu_limit = _fp32(swiglu_alpha, swiglu_limit)
     if ACTIVATION == 0:
         return gate * tl.sigmoid(gate) * up
     elif ACTIVATION == 1:
@@ -31,6 +39,7 @@ def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
 def _activate_backward(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
     """``(act(gate, up), d act / d gate, d act / d up)``: `activation_backward`'s
     closed forms (clamp passes the gradient inside its bounds, ends included)."""
+    swiglu_alpha, swiglu_limit = _fp32(swiglu_alpha, swiglu_limit)
     if ACTIVATION == 0:
         sig = tl.sigmoid(gate)
         silu = gate * sig
