@@ -22,16 +22,19 @@ fp32 and writes bf16 (all that ``torch._scaled_grouped_mm`` writes); the result
 is cast to the activations' dtype, which `supports` asks to be bf16.
 
 What ``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=bf16)``
-takes here (torch 2.11 and 2.13, sm90, the rowwise CUTLASS kernel): ``a [M, K]``
-float8_e4m3fn row-major; ``b [E, K, N]`` float8_e4m3fn column-major, which the
-stored ``w [E, N, K]`` transposed already is (no copy, no `prepare_weights`);
-``scale_a [M]`` fp32 contiguous; ``scale_b [E, N]`` fp32, contiguous in N;
-``offs [E]`` int32, the cumulative row ends (groups may be empty; rows from
-``offs[-1]`` on are left unwritten); K and N multiples of 16; fewer than 1024
-groups; no bias.
+takes here (its meta kernel in torch 2.13 and its CUDA source, the rowwise
+CUTLASS kernel for sm90; tests/test_grouped_mm_quant.py runs it on the GPU's
+torch, 2.11): ``a [M, K]`` float8_e4m3fn row-major; ``b [E, K, N]``
+float8_e4m3fn column-major, which the stored ``w [E, N, K]`` transposed already
+is (no copy, no `prepare_weights`); ``scale_a [M]`` fp32 contiguous;
+``scale_b [E, N]`` fp32, contiguous in N; ``offs [E]`` int32, the cumulative row
+ends (groups may be empty; rows from ``offs[-1]`` on are left unwritten); K and
+N multiples of 16; fewer than 1024 groups; no bias.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -112,12 +115,13 @@ def _check_runs(w13, w2, weight_format: str, activation_format: str, block_size)
 def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_MK, scale_M)``: each row of ``x_MK`` in float8_e4m3fn, row-major, with
     one fp32 scale (``amax / 448``). The values of `quant.quantize_activations`
-    for ``fp8_token``, bit for bit; the maximum is taken in ``x_MK``'s own dtype
-    (exact), without an fp32 copy."""
+    for ``fp8_token``, bit for bit, with fewer passes over ``x_MK`` when run op by
+    op: the maximum is taken in its own dtype (exact) in one reduction, and the
+    division reads it as it is (promoted to fp32 on the fly)."""
     x_MK = x_MK.contiguous()
-    amax_M1 = x_MK.abs().amax(dim=1, keepdim=True).float()
+    amax_M1 = torch.linalg.vector_norm(x_MK, math.inf, dim=1, keepdim=True).float()
     scale_M1 = amax_M1.clamp(min=quant.MIN_SCALE) / quant.FP8_MAX
-    q_MK = (x_MK.float() / scale_M1).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(quant.FP8_DTYPE)
+    q_MK = (x_MK / scale_M1).clamp_(-quant.FP8_MAX, quant.FP8_MAX).to(quant.FP8_DTYPE)
     return q_MK, scale_M1.view(-1)
 
 
