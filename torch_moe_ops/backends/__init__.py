@@ -8,7 +8,8 @@ Experts backends, highest ``auto`` priority first (each runs where its
 ``supports`` says; `available_backends()` prints what runs here and why not):
 
 - ``triton`` (`triton`): fused Triton kernels, CUDA.
-- ``grouped_mm`` (`grouped_mm`): ``torch._grouped_mm`` with Triton epilogues, bf16 on sm90+.
+- ``grouped_mm`` (`grouped_mm`): ``torch._grouped_mm`` with Triton epilogues, bf16 on sm90+;
+  fp8 w8a8 with rowwise scales on ``torch._scaled_grouped_mm`` (sm90).
 - ``cpu`` (`cpu`): the chosen experts only, on the CPU; the CPU default.
 - ``reference`` (`reference`): dense plain PyTorch, any device; the correctness oracle.
 

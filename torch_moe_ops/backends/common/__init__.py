@@ -7,6 +7,8 @@
 - `grouped_backward`: the experts' gradient on the routed rows only, grouped GEMMs.
 - `grouped_gemm`: the experts and their gradient on ``torch._grouped_mm`` with
   those epilogues.
+- `scaled_grouped_gemm`: quantized experts (fp8 w8a8, rowwise scales) on
+  ``torch._scaled_grouped_mm`` with the same sort and epilogues.
 - `launch`, `tracing`: how a backend op traced into a compiled graph launches its
   Triton kernels, and what it may ask of the trace (Inductor or not, fixed sizes).
 

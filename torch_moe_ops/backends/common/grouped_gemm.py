@@ -53,15 +53,25 @@ def _check_alignment(w13_EFH: torch.Tensor) -> None:
                          f"{ALIGNMENT}, got H={hidden}, I={intermediate}")
 
 
-def supports(spec, problem, device) -> str | None:
-    """``None`` where these functions run without a host sync, else why not
-    (the registry's ``supports`` signature; ``spec`` is not read)."""
+def device_reason(device, gpu: str = "a CUDA GPU of sm90 or newer") -> str | None:
+    """Why the epilogues cannot run on ``device`` beside a library GEMM that needs
+    ``gpu`` (no triton, no CUDA GPU), or ``None``; the GPU's architecture is the
+    caller's to check."""
     if not TRITON_INSTALLED:
         return "its activation and gather kernels need triton (pip install triton)"
     if device.type != "cuda":
-        return f"needs a CUDA GPU of sm90 or newer, got device {device.type}"
+        return f"needs {gpu}, got device {device.type}"
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU of sm90 or newer, this torch sees none"
+        return f"needs {gpu}, this torch sees none"
+    return None
+
+
+def supports(spec, problem, device) -> str | None:
+    """``None`` where these functions run without a host sync, else why not
+    (the registry's ``supports`` signature; ``spec`` is not read)."""
+    reason = device_reason(device)
+    if reason is not None:
+        return reason
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         return (f"needs sm90 or newer (torch._grouped_mm loops on the host before), "
@@ -90,9 +100,16 @@ def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, a
     if num_rows == 0:
         return torch.empty_like(x_RH, memory_format=torch.contiguous_format)
     y_RH = _grouped_gemms(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha, limit)
-    # One "slot" per row with weight 1: adds b2 and zeroes the skipped rows.
-    rows_R = torch.arange(num_rows, dtype=torch.int32, device=x_RH.device)
-    ones_R1 = torch.ones((num_rows, 1), dtype=torch.float32, device=x_RH.device)
+    return finish_rows(y_RH, expert_R, b2_EH)
+
+
+def finish_rows(y_RH, expert_R, b2_EH):
+    """``y_RH [R, H]`` with ``b2`` added and the rows of expert -1 zeroed, whatever
+    they held: how every ``experts_rows`` on grouped GEMMs ends."""
+    num_rows = y_RH.shape[0]
+    # One "slot" per row with weight 1.
+    rows_R = torch.arange(num_rows, dtype=torch.int32, device=y_RH.device)
+    ones_R1 = torch.ones((num_rows, 1), dtype=torch.float32, device=y_RH.device)
     return gather_weighted_sum(y_RH, rows_R, ones_R1, expert_R.view(-1, 1), b2_EH)
 
 
