@@ -31,10 +31,14 @@ QUANTIZATION_ERROR_BOUND = {"bf16": 1e-5, "fp8_block": 0.12, "fp8_channel": 0.12
 FP8_MODES = {"fp8_block": QuantSpec("fp8_block"), "fp8_channel": QuantSpec("fp8_channel")}
 
 
-@pytest.fixture
-def peer_vllm(monkeypatch):
-    """benchmarks/peer_vllm.py, imported as bench_experts.py imports it."""
+@pytest.fixture(autouse=True)
+def benchmarks_importable(monkeypatch):
+    """The benchmarks' modules import each other by name, as when a script runs."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+
+@pytest.fixture
+def peer_vllm():
     import peer_vllm
 
     return peer_vllm
@@ -78,32 +82,28 @@ def test_smoke_runs_every_format(tmp_path):
     assert any(line.startswith("decode (T=1, 16) within 1.3x") for line in lines)
 
 
-@pytest.mark.parametrize("name, bytes_per_weight", [
-    ("bf16", 2), ("fp8_block", 1 + 4 / 128**2), ("fp8_channel", None),
-    ("fp8_tensor", None), ("mxfp4", 0.5 + 1 / 32)])
-def test_floor_bytes_per_format(peer_vllm, name, bytes_per_weight):
-    """What one expert stores in each format: its memory floor's bytes."""
+@pytest.mark.parametrize("name, expected", [
+    ("bf16", 2 * 3 * 256 * 128),
+    ("fp8_block", 3 * 256 * 128 + 4 * 3 * 256 * 128 // 128**2),
+    ("fp8_channel", 3 * 256 * 128 + 4 * (2 * 128 + 256)),
+    ("fp8_tensor", 3 * 256 * 128 + 4 * 2),
+    ("mxfp4", 3 * 256 * 128 // 2 + 3 * 256 * 128 // 32)])
+def test_floor_bytes_per_format(name, expected):
+    """What one expert (H = 256, I = 128) stores in each format, weights and scales:
+    the bytes of its memory floor."""
     from weight_formats import expert_weights
 
     E, H, I = 2, 256, 128
     w13_EFH, w2_EHI = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
-    stored = expert_weights(name, w13_EFH, w2_EHI, None, None)
-    if name == "fp8_channel":
-        expected = 3 * H * I + 4 * (2 * I + H)
-    elif name == "fp8_tensor":
-        expected = 3 * H * I + 4 * 2
-    else:
-        expected = 3 * H * I * bytes_per_weight
-    assert stored.bytes_per_expert() == expected
+    assert expert_weights(name, w13_EFH, w2_EHI, None, None).bytes_per_expert() == expected
 
 
 def test_bad_formats_name_the_flag(tmp_path):
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_experts.py"), "--smoke",
-                             "--out", str(tmp_path), "--formats", "bf16,int4"],
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode != 0
-    assert "--formats must be comma-separated names from" in result.stderr
-    assert "'bf16,int4'" in result.stderr
+    import bench_experts
+
+    with pytest.raises(SystemExit, match=r"--formats must be comma-separated names from "
+                                         r"bf16, .*got 'bf16,int4'"):
+        bench_experts.main(["--smoke", "--out", str(tmp_path), "--formats", "bf16,int4"])
 
 
 def _routing(generator, num_tokens: int, num_experts: int, top_k: int, device):
