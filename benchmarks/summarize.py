@@ -102,7 +102,7 @@ def _verdict(target: str, checked: list[tuple[str, bool]], absent: str) -> str:
         return f"{target}: not measured ({absent})"
     missed = [text for text, met in checked if not met]
     if not missed:
-        return f"{target}: met at all {len(checked)} rows"
+        return f"{target}: met ({len(checked)} of {len(checked)} rows)"
     return (f"{target}: missed at {len(missed)} of {len(checked)} rows: " + "; ".join(missed))
 
 
