@@ -1,21 +1,40 @@
-"""Time the experts step of real MoE shapes on every available backend.
+"""Time the experts step of real MoE shapes on every available backend, bf16 and quantized.
 
-    python benchmarks/bench_experts.py --out results/ [--shapes mixtral,qwen3] [--tokens 1,16]
+    python benchmarks/bench_experts.py --out results/ [--shapes mixtral-8x7b,qwen3-30b-a3b] \\
+        [--tokens 1,16] [--formats bf16,fp8_block,fp8_channel,mxfp4] [--peers hf,vllm]
+    python benchmarks/bench_experts.py --out DIR --smoke    # CPU, tiny shapes: checks the script
 
-For each shape and token count: routing weights and ids in, ``[T, H]`` out. Our
-backends run as captured CUDA graphs (what a server replays), and so does vLLM's
-Triton kernel where its source is at hand (see peer_vllm.py); transformers'
-experts implementations run as they come (they may sync with the host, which a
-graph cannot capture) and compiled by Inductor, captured like ours. Each time
-is the median of cold runs (`cold_median_seconds`): before each run a read of
-1 GiB evicts L2 and leaves it clean. (``do_bench`` flushes by writing 256 MB, so
-a run begins by writing back the dirty L2; on a 20-50 us decode call that added
-8-10 us on an H200, work no model step does.) The floor of a row is the larger
-of the bytes of the experts it touches over the HBM read bandwidth and its FLOPs over
-the dense bf16 rate, both measured at the start of the same run.
+For each shape, weight format and token count: routing weights and ids in, ``[T, H]``
+out. Formats (weight_formats.py): ``bf16``; ``fp8_block`` (128 x 128 weight blocks,
+fp8 activations per 1 x 128 group, as DeepSeek-V3 ships), ``fp8_channel`` (per output
+row, fp8 activations per token), ``fp8_tensor``, and ``mxfp4`` (W4A16, as GPT-OSS
+ships), each quantized from the same random bf16 weights by `torch_moe_ops.quant`.
+Every format of one shape and token count routes the same tokens (seeded by T).
 
-Writes ``experts.csv``, ``experts.json`` and ``experts.png`` (latency against
-tokens, one line per backend and shape) to ``--out`` and prints a table last.
+Our backends run their experts op (``experts``, or ``experts_quant`` for a quantized
+format) as captured CUDA graphs (what a server replays); a backend without that op or
+whose ``supports()`` refuses the format is skipped, and its reason is printed and kept
+in ``experts.json``. The ``reference`` backend runs only where it is quick (it does
+E/K times the FLOPs; quantized, it reads every weight back in fp32). vLLM's Triton
+kernel runs where its source is at hand (see peer_vllm.py), captured too, in bf16 and
+in its two fp8 modes (``fp8_block``, ``fp8_channel``); transformers' experts
+implementations (bf16 only) run as they come (they may sync with the host, which a
+graph cannot capture) and compiled by Inductor, captured like ours. Each time is the
+median of cold runs (`cold_median_seconds`): before each run a read of 1 GiB evicts L2
+and leaves it clean. (``do_bench`` flushes by writing 256 MB, so a run begins by
+writing back the dirty L2; on a 20-50 us decode call that added 8-10 us on an H200,
+work no model step does.)
+
+The floor of a row is the larger of the bytes its touched experts store in the
+format (weights and scales) over the HBM read bandwidth and its FLOPs over the dense
+rate of its GEMMs: an fp8 ``torch._scaled_mm`` with per-row and per-column scales for
+w8a8 formats, a bf16 matmul otherwise, all measured at the start of the same run.
+``rel_err`` compares a row with the first row of its format (the reference where it
+ran); ``err_bf16`` with the unquantized experts on the same tokens.
+
+Writes ``experts.csv``, ``experts.json`` and ``experts.png`` (latency against tokens,
+one panel per format and shape) to ``--out``, prints every row, then the targets and
+a short summary table last (summarize.py).
 """
 
 from __future__ import annotations
@@ -26,18 +45,24 @@ import dataclasses
 import datetime
 import json
 import os
+import platform
 import statistics
+import time
 from collections.abc import Callable
 
+# peer_vllm, summarize and weight_formats are siblings of this script, whose folder
+# is on sys.path when it runs.
+import peer_vllm
+import summarize
 import torch
 import triton
 import triton.testing
-
-# A sibling of this script, whose folder is on sys.path when it runs.
-from peer_vllm import source_version, vllm_peers
+import weight_formats
+from weight_formats import ExpertWeights
 
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import QuantSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,27 +83,69 @@ SHAPES = {
     "deepseek-v3": Shape(256, 8, 7168, 2048),
 }
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+# --smoke: widths that split into 128 x 128 blocks and 32-column groups; at T=1 each
+# routed slot has 4 experts (vLLM's one-block-per-slot decode path), at 16 and 64 not.
+SMOKE_SHAPES = {
+    "smoke": Shape(8, 2, 256, 128),
+    "smoke-oai": Shape(8, 2, 256, 128, "swiglu_oai", True),
+}
+SMOKE_TOKENS = (1, 16, 64)
 # The dense reference does E/K times the useful FLOPs: run it only where that is quick.
 REFERENCE_MAX_SECONDS = 0.02
+# Quantized, it also reads all weights back in fp32 on every call: only this small.
+REFERENCE_QUANT_MAX_BYTES = 2**28
 # transformers' batched_mm gathers a weight matrix per row: skip it past this many bytes.
 PEER_MAX_BYTES = 16 * 2**30
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+PEERS = ("hf", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
     read_bytes_per_s: float
     bf16_flops_per_s: float
+    fp8_flops_per_s: float
+
+    def flops_per_s(self, spec: QuantSpec | None) -> float:
+        """The dense rate that bounds GEMMs of weights in ``spec`` (None: bf16)."""
+        return self.fp8_flops_per_s if weight_formats.uses_fp8_math(spec) else \
+            self.bf16_flops_per_s
 
 
-def measure_ceilings() -> Ceilings:
-    """HBM read bandwidth (sum over 4 GiB of bf16) and dense bf16 matmul rate (8192^3)."""
-    data = torch.randn(2**31, device="cuda", dtype=torch.bfloat16)
-    read_ms = triton.testing.do_bench(data.sum, return_mode="median")
-    data = None  # 4 GiB: free it before the matmul's inputs
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
-    return Ceilings(2**32 / (read_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3))
+def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of ``fn``: ``do_bench`` on a GPU, a few timed calls on the CPU."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, return_mode="median") * 1e-3
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device | None = None) -> Ceilings:
+    """HBM read bandwidth (sum over 4 GiB of bf16), dense bf16 matmul rate and fp8
+    ``torch._scaled_mm`` rate with per-row and per-column fp32 scales (8192^3) on
+    ``device`` (default the GPU); on the CPU, of sizes that take moments."""
+    device = device or torch.device("cuda")
+    cuda = device.type == "cuda"
+    count, n = (2**31, 8192) if cuda else (2**24, 256)
+    data = torch.randn(count, device=device, dtype=torch.bfloat16)
+    read_s = median_seconds(data.sum, device)
+    data = None  # 4 GiB: free it before the matmuls' inputs
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm_s = median_seconds(lambda: a @ b, device)
+    # _scaled_mm takes its second operand column-major.
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    scale_a = torch.ones(n, 1, device=device)
+    scale_b = torch.ones(1, n, device=device)
+    fp8_s = median_seconds(lambda: torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b,
+                                                    out_dtype=torch.bfloat16), device)
+    flops = 2 * n**3
+    return Ceilings(count * 2 / read_s, flops / mm_s, flops / fp8_s)
 
 
 def cold_median_seconds(fn: Callable[[], object], flush_buffer: torch.Tensor,
@@ -101,35 +168,44 @@ def cold_median_seconds(fn: Callable[[], object], flush_buffer: torch.Tensor,
     return statistics.median(times)
 
 
-def _randn(*size, scale, generator):
-    return (torch.randn(*size, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+def _randn(*size, scale, generator, dtype=torch.bfloat16):
+    return (torch.randn(*size, device=generator.device, generator=generator) * scale).to(dtype)
 
 
-def make_weights(shape: Shape, generator: torch.Generator):
-    """``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``b13 [E, 2I]?``, ``b2 [E, H]?`` in bf16."""
+def make_weights(shape: Shape, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    """``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``b13 [E, 2I]?``, ``b2 [E, H]?`` in ``dtype``,
+    on the generator's device."""
     E, H, I = shape.num_experts, shape.hidden, shape.inter
-    return (_randn(E, 2 * I, H, scale=H**-0.5, generator=generator),
-            _randn(E, H, I, scale=I**-0.5, generator=generator),
-            _randn(E, 2 * I, scale=0.1, generator=generator) if shape.bias else None,
-            _randn(E, H, scale=0.1, generator=generator) if shape.bias else None)
+    random = dict(generator=generator, dtype=dtype)
+    return (_randn(E, 2 * I, H, scale=H**-0.5, **random),
+            _randn(E, H, I, scale=I**-0.5, **random),
+            _randn(E, 2 * I, scale=0.1, **random) if shape.bias else None,
+            _randn(E, H, scale=0.1, **random) if shape.bias else None)
 
 
 def make_problem(shape: Shape, num_tokens: int, weights, generator: torch.Generator):
-    """Tokens routed by softmax top-k over random logits, plus the shared weights."""
-    hidden_TH = _randn(num_tokens, shape.hidden, scale=1.0, generator=generator)
-    logits_TE = torch.randn(num_tokens, shape.num_experts, device="cuda", generator=generator)
+    """Tokens (in the weights' dtype) routed by softmax top-k over random logits, plus
+    the shared weights."""
+    hidden_TH = _randn(num_tokens, shape.hidden, scale=1.0, generator=generator,
+                       dtype=weights[0].dtype)
+    logits_TE = torch.randn(num_tokens, shape.num_experts, device=generator.device,
+                            generator=generator)
     topk_weights_TK, topk_ids_TK = torch.ops.moe.route(logits_TE, None, shape.top_k, "softmax",
                                                        True, 1, 1, 1.0)
     return (hidden_TH, topk_weights_TK, topk_ids_TK, *weights)
 
 
 def floor_seconds(shape: Shape, num_tokens: int, topk_ids_TK: torch.Tensor,
-                  ceilings: Ceilings) -> tuple[float, float, float, str]:
+                  ceilings: Ceilings, weights: ExpertWeights | None = None
+                  ) -> tuple[float, float, float, str]:
+    """``(floor, bytes, FLOPs, bound)`` of one call on ``weights`` (bf16 when None)."""
     touched = torch.unique(topk_ids_TK).numel()
-    weight_bytes = touched * 3 * shape.hidden * shape.inter * 2
+    expert_bytes = (3 * shape.hidden * shape.inter * 2 if weights is None
+                    else weights.bytes_per_expert())
+    weight_bytes = touched * expert_bytes
     flops = 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.inter
     memory_s = weight_bytes / ceilings.read_bytes_per_s
-    compute_s = flops / ceilings.bf16_flops_per_s
+    compute_s = flops / ceilings.flops_per_s(None if weights is None else weights.spec)
     bound = "memory" if memory_s >= compute_s else "compute"
     return max(memory_s, compute_s), weight_bytes, flops, bound
 
@@ -147,26 +223,86 @@ def graph_timer(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], tor
     return graph.replay, out
 
 
-def our_backends(shape: Shape, num_tokens: int) -> dict[str, str]:
-    device = torch.device("cuda")
+@dataclasses.dataclass
+class Bench:
+    """Where and how rows run: on the GPU (bf16, CUDA graphs, cold CUDA-event medians)
+    or, with ``--smoke``, on the CPU (fp32, plain calls, one timed call each).
+    ``skipped`` keeps each (shape, format, backend) left out, with its reason."""
+
+    device: torch.device
+    dtype: torch.dtype
+    ceilings: Ceilings
+    peers: frozenset[str]
+    flush_buffer: torch.Tensor | None = None
+    skipped: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def smoke(self) -> bool:
+        return self.device.type == "cpu"
+
+    def prepare(self, fn: Callable[[], torch.Tensor], capture: bool
+                ) -> tuple[Callable[[], object], torch.Tensor]:
+        """What to time (the graph's replay where ``capture`` and on a GPU, else
+        ``fn``) and the output it writes, after one run."""
+        if capture and not self.smoke:
+            replay, out = graph_timer(fn)
+            out.fill_(float("nan"))
+            replay()
+            return replay, out
+        return fn, fn()
+
+    def seconds(self, timed: Callable[[], object]) -> float:
+        if self.smoke:
+            # The CPU run checks the script, not speed: one call is timed.
+            start = time.perf_counter()
+            timed()
+            return time.perf_counter() - start
+        return cold_median_seconds(timed, self.flush_buffer)
+
+    def skip(self, shape_name: str, format_name: str, backend: str, reason: str) -> None:
+        entry = {"shape": shape_name, "format": format_name, "backend": backend,
+                 "reason": reason}
+        if entry not in self.skipped:
+            self.skipped.append(entry)
+            print(f"{shape_name} {format_name} {backend}: skipped: {reason}", flush=True)
+
+
+def our_backends(shape_name: str, shape: Shape, num_tokens: int, weights: ExpertWeights,
+                 bench: Bench) -> dict[str, str]:
+    """``{name: namespace}`` of our experts backends that run ``weights`` here."""
+    problem = Problem(bench.dtype, num_experts=shape.num_experts,
+                      num_local_experts=shape.num_experts, hidden_size=shape.hidden,
+                      intermediate_size=shape.inter, top_k=shape.top_k,
+                      activation=shape.activation, quant=weights.spec)
     names = {}
     for backend in REGISTRY.experts.values():
-        if backend.supports(tmo.BackendSpec(), Problem(torch.bfloat16), device) is not None:
+        # As "auto" sees it: on the CPU that leaves the Triton interpreter out.
+        reason = backend.why_not(tmo.BackendSpec(), problem, bench.device)
+        if reason is None and backend.name == "reference":
+            reason = _reference_too_slow(shape, num_tokens, weights)
+        if reason is not None:
+            bench.skip(shape_name, weights.format, backend.name, reason)
             continue
-        if backend.name == "reference":
-            dense_flops = 2 * num_tokens * shape.num_experts * 3 * shape.hidden * shape.inter
-            if dense_flops / 500e12 > REFERENCE_MAX_SECONDS:
-                continue
         names[backend.name] = backend.namespace
     return names
 
 
-def transformers_peers(shape: Shape, num_tokens: int, problem):
+def _reference_too_slow(shape: Shape, num_tokens: int, weights: ExpertWeights) -> str | None:
+    dense_flops = 2 * num_tokens * shape.num_experts * 3 * shape.hidden * shape.inter
+    if dense_flops / 500e12 > REFERENCE_MAX_SECONDS:
+        return "not timed at these widths and tokens (dense: E/K times the FLOPs)"
+    dequantized_bytes = shape.num_experts * 3 * shape.hidden * shape.inter * 4
+    if weights.spec is not None and dequantized_bytes > REFERENCE_QUANT_MAX_BYTES:
+        return "not timed at these widths (reads every weight back in fp32 on each call)"
+    return None
+
+
+def transformers_peers(shape: Shape, num_tokens: int, problem, compiled: bool = True):
     """transformers' experts implementations on the same weights (shared, same layout),
-    eager (``hf-<impl>``: run as they come, they may sync with the host) and compiled
-    (``hf-<impl>-compiled``: Inductor with ``fullgraph=True``, captured in a CUDA
-    graph as ours are; that is what ``mode="reduce-overhead"`` replays, without its
-    per-call host cost). Returns ``{name: (fn, capture)}``."""
+    eager (``hf-<impl>``: run as they come, they may sync with the host) and, with
+    ``compiled``, compiled (``hf-<impl>-compiled``: Inductor with ``fullgraph=True``,
+    captured in a CUDA graph as ours are; that is what ``mode="reduce-overhead"``
+    replays, without its per-call host cost). Returns ``{name: (fn, capture)}``."""
     try:
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts
@@ -192,10 +328,10 @@ def transformers_peers(shape: Shape, num_tokens: int, problem):
         experts.down_proj = torch.nn.Parameter(w2_EHI, requires_grad=False)
         peers[f"hf-{impl}"] = (lambda experts=experts: experts(hidden_TH, ids_TK, weights_TK),
                                False)
-        if impl != "eager":
-            compiled = torch.compile(experts, fullgraph=True)
+        if compiled and impl != "eager":
+            module = torch.compile(experts, fullgraph=True)
             peers[f"hf-{impl}-compiled"] = (
-                lambda compiled=compiled: compiled(hidden_TH, ids_TK, weights_TK), True)
+                lambda module=module: module(hidden_TH, ids_TK, weights_TK), True)
     return peers
 
 
@@ -203,128 +339,217 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
 
 
-def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights, ceilings: Ceilings,
-              generator: torch.Generator, flush_buffer: torch.Tensor) -> list[dict]:
-    problem = make_problem(shape, num_tokens, weights, generator)
-    hidden_TH, topk_weights_TK, topk_ids_TK, *weights = problem
-    floor_s, weight_bytes, flops, bound = floor_seconds(shape, num_tokens, topk_ids_TK, ceilings)
-    static = (shape.activation, 1.702, 7.0)
-    candidates: dict[str, tuple[Callable, bool]] = {}
-    # The reference, where it runs, goes first: it is what the others are checked against.
-    backends = sorted(our_backends(shape, num_tokens).items(), key=lambda b: b[0] != "reference")
+def candidates(shape_name: str, shape: Shape, num_tokens: int, routing, weights: ExpertWeights,
+               bf16_weights, bench: Bench) -> dict[str, tuple[Callable, bool]]:
+    """``{name: (fn, capture)}`` of every backend and peer that runs this row, the
+    reference first where it runs (the others are checked against it)."""
+    hidden_TH, topk_weights_TK, topk_ids_TK = routing
+    static = (shape.activation, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    found: dict[str, tuple[Callable, bool]] = {}
+    backends = sorted(our_backends(shape_name, shape, num_tokens, weights, bench).items(),
+                      key=lambda b: b[0] != "reference")
     for name, namespace in backends:
-        op = getattr(torch.ops, namespace).experts
-        candidates[name] = (lambda op=op: op(hidden_TH, topk_weights_TK, topk_ids_TK,
-                                              *weights, *static), True)
-    candidates.update(transformers_peers(shape, num_tokens, problem))
-    for name, fn in vllm_peers(shape, num_tokens, problem).items():
-        candidates[name] = (fn, True)
+        op = weights.op(namespace)
+        found[name] = (lambda op=op: op(hidden_TH, topk_weights_TK, topk_ids_TK,
+                                        *weights.op_args(), *static), True)
+    if "hf" in bench.peers and weights.spec is None:
+        found.update(transformers_peers(shape, num_tokens, (*routing, *bf16_weights),
+                                        compiled=not bench.smoke))
+    if "vllm" in bench.peers:
+        reason = peer_vllm.why_not(shape, weights.spec, bench.device)
+        if reason is not None:
+            bench.skip(shape_name, weights.format, "vllm-triton", reason)
+            return found
+        problem = (*routing, weights.w13, weights.w2, weights.b13_EF, weights.b2_EH)
+        scales = None if weights.spec is None else (weights.w13_scale, weights.w2_scale)
+        for name, fn in peer_vllm.vllm_peers(shape, num_tokens, problem, weights.spec,
+                                             scales).items():
+            found[name] = (fn, True)
+    return found
+
+
+def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights: ExpertWeights,
+              bf16_weights, bench: Bench) -> list[dict]:
+    """The rows of one shape, format and token count."""
+    # Seeded by T alone: every format of this shape and T routes the same tokens.
+    generator = torch.Generator(device=bench.device).manual_seed(num_tokens)
+    routing = make_problem(shape, num_tokens, bf16_weights, generator)[:3]
+    floor_s, weight_bytes, flops, bound = floor_seconds(shape, num_tokens, routing[2],
+                                                        bench.ceilings, weights)
+    unquantized_TH = torch.ops.moe.experts(*routing, *bf16_weights, shape.activation,
+                                           SWIGLU_ALPHA, SWIGLU_LIMIT)
     baseline: torch.Tensor | None = None
     rows = []
-    for name, (fn, capture) in candidates.items():
+    for name, (fn, capture) in candidates(shape_name, shape, num_tokens, routing, weights,
+                                          bf16_weights, bench).items():
         try:
-            if capture:
-                replay, out = graph_timer(fn)
-                out.fill_(float("nan"))
-                replay()
-                timed = replay
-            else:
-                out = fn()
-                timed = fn
+            timed, out = bench.prepare(fn, capture)
             if baseline is None:
                 baseline = out.clone()
             error = relative_error(out, baseline)
-            seconds = cold_median_seconds(timed, flush_buffer)
+            seconds = bench.seconds(timed)
         except torch.OutOfMemoryError:
+            print(f"{shape_name} {weights.format} T={num_tokens} {name}: out of memory",
+                  flush=True)
             torch.cuda.empty_cache()
             continue
         except Exception as e:  # noqa: BLE001 (one backend failing must not end the run)
-            print(f"{shape_name} T={num_tokens} {name}: failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[-1] if str(e) else ''}", flush=True)
+            print(f"{shape_name} {weights.format} T={num_tokens} {name}: failed: "
+                  f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}",
+                  flush=True)
             continue
         rows.append({
-            "shape": shape_name, "tokens": num_tokens, "backend": name,
-            "us": seconds * 1e6, "floor_us": floor_s * 1e6, "bound": bound,
+            "shape": shape_name, "tokens": num_tokens, "format": weights.format,
+            "backend": name, "us": seconds * 1e6, "floor_us": floor_s * 1e6, "bound": bound,
             "pct_floor": 100 * floor_s / seconds,
             "tb_per_s": weight_bytes / seconds / 1e12, "tflop_per_s": flops / seconds / 1e12,
-            "rel_err": error, "nan": bool(out.isnan().any()),
+            "rel_err": error, "err_bf16": relative_error(out, unquantized_TH),
+            "nan": bool(out.isnan().any()),
         })
+        print(f"{shape_name} {weights.format} T={num_tokens} {name}: {seconds * 1e6:.1f} us, "
+              f"{100 * floor_s / seconds:.0f}% of the floor", flush=True)
     return rows
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
+    """One panel per format (rows) and shape (columns): time against tokens per backend."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{path} not drawn: matplotlib is not installed (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    formats = list(dict.fromkeys(r.get("format", "bf16") for r in rows))
     shapes = sorted({r["shape"] for r in rows})
     backends = sorted({r["backend"] for r in rows})
-    colors = dict(zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        for backend in sorted({r["backend"] for r in rows if r["shape"] == shape}):
-            points = sorted((r["tokens"], r["us"]) for r in rows
-                            if r["shape"] == shape and r["backend"] == backend)
-            ax.plot(*zip(*points), marker="o", label=backend, color=colors[backend])
-        floor = sorted({(r["tokens"], r["floor_us"]) for r in rows if r["shape"] == shape})
-        ax.plot(*zip(*floor), "k--", label="floor")
-        ax.set(xscale="log", yscale="log", title=shape, xlabel="tokens", ylabel="us")
-        ax.legend(fontsize=7)
+    colors = dict(zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    fig, axes = plt.subplots(len(formats), len(shapes),
+                             figsize=(5 * len(shapes), 4.5 * len(formats)), squeeze=False)
+    for ax_row, fmt in zip(axes, formats):
+        for ax, shape in zip(ax_row, shapes):
+            cells = [r for r in rows if r["shape"] == shape and r.get("format", "bf16") == fmt]
+            for backend in sorted({r["backend"] for r in cells}):
+                points = sorted((r["tokens"], r["us"]) for r in cells if r["backend"] == backend)
+                ax.plot(*zip(*points), marker="o", label=backend, color=colors[backend])
+            floor = sorted({(r["tokens"], r["floor_us"]) for r in cells})
+            if floor:
+                ax.plot(*zip(*floor), "k--", label="floor")
+                ax.legend(fontsize=7)
+            ax.set(xscale="log", yscale="log", title=f"{shape} {fmt}", xlabel="tokens",
+                   ylabel="us")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def write_results(out: str, header: dict, rows: list[dict], draw: bool = True) -> None:
+    """``experts.json`` (header and rows), ``experts.csv`` and, with ``draw``,
+    ``experts.png`` in ``out``."""
+    with open(os.path.join(out, "experts.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    if not rows:
+        return
+    with open(os.path.join(out, "experts.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    if draw:
+        plot(rows, os.path.join(out, "experts.png"))
+
+
+def run(bench: Bench, shapes: dict[str, Shape], tokens: list[int], formats: list[str],
+        out: str, header: dict) -> list[dict]:
+    """Every row, written to ``out`` as each format of a shape ends (so a run stopped
+    by a time limit keeps what it finished)."""
+    header["skipped"] = bench.skipped
+    generator = torch.Generator(device=bench.device).manual_seed(0)
+    rows = []
+    for shape_name, shape in shapes.items():
+        bf16_weights = make_weights(shape, generator, bench.dtype)
+        for format_name in formats:
+            reason = weight_formats.why_not(format_name, shape.hidden, shape.inter)
+            if reason is not None:
+                bench.skip(shape_name, format_name, "every backend", reason)
+                continue
+            weights = weight_formats.expert_weights(format_name, *bf16_weights)
+            for num_tokens in tokens:
+                rows += bench_one(shape_name, shape, num_tokens, weights, bf16_weights, bench)
+            del weights
+            if not bench.smoke:
+                torch.cuda.empty_cache()
+            write_results(out, header, rows, draw=False)
+        del bf16_weights
+    write_results(out, header, rows)
+    return rows
+
+
+def _names(text: str | None, table, what: str) -> list:
+    """The names of a comma-separated ``--what`` value, each a key of ``table``
+    (all of them when ``text`` is None)."""
+    if text is None:
+        return list(table)
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in table]
+    if unknown or not names:
+        raise SystemExit(f"--{what} must be comma-separated names from {', '.join(table)}, "
+                         f"got {text!r}")
+    return names
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} (default all)")
+    parser.add_argument("--tokens", help=f"comma-separated T (default {TOKENS})")
+    parser.add_argument("--formats", default=",".join(weight_formats.DEFAULT_FORMATS),
+                        help=f"comma-separated, of {', '.join(weight_formats.FORMATS)}")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="comma-separated peers to time beside ours: hf, vllm (or none)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU in fp32: checks the script (the Triton "
+                             "kernels run only under TRITON_INTERPRET=1)")
     parser.add_argument("--plot-only", metavar="JSON",
                         help="redraw experts.png from an earlier run's experts.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.plot_only:
         with open(args.plot_only) as f:
             plot(json.load(f)["rows"], os.path.join(args.out, "experts.png"))
         return
+    formats = _names(args.formats, weight_formats.FORMATS, "formats")
+    peers = frozenset(() if args.peers == "none" else _names(args.peers, PEERS, "peers"))
+    shape_table = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = {name: shape_table[name] for name in _names(args.shapes, shape_table, "shapes")}
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(
+        SMOKE_TOKENS if args.smoke else TOKENS)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_experts.py needs a CUDA GPU; --smoke runs tiny shapes on the CPU")
+    device = torch.device("cpu" if args.smoke else "cuda")
     os.makedirs(args.out, exist_ok=True)
-    # The compiled peers recompile per shape and token count.
-    torch._dynamo.config.recompile_limit = 1024
-    ceilings = measure_ceilings()
+    if "hf" in peers and not args.smoke:
+        # The compiled peers recompile per shape and token count.
+        torch._dynamo.config.recompile_limit = 1024
+    ceilings = measure_ceilings(device)
+    bench = Bench(device, torch.float32 if args.smoke else torch.bfloat16, ceilings, peers,
+                  None if args.smoke else torch.empty(2**28, device=device,
+                                                      dtype=torch.float32))
     header = {
-        "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+        "device": (f"CPU {platform.machine()}" if args.smoke
+                   else torch.cuda.get_device_name()),
+        "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "triton": triton.__version__,
         # The vLLM release the vllm-triton peer ran from; None when there was none.
-        "vllm": source_version(),
+        "vllm": peer_vllm.source_version() if "vllm" in peers else None,
         "read_tb_per_s": ceilings.read_bytes_per_s / 1e12,
         "bf16_tflop_per_s": ceilings.bf16_flops_per_s / 1e12,
+        "fp8_tflop_per_s": ceilings.fp8_flops_per_s / 1e12,
+        "formats": formats, "smoke": args.smoke,
     }
-    print(json.dumps(header))
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    flush_buffer = torch.empty(2**28, device="cuda", dtype=torch.float32)
-    rows = []
-    for shape_name in args.shapes.split(","):
-        weights = make_weights(SHAPES[shape_name], generator)
-        for num_tokens in map(int, args.tokens.split(",")):
-            rows += bench_one(shape_name, SHAPES[shape_name], num_tokens, weights, ceilings,
-                              generator, flush_buffer)
-        del weights
-        torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "experts.json"), "w") as f:
-        json.dump({"header": header, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "experts.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, os.path.join(args.out, "experts.png"))
-    print(f"{'shape':14} {'T':>6} {'backend':14} {'us':>10} {'floor':>9} {'%floor':>7} "
-          f"{'TB/s':>6} {'TFLOP/s':>8} {'err':>8}")
-    for r in rows:
-        print(f"{r['shape']:14} {r['tokens']:>6} {r['backend']:14} {r['us']:>10.1f} "
-              f"{r['floor_us']:>9.1f} {r['pct_floor']:>6.1f}% {r['tb_per_s']:>6.2f} "
-              f"{r['tflop_per_s']:>8.1f} {r['rel_err']:>8.1e}"
-              + (" NaN!" if r["nan"] else ""))
-
+    print(json.dumps(header), flush=True)
+    rows = run(bench, shapes, tokens, formats, args.out, header)
+    print(summarize.row_table(rows))
+    print("\n" + "\n".join(summarize.target_lines(rows)))
+    print("\n" + summarize.summary_table(rows))
 
 if __name__ == "__main__":
     main()

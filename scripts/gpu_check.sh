@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
 # skips them), then with TUNE=<shapes> the config tuning of those benchmark
-# shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the experts
-# benchmark, one shape at a time; with MODEL=<shapes> the whole-model benchmark
+# shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the bf16 experts
+# benchmark, one shape at a time (BENCH_ARGS="--formats ..." for others; quantized
+# formats: scripts/quant_gpu_check.sh); with MODEL=<shapes> the whole-model benchmark
 # (bench_model.py, MODEL_ARGS passed on). Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ fi
 if [ "${BENCH:-0}" = 1 ]; then
   # One run per shape, each written as it ends, so a time limit keeps the shapes done.
   for shape in ${BENCH_SHAPES:-mixtral-8x7b qwen3-30b-a3b olmoe gpt-oss-20b deepseek-v3}; do
-    python3 benchmarks/bench_experts.py --out "$OUT/bench/$shape" --shapes "$shape" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$shape.log" | tail -12
+    python3 benchmarks/bench_experts.py --out "$OUT/bench/$shape" --shapes "$shape" --formats bf16 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$shape.log" | tail -12
     tar czf "$OUT/bench.tgz" -C "$OUT" bench
   done
 fi
