@@ -86,7 +86,11 @@ class ExpertsBackend:
 
     ``priority`` orders the candidates of ``experts="auto"`` (highest first);
     ``dispatch_dtype`` is the dtype its rows must arrive in, ``None`` for the
-    activations' own (a backend that quantizes inside wants them unquantized).
+    activations' own. ``quantized_rows`` names the activation formats
+    (`QuantSpec.activations`) in which its ``experts_rows_quant`` reads rows that
+    arrive quantized (fp8 ``x_rows`` with ``x_scale``, as ``moe::dispatch_quant``
+    sends them); a backend that quantizes its rows itself names none, and gets
+    them in the activation dtype (`backends.dispatch_dtype`).
     ``backward`` is ``None`` for a backend without a gradient of its own (its
     gradient runs on the reference backend); else the backend defines
     ``experts_backward`` and ``backward(spec, problem, device)`` returns ``None``
@@ -102,6 +106,7 @@ class ExpertsBackend:
     description: str
     dispatch_dtype: torch.dtype | None = None
     backward: SupportsFn | None = None
+    quantized_rows: tuple[str, ...] = ()
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         """``supports``, after the rule every experts backend shares: quantized

@@ -13,8 +13,9 @@ R rows (as ``moe::dispatch`` has them), G activation scale groups per row
 The outputs are ``moe::dispatch``'s six, in its order, ``x_rows`` in
 float8_e4m3fn, then ``x_scale``: what ``moe::experts_rows_quant`` reads as
 ``(x_rows, x_scale)`` with ``out_dtype=hidden.dtype``. Rows that carry nothing
-(``expert_rows == -1``) hold zeros and scale 0. Only the way there is quantized:
-``moe::combine`` takes the experts' output in the activation dtype.
+(``expert_rows == -1``) are skipped, and hold what they hold in ``moe::dispatch``,
+quantized or zero bytes. Only the way there is quantized: ``moe::combine`` takes
+the experts' output in the activation dtype.
 
 A row is a copy of its token, so quantizing before the transport gives every
 row the values ``experts_rows_quant`` would compute from the unquantized row
