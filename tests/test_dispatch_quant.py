@@ -323,3 +323,74 @@ def test_quantized_layers_dispatch_fp8_under_inductor():
     # Inductor fuses the quantization into the packing and keeps the idle rank's
     # collectives, whose outputs are empty there. One format: a compile takes a minute.
     run_on_ranks(WORLD_SIZE, _check_layer, W8A8_GROUP, torch.bfloat16, "inductor")
+
+
+# GPUs: the same on CUDA (NCCL), compiled by Inductor, with and without CUDA graphs.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_packed_rows_compile_on_cuda(name, generator):
+    """The packing (fp8 values and scales as bytes) in Inductor's generated code on
+    CUDA against the eager op; rows may differ by one fp8 step where Inductor's
+    division rounds otherwise."""
+    from torch_moe_ops.backends import local
+    from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
+
+    spec, device = SPECS[name], torch.device("cuda")
+    hidden_TH = torch.randn(7, H, generator=generator).to(device, torch.bfloat16)
+    ids_TK = torch.randint(0, E, (7, K), generator=generator, dtype=torch.int32).to(device)
+    args = (hidden_TH, torch.rand(7, K, generator=generator).to(device), ids_TK, E)
+    _assert_dispatch_quant_matches(torch.ops.moe.dispatch, torch.ops.moe.dispatch_quant,
+                                   args, (), spec)
+    kernel = quantized_dispatch(local.dispatch)
+    static = (spec.weights, spec.activations, spec.block_list, 1, "", 0, 0)
+    eager_RH, *_, eager_scale = kernel(*args, *static)
+    compiled_RH, *_, compiled_scale = torch.compile(kernel, fullgraph=True)(*args, *static)
+    assert compiled_RH.dtype == FP8 and compiled_RH.is_contiguous()
+    torch.testing.assert_close(compiled_scale, eager_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(quant.dequantize_activations(compiled_RH, compiled_scale, spec),
+                               quant.dequantize_activations(eager_RH, eager_scale, spec),
+                               rtol=0.13, atol=1e-6)
+
+
+GPU_LAYOUTS = ((MAX_TOKENS, 0), (3, MAX_TOKENS))
+
+
+def _gpu_cases(rank, world_size, a2a):
+    """Quantized layers sharded over 2 GPUs, compiled (Inductor, then CUDA graphs
+    replaying new tokens) with fp8 dispatch, against one GPU holding every expert."""
+    device = torch.device("cuda", rank)
+    for layout in GPU_LAYOUTS:
+        mine = token_slice(layout, rank)
+        for spec in SPECS.values():
+            for mode in (None, "reduce-overhead"):
+                torch._dynamo.reset()
+                torch.manual_seed(5)
+                # Built on the CPU so that every rank draws the same weights.
+                single = tmo.MoE(_config(1, spec)).to(device, torch.bfloat16)
+                sharded = tmo.MoE(_config(world_size, spec), device=device,
+                                  dtype=torch.bfloat16, ep_group=dist.group.WORLD)
+                sharded.load_full_weights(single.state_dict())
+                recording = _Lowered(tmo.backend(a2a=a2a, experts="reference", mode=mode))
+                compiled = torch.compile(sharded, backend=recording, fullgraph=True,
+                                         dynamic=False)
+                with torch.no_grad():
+                    for seed in range(3):
+                        gen = torch.Generator().manual_seed(seed)
+                        x_NH = torch.randn(sum(layout), H, generator=gen).to(device,
+                                                                             torch.bfloat16)
+                        out_TH = compiled(x_NH[mine]).clone()
+                        assert_close_scaled(out_TH, single(x_NH)[mine], 2e-2, 2e-2)
+                        assert_close_scaled(out_TH, sharded(x_NH[mine]), 2e-2, 2e-2)
+                namespace = A2A_NAMESPACES[a2a]
+                (gm,) = recording.graphs
+                assert moe_op_sequence(gm) == (
+                    f"moe_reference::route\n{namespace}::dispatch_quant\n"
+                    f"moe_reference::experts_rows_quant\n{namespace}::combine")
+    torch._dynamo.reset()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("a2a", sorted(A2A_NAMESPACES))
+def test_quantized_layers_dispatch_fp8_on_gpus(a2a):
+    run_on_ranks(WORLD_SIZE, _gpu_cases, a2a, backend="nccl", deadline_s=600)
