@@ -1,18 +1,29 @@
-"""Rewrite generic ``moe::*`` nodes of an FX graph to concrete backend ops."""
+"""Rewrite generic ``moe::*`` nodes of an FX graph to concrete backend ops.
+
+Each generic op becomes the chosen backend's op of the same name, with one
+exception, decided per layer by the dispatch dtype rule
+(`torch_moe_ops.backends.dispatch_dtype`): where a quantized layer's rows
+travel in fp8, ``moe::dispatch -> moe::experts_rows_quant(x_rows, None, ...)``
+becomes the a2a backend's ``dispatch_quant`` (quantize each token, send fp8
+rows and their scales) feeding ``experts_rows_quant(x_rows, x_scale, ...,
+out_dtype=<activation dtype>)``: the conversion is in the lowered graph, by name.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 from torch import fx
 
 from torch_moe_ops.backends import namespace_for
-from torch_moe_ops.backends.dispatch_dtype import resolve_dispatch_dtype
+from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
+    QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
     ExpertsBackend,
@@ -20,7 +31,10 @@ from torch_moe_ops.backends.registry import (
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import GENERIC_NAMESPACE
-from torch_moe_ops.ops.library import full_args
+from torch_moe_ops.ops.library import full_args, op_overload
+
+# The ops that carry a layer's activations: they decide (and must agree on) its backends.
+ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
 
 
 def _op_name(target: object) -> tuple[str, str] | None:
@@ -91,7 +105,7 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
             continue
         problems[node] = problem_of(name, _example_args(node))
         layer_of[node] = node
-        if name in EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS:
+        if name in ACTIVATION_OPS:
             for arg in node.all_input_nodes:
                 producer = _producer(arg)
                 if producer in layer_of and _generic_op(producer) != "route":
@@ -132,20 +146,84 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
         device = _value(node.args[0]).device
         # Routing runs on fp32 logits: only the ops that carry activations decide
         # (and must agree on) the experts and a2a backends.
-        if op[1] in EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS:
+        if op[1] in ACTIVATION_OPS:
             experts = check_combination(spec, device, problem)
         namespace = namespace_for(op[1], spec, device, problem)
+        changed = True
         if op[1] == "dispatch":
+            readers = _quantized_readers(node)
+            sides = DispatchSides.of(REGISTRY.choose_a2a(spec, problem, device), experts)
+            if readers is None:
+                sides = dataclasses.replace(sides, experts_quantized_rows=())
             # Per layer, in the node: no process state, so models may differ.
-            node.meta["moe_dispatch_dtype"] = resolve_dispatch_dtype(
-                problem.dtype, spec.dispatch_dtype, problem.quant, experts.dispatch_dtype,
-                repr(experts.name))
+            chosen = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, problem.quant,
+                                            sides)
+            node.meta["moe_dispatch_dtype"] = chosen
+            if chosen.dtype != problem.dtype:
+                _send_quantized(gm, node, readers, namespace, problem)
+                continue
         packet = getattr(getattr(torch.ops, namespace), op[1])
         node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet
-        changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
+
+
+def _schema_args(node: fx.Node) -> list:
+    """``node``'s arguments (nodes and constants) in schema order, defaults filled in."""
+    target = node.target
+    op = target if isinstance(target, torch._ops.OpOverload) else target.default
+    return list(full_args(op, node.args, node.kwargs))
+
+
+def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:
+    """The ``moe::experts_rows_quant`` nodes that read ``dispatch``'s ``x_rows``
+    unquantized (``x_scale`` and ``out_dtype`` None): those that can read fp8 rows
+    and scales instead. None where ``x_rows`` reaches anything else, or nothing."""
+    readers = []
+    for item in dispatch.users:
+        if item.target is not operator.getitem:
+            return None
+        if item.args[1] != 0:
+            continue
+        for reader in item.users:
+            if _generic_op(reader) != "experts_rows_quant":
+                return None
+            x_rows, x_scale, *_, out_dtype = _schema_args(reader)
+            if x_rows is not item or x_scale is not None or out_dtype is not None:
+                return None
+            readers.append(reader)
+    return readers or None
+
+
+def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node],
+                    namespace: str, problem: Problem) -> None:
+    """``dispatch`` becomes ``namespace::dispatch_quant`` (its six outputs, then
+    ``x_scale``), and each of ``readers`` reads its fp8 ``x_rows`` with ``x_scale``,
+    returning the activation dtype."""
+    hidden, topk_weights, topk_ids, num_experts, *ep_args = _schema_args(dispatch)
+    quant = problem.quant
+    op = op_overload(namespace, QUANT_A2A_OPS[0])
+    dispatch.target = op
+    dispatch.args = (hidden, topk_weights, topk_ids, num_experts, quant.weights,
+                     quant.activations, quant.block_list, *ep_args)
+    dispatch.kwargs = {}
+    values = [_value(a) for a in dispatch.args]
+    # The mode of the graph's own fake values (the backend may run inside another).
+    with _value(hidden).fake_mode:
+        outputs = op(*values)
+    # Fake values where the tracer keeps them (`_value`): Dynamo and make_fx differ.
+    key = "val" if "val" in dispatch.meta else "example_value"
+    dispatch.meta[key] = outputs
+    for item in dispatch.users:
+        item.meta[key] = outputs[item.args[1]]
+    with gm.graph.inserting_after(dispatch):
+        x_scale = gm.graph.call_function(operator.getitem, (dispatch, len(outputs) - 1))
+    x_scale.meta[key] = outputs[-1]
+    for reader in readers:
+        args = _schema_args(reader)
+        args[1], args[-1] = x_scale, problem.dtype
+        reader.args, reader.kwargs = tuple(args), {}
 
 
 def expert_parallel(gm: fx.GraphModule) -> bool:

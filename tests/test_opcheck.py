@@ -18,6 +18,7 @@ from torch_moe_ops.backends.registry import (
     A2A_OPS,
     BACKWARD_NAMESPACE,
     EXPERTS_OPS,
+    QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
     ROUTE_NAMESPACE,
@@ -64,7 +65,14 @@ SCHEMAS = {
                           "str activation_format, int[] block_size, str activation, "
                           "float swiglu_alpha, float swiglu_limit, "
                           "ScalarType? out_dtype=None) -> Tensor",
+    "dispatch_quant": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
+                      "str weight_format, str activation_format, int[] block_size, "
+                      f"{EP_ARGS}, int capacity=0) -> "
+                      "(Tensor x_rows, Tensor expert_rows, Tensor weight_rows, Tensor src_rows, "
+                      "Tensor count_experts, Tensor slot_map, Tensor x_scale)",
 }
+# The ops on quantized experts and rows: cases of their own (QUANT_CASES).
+QUANT_OPS = QUANT_EXPERTS_OPS + QUANT_A2A_OPS
 
 
 def implementations(dtype: torch.dtype, spec: QuantSpec = None
@@ -92,6 +100,8 @@ def implementations(dtype: torch.dtype, spec: QuantSpec = None
                       for op in EXPERTS_OPS + own_backward})
     for name, backend in REGISTRY.a2a.items():
         found.update({(backend.namespace, op): a2a_reasons[name] for op in A2A_OPS})
+        if backend.sends_quantized:
+            found.update({(backend.namespace, op): a2a_reasons[name] for op in QUANT_A2A_OPS})
     for (a2a, experts), namespace in REGISTRY.fused.items():
         reason = a2a_reasons[a2a] or experts_reasons[experts]
         found.update({(namespace, op): reason for op in EXPERTS_OPS + A2A_OPS})
@@ -173,15 +183,19 @@ def expert_args(case: str, expert_inputs) -> tuple:
 
 
 def quant_op_args(op_name: str, case: str, generator, quant_inputs) -> tuple:
-    """The arguments of ``moe::experts_quant`` / ``moe::experts_rows_quant`` for
-    ``case`` (``"<case>_prequantized"``: rows quantized by dispatch, fp8). No input
-    requires grad: the ops have none (tests/test_quant.py checks that asking raises)."""
+    """The arguments of ``moe::experts_quant`` / ``moe::experts_rows_quant`` /
+    ``moe::dispatch_quant`` for ``case`` (``"<case>_prequantized"``: rows quantized
+    by dispatch, fp8). No input requires grad: the ops have none (tests/test_quant.py
+    and tests/test_dispatch_quant.py check that asking raises)."""
     prequantized = case.endswith("_prequantized")
     spec, sizes, static = QUANT_CASES[case.removesuffix("_prequantized")]
     inputs = quant_inputs(spec, **QUANT_SIZES, **sizes)
     if op_name == "experts_quant":
         return inputs.args(*static)
     f = inputs.float_inputs
+    if op_name == "dispatch_quant":
+        return (f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, E, spec.weights,
+                spec.activations, spec.block_list)
     x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
         f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, E)
     if not prequantized:
@@ -193,7 +207,7 @@ def quant_op_args(op_name: str, case: str, generator, quant_inputs) -> tuple:
 def op_args(op_name: str, case: str, generator, expert_inputs, quant_inputs) -> tuple:
     if op_name == "route":
         return route_args(case, generator)
-    if op_name in QUANT_EXPERTS_OPS:
+    if op_name in QUANT_OPS:
         return quant_op_args(op_name, case, generator, quant_inputs)
     if case == "minus_one_rows":  # rows built by hand, -1 rows not at the end
         rows_RH = torch.randn((6, H), generator=generator)  # x_rows or y_rows
@@ -240,9 +254,12 @@ def op_args(op_name: str, case: str, generator, expert_inputs, quant_inputs) -> 
 def case_names(op_name: str) -> list:
     if op_name == "route":
         return list(ROUTE_CASES)
+    fp8_activations = [name for name, (spec, _, _) in QUANT_CASES.items()
+                       if spec.activations != "none"]
+    if op_name in QUANT_A2A_OPS:
+        return fp8_activations
     if op_name in QUANT_EXPERTS_OPS:
-        prequantized = [f"{name}_prequantized" for name, (spec, _, _) in QUANT_CASES.items()
-                        if spec.activations != "none"]
+        prequantized = [f"{name}_prequantized" for name in fp8_activations]
         return list(QUANT_CASES) + (prequantized if op_name == "experts_rows_quant" else [])
     names = list(EXPERT_CASES)
     if op_name in ("experts_rows", "combine", "dispatch_backward", "combine_backward"):
@@ -253,7 +270,7 @@ def case_names(op_name: str) -> list:
 def case_dtype(op_name: str, case: str) -> torch.dtype:
     if op_name == "route":
         return ROUTE_CASES[case][-1]
-    if op_name in QUANT_EXPERTS_OPS:
+    if op_name in QUANT_OPS:
         return QUANT_CASES[case.removesuffix("_prequantized")][1].get("dtype", torch.float32)
     return EXPERT_CASES.get(case, ({},))[0].get("dtype", torch.float32)
 
@@ -261,11 +278,11 @@ def case_dtype(op_name: str, case: str) -> torch.dtype:
 def params():
     for op_name in CONTRACTS:
         cases = case_names(op_name)
-        if op_name != "route" and op_name not in QUANT_EXPERTS_OPS:
+        if op_name != "route" and op_name not in QUANT_OPS:
             cases += NONCONTIGUOUS_CASES
         for case in cases:
             spec = (QUANT_CASES[case.removesuffix("_prequantized")][0]
-                    if op_name in QUANT_EXPERTS_OPS else None)
+                    if op_name in QUANT_OPS else None)
             for (namespace, name), reason in implementations(case_dtype(op_name, case),
                                                              spec).items():
                 if name == op_name:

@@ -44,6 +44,7 @@ from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
+    QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
     ROUTE_NAMESPACE,
@@ -74,6 +75,14 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
         return backward_namespace(REGISTRY.choose_experts(spec, problem, device).namespace)
     if op_name in A2A_OPS:
         return REGISTRY.choose_a2a(spec, problem, device).namespace
+    if op_name in QUANT_A2A_OPS:
+        a2a = REGISTRY.choose_a2a(spec, problem, device)
+        if not a2a.sends_quantized:
+            raise ValueError(f"a2a backend {a2a.name!r} cannot send rows quantized to fp8 "
+                             f"({a2a.namespace}::{op_name} is not defined); a2a backends that "
+                             "can: " + ", ".join(name for name, b in REGISTRY.a2a.items()
+                                                 if b.sends_quantized))
+        return a2a.namespace
     if op_name == "route":
         return ROUTE_NAMESPACE
     raise ValueError(f"op_name must name a generic op ({', '.join(CONTRACTS)}), got {op_name!r}")

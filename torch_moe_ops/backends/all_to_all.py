@@ -20,6 +20,12 @@ back the same way; the sender sums each token's K returned rows in slot order
 cannot overflow. A smaller ``ep_capacity`` moves fewer bytes; then dispatch
 checks on every rank, with one all-reduce and a host read, that no rank sends
 another more than ``C`` rows, and raises on all of them if one does.
+
+fp8 dispatch (``dispatch_quant``, where the dispatch dtype rule picks fp8):
+each token is quantized once on its own rank and its fp8 values and fp32
+scales travel as one row of bytes through the same two all-to-alls
+(`common.quantized_dispatch`); combine moves the experts' output in the
+activation dtype, as without quantization.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
@@ -130,7 +137,8 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
 
 KERNELS = {"dispatch": dispatch, "combine": combine,
            "dispatch_backward": dispatch_backward,
-           "combine_backward": combine_backward}
+           "combine_backward": combine_backward,
+           "dispatch_quant": quantized_dispatch(dispatch)}
 define_backend_ops(NAMESPACE, KERNELS)
 collectives.trace_into_graphs(NAMESPACE, KERNELS)
 

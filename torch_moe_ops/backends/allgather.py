@@ -17,6 +17,10 @@ of them if one does.
 
 Results come back summed per token, not per row: ``slot_map_TK`` only carries
 T here (every entry is -1).
+
+fp8 dispatch (``dispatch_quant``): tokens are quantized before the all-gather
+and gathered as rows of bytes, values and scales together
+(`common.quantized_dispatch`); the reduce-scatter stays in the activation dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
@@ -120,7 +125,8 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
 
 KERNELS = {"dispatch": dispatch, "combine": combine,
            "dispatch_backward": dispatch_backward,
-           "combine_backward": combine_backward}
+           "combine_backward": combine_backward,
+           "dispatch_quant": quantized_dispatch(dispatch)}
 define_backend_ops(NAMESPACE, KERNELS)
 collectives.trace_into_graphs(NAMESPACE, KERNELS)
 

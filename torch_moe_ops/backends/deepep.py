@@ -69,6 +69,12 @@ Over several hosts (P > 8, 8 GPUs per host, as DeepEP's internode kernels assume
 the same calls run DeepEP's internode kernels (``num_rdma_bytes > 0``, RDMA through
 NVSHMEM/IBGDA); that path is written against DeepEP's API but has not been run here.
 Routing must give each token distinct experts (as top-k does) in low-latency mode.
+
+Quantized layers (``MoEConfig.quant``) are refused (`supports`): DeepEP's fp8
+dispatch (normal mode: an ``(fp8 x, [T, G] fp32 scales)`` tuple; low-latency:
+``use_fp8`` with its own 1 x 128 quantizer) is not connected to
+``moe::dispatch_quant``, and whether a layer's rows could travel in fp8 would
+depend on its mode, which the registry's ``dispatch_quant`` rule cannot express.
 """
 
 from __future__ import annotations
@@ -727,7 +733,9 @@ def supports(spec, problem, device) -> str | None:
     if problem.dtype != DTYPE:
         return f"DeepEP moves bfloat16 activations (its normal mode's bf16), got {problem.dtype}"
     if problem.quant is not None:
-        return f"no quantized dispatch through DeepEP yet, got quant={problem.quant!r}"
+        return (f"quantized layers (quant={problem.quant.name}) do not run on DeepEP here: "
+                "its fp8 dispatch is not wired to moe::dispatch_quant; a2a 'all_to_all' "
+                "sends their rows in fp8")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if deep_ep.Buffer.is_sm90_compiled() and torch.cuda.get_device_capability(index) < (9, 0):
         return (f"this DeepEP build targets sm90 and GPU {index} is "

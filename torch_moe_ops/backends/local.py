@@ -8,12 +8,14 @@ rows of one expert keep token order and the result is deterministic; skipped
 slots (id -1) sort last. ``src_R`` is each row's slot (``t * K + k``) and
 ``slot_map_TK`` each slot's row; combine sums each token's weighted rows in slot
 order. Everything is sized by T and K alone: no host sync.
+``dispatch_quant`` sorts rows quantized to fp8 (`common.quantized_dispatch`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
@@ -73,7 +75,8 @@ def supports(spec, problem, device) -> str | None:
 
 define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_backward": dispatch_backward,
-                               "combine_backward": combine_backward})
+                               "combine_backward": combine_backward,
+                               "dispatch_quant": quantized_dispatch(dispatch)})
 
 REGISTRY.register_a2a(A2ABackend(
     name="none", namespace=NAMESPACE, layout="rows", supports=supports,

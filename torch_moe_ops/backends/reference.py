@@ -16,6 +16,8 @@ trivially right, and it runs on any device.
 Quantized experts (``experts_quant``, ``experts_rows_quant``) read their weights
 back in fp32 (`torch_moe_ops.quant`) and round each GEMM's input through the
 activation format, then run as above: the oracle of every quantized kernel.
+``experts_rows_quant`` also reads rows that arrive quantized (fp8 with
+``x_scale``, from ``moe::dispatch_quant``) in both fp8 activation formats.
 """
 
 from __future__ import annotations
@@ -230,4 +232,4 @@ decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)
 REGISTRY.register_experts(ExpertsBackend(
     name="reference", namespace=NAMESPACE, layout="rows", supports=supports, priority=0,
     description="plain PyTorch, dense over experts; the correctness oracle",
-    backward=supports))
+    backward=supports, quantized_rows=("fp8_token", "fp8_group")))

@@ -5,7 +5,8 @@ gradient of their own ``experts_backward`` (``ExpertsBackend.backward`` says
 where it computes the gradient itself); the gradient of the others runs on the
 reference backend's ``experts_backward``. A2A
 backends implement ``dispatch`` and ``combine`` and the gradients of both
-(``dispatch_backward``, ``combine_backward``: the same transport, reversed). Routing
+(``dispatch_backward``, ``combine_backward``: the same transport, reversed), and
+those that send rows quantized to fp8 ``dispatch_quant``. Routing
 runs on the reference ``route`` until a routing backend is registered. A fused
 ``(a2a, experts)`` pair names one namespace that implements all of them in one go.
 
@@ -29,6 +30,8 @@ EXPERTS_OPS = ("experts", "experts_rows")
 # weights exactly where its namespace defines these (its `supports` says which formats).
 QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
+# An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
+QUANT_A2A_OPS = ("dispatch_quant",)
 ROUTE_NAMESPACE = REFERENCE_NAMESPACE
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
@@ -83,7 +86,11 @@ class ExpertsBackend:
 
     ``priority`` orders the candidates of ``experts="auto"`` (highest first);
     ``dispatch_dtype`` is the dtype its rows must arrive in, ``None`` for the
-    activations' own (a backend that quantizes inside wants them unquantized).
+    activations' own. ``quantized_rows`` names the activation formats
+    (`QuantSpec.activations`) in which its ``experts_rows_quant`` reads rows that
+    arrive quantized (fp8 ``x_rows`` with ``x_scale``, as ``moe::dispatch_quant``
+    sends them); a backend that quantizes its rows itself names none, and gets
+    them in the activation dtype (`backends.dispatch_dtype`).
     ``backward`` is ``None`` for a backend without a gradient of its own (its
     gradient runs on the reference backend); else the backend defines
     ``experts_backward`` and ``backward(spec, problem, device)`` returns ``None``
@@ -99,6 +106,7 @@ class ExpertsBackend:
     description: str
     dispatch_dtype: torch.dtype | None = None
     backward: SupportsFn | None = None
+    quantized_rows: tuple[str, ...] = ()
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         """``supports``, after the rule every experts backend shares: quantized
@@ -122,6 +130,11 @@ class A2ABackend:
     layout: str
     supports: SupportsFn
     description: str
+
+    @property
+    def sends_quantized(self) -> bool:
+        """Whether it can send rows quantized to fp8 (defines ``dispatch_quant``)."""
+        return defines(self.namespace, QUANT_A2A_OPS[0])
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         return self.supports(spec, problem, device)

@@ -11,6 +11,8 @@
   ``torch._scaled_grouped_mm`` with the same sort and epilogues.
 - `launch`, `tracing`: how a backend op traced into a compiled graph launches its
   Triton kernels, and what it may ask of the trace (Inductor or not, fixed sizes).
+- `quantized_dispatch`: fp8 dispatch (``dispatch_quant``) on any a2a backend's
+  ``dispatch`` that moves rows as bytes.
 
 Backends import from here and never from each other.
 """

@@ -148,8 +148,13 @@ def check_capacity(needed: torch.Tensor, capacity: int, group_name: str, what: s
                            f"ep_capacity (up to the worst case) or lower the tokens per rank")
 
 
-def _dispatch_traceable(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
-                        group_name, max_tokens_per_rank, capacity) -> bool:
+# The kernels that may check the capacity on the host (`_dispatch_traceable`).
+_DISPATCHES = ("dispatch", "dispatch_quant")
+
+
+def _dispatch_traceable(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *args) -> bool:
+    """For ``dispatch`` and ``dispatch_quant``: both end with the same four arguments."""
+    ep_size, _, max_tokens_per_rank, capacity = args[-4:]
     # Below the worst case, dispatch reads the overflow check on the host: it
     # stays one op, run eagerly inside the compiled graph.
     return fixed_sizes(hidden_TH) and capacity >= worst_case_capacity(
@@ -162,9 +167,11 @@ def _sizes_fixed(first: torch.Tensor, *_) -> bool:
 
 def trace_into_graphs(namespace: str, kernels: dict) -> None:
     """Under ``torch.compile`` with fixed sizes, trace an a2a backend's kernels
-    (its ``dispatch``, ``combine`` and their gradients) into the graph, where
-    Inductor fuses the packing and unpacking around the ordered collectives."""
-    decompose_backend_ops(namespace, {"dispatch": traced(kernels["dispatch"])},
-                          _dispatch_traceable)
+    (its ``dispatch``, ``combine``, their gradients and ``dispatch_quant``) into
+    the graph, where Inductor fuses the packing and unpacking around the ordered
+    collectives."""
+    dispatches = {name: traced(kernel) for name, kernel in kernels.items()
+                  if name in _DISPATCHES}
+    decompose_backend_ops(namespace, dispatches, _dispatch_traceable)
     decompose_backend_ops(namespace, {name: traced(kernel) for name, kernel in kernels.items()
-                                      if name != "dispatch"}, _sizes_fixed)
+                                      if name not in _DISPATCHES}, _sizes_fixed)

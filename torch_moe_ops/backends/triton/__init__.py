@@ -77,4 +77,6 @@ if TRITON_INSTALLED:
 REGISTRY.register_experts(ExpertsBackend(
     name="triton", namespace=NAMESPACE, layout="rows", supports=supports, priority=20,
     description="fused Triton kernels: align, GEMM + activation, GEMM + weighted sum",
-    backward=grouped_gemm.supports if TRITON_INSTALLED else None))
+    backward=grouped_gemm.supports if TRITON_INSTALLED else None,
+    # Its experts_rows_quant reads rows that dispatch quantized (x_scale): fp8 dispatch.
+    quantized_rows=("fp8_token", "fp8_group")))
