@@ -36,7 +36,7 @@ from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops import rows
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define
-from torch_moe_ops.ops.quant import spec_of
+from torch_moe_ops.ops.quant import no_gradient_autograd, spec_of
 
 # The activation formats whose rows dispatch can send quantized.
 FP8_ACTIVATION_FORMATS = ("fp8_token", "fp8_group")
@@ -89,17 +89,8 @@ def fake(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, weight_format,
     return (x_RH.new_empty(tuple(x_RH.shape), dtype=quant.FP8_DTYPE), *routing, x_scale)
 
 
-def _setup_no_gradient(ctx, inputs, output):
-    pass
-
-
-def _no_gradient(ctx, *grads):
-    raise RuntimeError("moe::dispatch_quant has no gradient: it sends the rows of quantized "
-                       "experts, which serve inference. Train on unquantized weights "
-                       "(MoEConfig.quant=None), or run this layer under torch.no_grad()")
-
-
+_setup, _backward = no_gradient_autograd("moe::dispatch_quant")
 CONTRACT = OpContract(name="dispatch_quant", schema=SCHEMA, check=check, fake=fake,
-                      check_values=check_values, backward=_no_gradient,
-                      setup_context=_setup_no_gradient, ordered=True)
+                      check_values=check_values, backward=_backward, setup_context=_setup,
+                      ordered=True)
 dispatch_quant = define(GENERIC_NAMESPACE, CONTRACT)

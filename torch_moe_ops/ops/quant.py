@@ -23,8 +23,8 @@ dispatch): then ``x_rows`` is float8_e4m3fn with ``x_scale`` (``[R]`` for
 output dtype; otherwise ``x_scale`` and ``out_dtype`` are None and the output
 has ``x_rows``' dtype.
 
-Quantized experts serve inference: the ops have no gradient, and asking for
-one raises.
+Quantized experts serve inference: the ops have no gradient, and a backward
+through them raises (`no_gradient`); compiling a graph that could ask for one works.
 """
 
 from __future__ import annotations
@@ -174,21 +174,49 @@ def fake_rows(x_RH, x_scale, expert_R, count_E, *quant_args):
     return x_RH.new_empty(tuple(x_RH.shape), dtype=rows_out_dtype(x_RH, quant_args[-1]))
 
 
-def _setup_no_gradient(ctx, inputs, output):
-    pass
+NO_GRADIENT = ("{op} has no gradient: quantized experts serve inference. Train on "
+               "unquantized weights (MoEConfig.quant=None), or run the layer under "
+               "torch.no_grad()")
 
 
-def _no_gradient(ctx, *grads):
-    raise RuntimeError("quantized experts (moe::experts_quant, moe::experts_rows_quant) have "
-                       "no gradient: they serve inference. Train on unquantized weights "
-                       "(MoEConfig.quant=None), or run this layer under torch.no_grad()")
+@torch.library.custom_op(f"{GENERIC_NAMESPACE}::no_gradient", mutates_args=())
+def no_gradient(grad: torch.Tensor, like: torch.Tensor, op: str) -> torch.Tensor:
+    """Raises: the gradient of ``like``, an input of ``op``, which has none.
+
+    A backward that raised at once would also fail every compile of a graph
+    that merely could ask for gradients (a router's weights require grad), for
+    inference too: traced, this op only stands where the gradient would be, and
+    raises if the backward runs. It reads ``grad``, the output's gradient, so
+    that no partitioner can move it into the forward."""
+    raise RuntimeError(NO_GRADIENT.format(op=op))
 
 
+@no_gradient.register_fake
+def _(grad, like, op):
+    return torch.empty_like(like)
+
+
+def no_gradient_autograd(op: str):
+    """``(setup_context, backward)`` of an op without a gradient: each input
+    that asks for one gets `no_gradient`'s."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*(t if isinstance(t, torch.Tensor) else None for t in inputs))
+
+    def backward(ctx, *grads):
+        grad = next(g for g in grads if g is not None)
+        return tuple(no_gradient(grad, t, op) if needed else None
+                     for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad))
+
+    return setup_context, backward
+
+
+_setup, _backward = no_gradient_autograd("moe::experts_quant")
 CONTRACT = OpContract(name="experts_quant", schema=SCHEMA, check=check, fake=fake,
-                      check_values=check_values, backward=_no_gradient,
-                      setup_context=_setup_no_gradient)
+                      check_values=check_values, backward=_backward, setup_context=_setup)
+_setup, _backward = no_gradient_autograd("moe::experts_rows_quant")
 ROWS_CONTRACT = OpContract(name="experts_rows_quant", schema=ROWS_SCHEMA, check=check_rows,
-                           fake=fake_rows, check_values=check_rows_values,
-                           backward=_no_gradient, setup_context=_setup_no_gradient)
+                           fake=fake_rows, check_values=check_rows_values, backward=_backward,
+                           setup_context=_setup)
 experts_quant = define(GENERIC_NAMESPACE, CONTRACT)
 experts_rows_quant = define(GENERIC_NAMESPACE, ROWS_CONTRACT)
