@@ -700,7 +700,7 @@ def test_state_dict_round_trip(name):
         assert torch.equal(other(x_TH), moe(x_TH))
 
 
-class _FakeGroup:
+class FakeGroup:
     """Enough of a 2-rank ProcessGroup to build a sharded block (forward needs a real one)."""
 
     group_name = "fake"
@@ -721,7 +721,7 @@ def test_expert_parallel_keeps_this_ranks_weights_and_scales(name):
     state = full.state_dict()
     for rank in (0, 1):
         sharded = tmo.MoE(_config(name, ep_size=2, max_tokens_per_rank=4),
-                          ep_group=_FakeGroup(rank))
+                          ep_group=FakeGroup(rank))
         sharded.load_full_weights(state)
         local = slice(rank * E // 2, (rank + 1) * E // 2)
         for tensor in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
