@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file
 
+import torch_moe_ops as tmo
 from test_checkpoints import (
     W8A8_ATOL,
     fp8_blocks,
@@ -91,7 +92,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_into_the_patched_model(tmp_path):
         assert torch.equal(reference.get_submodule(name).experts.gate_up_proj, gate_up)
     model = load()
     hf.patch(model)
-    assert checkpoints.load_into(model, tmp_path) == sorted(read_back)
+    assert tmo.checkpoints.load_into(model, tmp_path) == sorted(read_back)
     for block in _moe_blocks(model).values():
         assert isinstance(block.experts, QuantizedExperts)
         assert block.cfg.quant == QuantSpec("mxfp4")
