@@ -7,14 +7,15 @@ from torch_moe_ops.layer import MoE, SharedExperts
 from torch_moe_ops.lowering import backend
 
 __all__ = ["BackendSpec", "MoE", "MoEConfig", "SharedExperts", "available_backends", "backend",
-           "hf"]
+           "checkpoints", "hf"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `tmo.hf` imports transformers (about 1.5 s): only when it is asked for.
-    if name == "hf":
+    # `tmo.hf` imports transformers (about 1.5 s), `tmo.checkpoints` reads
+    # safetensors (an extra): each only when it is asked for.
+    if name in ("checkpoints", "hf"):
         import importlib
 
-        return importlib.import_module("torch_moe_ops.hf")
+        return importlib.import_module(f"torch_moe_ops.{name}")
     raise AttributeError(f"module 'torch_moe_ops' has no attribute {name!r}")

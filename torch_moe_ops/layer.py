@@ -32,8 +32,26 @@ def without_autocast(device_type: str):
 EXPERT_TENSORS = ("w13", "w2", "b13", "b2", "w13_scale", "w2_scale")
 # What quantized experts hold as buffers: stored bits, never cast.
 QUANT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
-# Integer dtypes of each element width, through which `MoE._apply` moves quantized tensors.
+# Integer dtypes of each element width, through which `stored_bits` moves quantized tensors.
 BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@contextlib.contextmanager
+def stored_bits(buffers: dict, names=QUANT_TENSORS):
+    """Inside, the tensors ``buffers[name]`` (a module's ``_buffers``) are integer
+    views of the same width, and their own dtypes again on the way out.
+
+    ``Module._apply`` (``.to(dtype)``, ``.half()``, ``.to(device)``) casts every
+    floating-point tensor: quantized weights and their fp32 scales must travel as
+    integers instead, so that a device move keeps their bits and a cast leaves them."""
+    dtypes = {name: buffers[name].dtype for name in names}
+    for name in names:
+        buffers[name] = buffers[name].view(BIT_VIEWS[buffers[name].element_size()])
+    try:
+        yield
+    finally:
+        for name, dtype in dtypes.items():
+            buffers[name] = buffers[name].view(dtype)
 
 
 def ep_process_group(cfg: MoEConfig, ep_group):
@@ -124,7 +142,8 @@ class MoE(nn.Module):
     ``forward`` calls ``moe::experts_quant`` (``moe::experts_rows_quant``).
     ``dtype`` is then the activations' (and biases') dtype; ``module.to(dtype)``
     leaves the stored bits alone. `reset_parameters` quantizes random weights;
-    checkpoints load with `load_state_dict` (or `torch_moe_ops.checkpoints`).
+    checkpoints load with `load_state_dict`, DeepSeek-V3's and GPT-OSS's own with
+    `load_quantized` (`torch_moe_ops.checkpoints`).
     """
 
     def __init__(self, cfg: MoEConfig, device=None, dtype=None, ep_group=None):
@@ -186,6 +205,21 @@ class MoE(nn.Module):
         ...): each rank keeps its experts' slice. Returns what `load_state_dict` does."""
         return self.load_state_dict(state_dict, strict=strict)
 
+    def load_quantized(self, path, prefix: str) -> None:
+        """Load the block under ``prefix`` (e.g. ``"model.layers.3.mlp"``) of the
+        quantized safetensors checkpoint at ``path`` (a file, or a folder of
+        shards): DeepSeek-V3's fp8 experts (``cfg.quant=QuantSpec("fp8_block")``)
+        or GPT-OSS's MXFP4 experts (``QuantSpec("mxfp4")``), kept as stored, with
+        the router and the shared experts (dequantized to the block's dtype).
+        With expert parallelism only this rank's experts are read. The layouts
+        and what is checked: `torch_moe_ops.checkpoints` (needs safetensors).
+
+        A block too large to build in float first can be built on the meta device,
+        given memory with ``to_empty(device=...)``, then loaded."""
+        from torch_moe_ops import checkpoints
+
+        checkpoints.load_moe(self, path, prefix)
+
     def reset_parameters(self) -> None:
         """Initialise everything the block holds, submodules included: after
         ``to_empty`` (deferred initialisation from the meta device) this alone
@@ -216,18 +250,8 @@ class MoE(nn.Module):
     def _apply(self, fn, recurse=True):
         if self.cfg.quant is None:
             return super()._apply(fn, recurse)
-        # Module.to(dtype), .half() and friends cast every floating-point tensor:
-        # quantized weights and their fp32 scales travel as integers of the same
-        # width instead, so a device move keeps their bits and a cast leaves them.
-        dtypes = {name: self._buffers[name].dtype for name in QUANT_TENSORS}
-        for name, dtype in dtypes.items():
-            self._buffers[name] = self._buffers[name].view(
-                BIT_VIEWS[self._buffers[name].element_size()])
-        try:
+        with stored_bits(self._buffers):
             return super()._apply(fn, recurse)
-        finally:
-            for name, dtype in dtypes.items():
-                self._buffers[name] = self._buffers[name].view(dtype)
 
     def route(self, x_TH: torch.Tensor):
         """Router logits [T, E] (fp32), top-k weights [T, K] (fp32) and ids [T, K] (int32)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from torch_moe_ops.backends.registry import Problem
-from torch_moe_ops.config import QuantSpec
+from torch_moe_ops.ops.quant import spec_of
 
 
 def _experts_problem(x, w13, activation, top_k=None, quant=None) -> Problem:
@@ -20,11 +20,13 @@ def _experts_problem(x, w13, activation, top_k=None, quant=None) -> Problem:
 
 
 def _quant_problem(x, w13, static, top_k=None, out_dtype=None) -> Problem:
-    """``static``: (weight_format, activation_format, block_size, activation, ...)."""
+    """``static``: (weight_format, activation_format, block_size, activation, ...).
+    The format is checked as the op checks it (`ops.quant.spec_of`): the generic
+    op's eager kernel and the lowering read it before any concrete op runs, and a
+    bad one must be reported in the op's own terms."""
     weight_format, activation_format, block_size, activation, *_ = static
     problem = _experts_problem(x, w13, activation, top_k,
-                               QuantSpec.from_op_args(weight_format, activation_format,
-                                                      block_size))
+                               spec_of(weight_format, activation_format, block_size))
     return dataclasses.replace(problem, dtype=out_dtype or x.dtype)
 
 

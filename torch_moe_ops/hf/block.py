@@ -31,6 +31,10 @@ cannot see (``param.data.copy_``, writes into inference tensors). ``model.to(...
 ``.half()`` cast the buffers with their sources, so those stay in step, compiled
 or not (the next eager forward still reconverts once: the sources moved).
 
+Quantized experts (``cfg.quant``; transformers' fp8 experts used in place, or
+`weights.QuantizedExperts` from `torch_moe_ops.checkpoints.load_into`) run on
+``moe::experts_quant`` (``moe::experts_rows_quant``), for inference only.
+
 Expert parallelism (``cfg.ep_size > 1``, built by ``patch(model, ep_group=...)``):
 the experts module holds this rank's experts only (`weights.keep_local_experts`),
 so ``state_dict`` has the same keys with ``[E_l, ...]`` expert tensors;
@@ -40,12 +44,20 @@ this rank's slice (the same checkpoint loads on every rank).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
-from torch_moe_ops.hf.weights import EXPERT_TENSORS, ExpertWeights, SourceStamp, source_names
+from torch_moe_ops.hf.weights import (
+    EXPERT_TENSORS,
+    SCALE_TENSORS,
+    ExpertWeights,
+    SourceStamp,
+    source_names,
+)
 
 
 class HFMoEBlock(nn.Module):
@@ -77,7 +89,6 @@ class HFMoEBlock(nn.Module):
         self.ep_rank = 0 if ep_group is None else ep_group.rank()
         # The ops take the group by name (a constant to torch.compile).
         self.ep_group_name = "" if ep_group is None else ep_group.group_name
-        self.expert_sources = source_names(weights)
         for name, child in block.named_children():
             self.add_module(name, child)
         self.router_name = family.router
@@ -86,10 +97,26 @@ class HFMoEBlock(nn.Module):
         self.returns_router_scores = family.returns_router_scores
         # Mixtral multiplies its input by uniform(1 - j, 1 + j) noise in training.
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
+        self.conversions = {}
+        self._bind(weights)
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+        if cfg.ep_size > 1:
+            self._register_load_state_dict_pre_hook(self._keep_local_experts)
+        self.train(block.training)
+
+    def _bind(self, weights: ExpertWeights) -> None:
+        """Read the expert tensors where ``weights`` says: attributes of the experts
+        module used in place, converted copies kept as buffers of the block."""
+        if weights.quant != self.cfg.quant:
+            raise ValueError(f"weights.quant must be the block's cfg.quant ({self.cfg.quant}), "
+                             f"got {weights.quant}")
+        for name in self.conversions:
+            del self._buffers[name]
+        self.expert_sources = source_names(weights)
         self.weight_sources = tuple(
             ("experts", weights.shared[name]) if name in weights.shared
             else ("self", name) if name in weights.converted else None
-            for name in EXPERT_TENSORS)
+            for name in EXPERT_TENSORS + SCALE_TENSORS)
         self.conversions = weights.converted
         self.converted_names = tuple(c.source for c in weights.converted.values())
         self.source_stamps: dict[str, SourceStamp] = {}
@@ -97,10 +124,16 @@ class HFMoEBlock(nn.Module):
             # Not persistent: the state dict keeps transformers' own tensors only.
             self.register_buffer(name, conversion(self.experts), persistent=False)
             self.source_stamps[name] = SourceStamp(getattr(self.experts, conversion.source))
-        self.register_load_state_dict_post_hook(_refresh_after_load)
-        if cfg.ep_size > 1:
-            self._register_load_state_dict_pre_hook(self._keep_local_experts)
-        self.train(block.training)
+
+    def use_experts(self, experts: nn.Module, weights: ExpertWeights) -> None:
+        """Run on ``experts`` from now on, its tensors read as ``weights`` says, in
+        place of the experts module the block holds (which it drops; the state dict
+        then holds ``experts``' tensors under ``experts.*``). ``weights.quant`` is
+        the experts' format (None: float). Call it before compiling the model:
+        graphs compiled before keep the old experts."""
+        self.cfg = dataclasses.replace(self.cfg, quant=weights.quant)
+        self.experts = experts
+        self._bind(weights)
 
     @property
     def local_experts(self) -> range:
@@ -142,12 +175,21 @@ class HFMoEBlock(nn.Module):
         else:
             self._buffers[name] = tensor
 
-    def expert_weights(self):
-        """``(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I] or None, b2 [E, H] or None)``,
-        ``E_l`` experts (this rank's) in place of ``E`` with expert parallelism."""
+    def _tensors(self, sources) -> tuple:
         return tuple(None if source is None
                      else getattr(self if source[0] == "self" else self.experts, source[1])
-                     for source in self.weight_sources)
+                     for source in sources)
+
+    def expert_weights(self):
+        """``(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I] or None, b2 [E, H] or None)``,
+        ``E_l`` experts (this rank's) in place of ``E`` with expert parallelism;
+        quantized experts' ``w13``, ``w2`` in their stored format."""
+        return self._tensors(self.weight_sources[:len(EXPERT_TENSORS)])
+
+    def expert_scales(self):
+        """``(w13_scale, w2_scale)`` of quantized experts (`torch_moe_ops.quant`),
+        ``(None, None)`` for float experts."""
+        return self._tensors(self.weight_sources[len(EXPERT_TENSORS):])
 
     def trainable_expert_weights(self):
         """`expert_weights`, the converted ones made from transformers' parameters
@@ -172,16 +214,27 @@ class HFMoEBlock(nn.Module):
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
         _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
-        expert_args = (*weights, cfg.activation,
-                       cfg.static_float("swiglu_alpha"), cfg.static_float("swiglu_limit"))
+        act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
+                    cfg.static_float("swiglu_limit"))
+        if cfg.quant is None:
+            expert_args = (*weights, *act_args)
+        else:
+            w13, w2, b13, b2 = weights
+            expert_args = (w13, w2, *self.expert_scales(), b13, b2, cfg.quant.weights,
+                           cfg.quant.activations, cfg.quant.block_list, *act_args)
         if cfg.ep_size == 1:
-            y_TH = torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+            experts_op = torch.ops.moe.experts if cfg.quant is None else torch.ops.moe.experts_quant
+            y_TH = experts_op(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
         else:
             ep_args = (cfg.ep_size, self.ep_group_name, cfg.max_tokens_per_rank)
             x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
                 x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args,
                 cfg.rows_per_rank)
-            y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+            if cfg.quant is None:
+                y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+            else:
+                y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E,
+                                                        *expert_args)
             y_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
         if self.shared_expert_name is not None:
             shared_TH = getattr(self, self.shared_expert_name)(x_TH)
@@ -199,9 +252,10 @@ class HFMoEBlock(nn.Module):
         if self.cfg.ep_size > 1:
             local = self.local_experts
             ep = f", local={local.start}..{local.stop - 1}, ep_size={self.cfg.ep_size}"
+        quantized = "" if self.cfg.quant is None else f", quant={self.cfg.quant.name}"
         return (f"family={self.family}, experts={self.cfg.num_experts}{ep}, "
                 f"top_k={self.cfg.top_k}, scoring={self.cfg.scoring}, "
-                f"converted={list(self.converted_names)}")
+                f"converted={list(self.converted_names)}{quantized}")
 
 
 def _refresh_after_load(block: HFMoEBlock, incompatible_keys) -> None:

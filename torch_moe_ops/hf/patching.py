@@ -11,12 +11,22 @@ every rank of ``group`` shards each patched block's experts over the group
 (rank ``p`` keeps experts ``[p * E_l, (p + 1) * E_l)``, ``E_l = E / P``) and
 drops the others from the model; see `patch`.
 
+Quantized experts: transformers' fp8 experts with block scales (``FP8Experts``,
+what it loads a DeepSeek-V3-style fp8 checkpoint into on a GPU that runs fp8)
+are used in place and run on ``moe::experts_quant`` (`torch_moe_ops.hf.weights`).
+Where transformers dequantized a checkpoint at load (fp8 without such a GPU,
+MXFP4 without its hub kernels) the block holds float experts and is patched as
+such; `torch_moe_ops.checkpoints.load_into` then gives the patched blocks the
+quantized experts of the checkpoint's files.
+
 Not supported (the block is left as it is and `PatchReport.skipped` says why):
 per-expert ``nn.ModuleList`` experts (the transformers 4.x layout; every family
 of `FAMILIES` stores fused 3-D experts from transformers 5.0 on), experts that
-transformers itself made expert-parallel (``tp_plan``) or quantized, activations
-other than silu/gelu, blocks carrying hooks (accelerate offloading), and routing
-our ops cannot express (e.g. groups of one expert).
+transformers itself made expert-parallel (``tp_plan``), quantized experts other
+than fp8 with block scales (transformers' MXFP4 GPT-OSS block, whose hub kernels
+hold the weights in their own swizzled layout), activations other than
+silu/gelu, blocks carrying hooks (accelerate offloading), and routing our ops
+cannot express (e.g. groups of one expert).
 
 Patching a model again leaves the blocks already patched in place (reported as
 ``"already patched"``) and reconverts their converted expert tensors from the
@@ -36,6 +46,12 @@ from torch_moe_ops.hf.families import FAMILIES, Family, Unsupported, family_of
 from torch_moe_ops.hf.router import route_with_ops
 from torch_moe_ops.hf.weights import LAYOUTS, keep_local_experts
 from torch_moe_ops.layer import ep_process_group
+
+# What to do instead, for the blocks transformers swaps in for quantized experts.
+MXFP4_HINT = {"Mxfp4GptOssMLP": (
+    "; transformers' MXFP4 kernels hold the experts in their own swizzled layout: load the "
+    "model with quantization_config=Mxfp4Config(dequantize=True), patch it, then "
+    "torch_moe_ops.checkpoints.load_into(model, checkpoint) for MXFP4 experts")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +146,8 @@ def _prepare(block: nn.Module, family: Family, model_config):
                           f"{error}") from None
     except ValueError as error:
         raise Unsupported(f"routing not expressible with moe::route: {error}") from None
-    return cfg, LAYOUTS[family.layout](experts, cfg)
+    weights = LAYOUTS[family.layout](experts, cfg)
+    return dataclasses.replace(cfg, quant=weights.quant), weights
 
 
 def _check_ep_args(ep_group, max_tokens_per_rank, ep_capacity) -> None:
@@ -222,7 +239,8 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
         if family is None:
             if _looks_like_moe(block):
                 skipped[name] = (f"{type(block).__name__} is not a supported family "
-                                 f"({', '.join(f.name for f in FAMILIES.values())})")
+                                 f"({', '.join(f.name for f in FAMILIES.values())})"
+                                 + MXFP4_HINT.get(type(block).__name__, ""))
             continue
         if not name:
             raise ValueError(f"model must contain MoE blocks, not be one: got a bare "
