@@ -548,9 +548,9 @@ def test_quant_spec_defaults():
     assert QuantSpec("fp8_block", block_size=(32, 16)).name == "fp8_block32x16+fp8_group"
 
 
-NO_GRADIENT = ("quantized experts (moe::experts_quant, moe::experts_rows_quant) have no "
-               "gradient: they serve inference. Train on unquantized weights "
-               "(MoEConfig.quant=None), or run this layer under torch.no_grad()")
+NO_GRADIENT = ("moe::{op} has no gradient: quantized experts serve inference. Train on "
+               "unquantized weights (MoEConfig.quant=None), or run the layer under "
+               "torch.no_grad()")
 
 
 @pytest.mark.parametrize("op_name", ["experts_quant", "experts_rows_quant"])
@@ -565,15 +565,23 @@ def test_asking_for_a_gradient_raises(op_name, quant_inputs):
         out = torch.ops.moe.experts_rows_quant(hidden_TH, None, expert_R,
                                                torch.ones(E, dtype=torch.int32),
                                                *inputs.weight_args())
-    with pytest.raises(RuntimeError, match=exactly(NO_GRADIENT)):
+    with pytest.raises(RuntimeError, match=exactly(NO_GRADIENT.format(op=op_name))):
         out.sum().backward()
 
 
 def test_module_gradient_raises_and_no_grad_runs():
     moe = tmo.MoE(tmo.MoEConfig(**SIZES, quant=SPECS["fp8_channel"]))
     x_TH = torch.randn(3, H)
-    with pytest.raises(RuntimeError, match=exactly(NO_GRADIENT)):
+    message = exactly(NO_GRADIENT.format(op="experts_quant"))
+    with pytest.raises(RuntimeError, match=message):
         moe(x_TH).sum().backward()
+    # Compiling needs no torch.no_grad() (the router's weights require grad): the
+    # compiled backward raises when it runs.
+    compiled = torch.compile(moe, backend=tmo.backend(experts="reference", inner="aot_eager"),
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(x_TH), moe(x_TH))
+    with pytest.raises(RuntimeError, match=message):
+        compiled(x_TH).sum().backward()
     with torch.no_grad():
         assert moe(x_TH).isfinite().all()
 

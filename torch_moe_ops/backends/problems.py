@@ -64,7 +64,7 @@ def problem_of(op_name: str, args: tuple) -> Problem:
         hidden, _, topk_ids, num_experts, *static, ep_size, _, max_tokens, capacity = args
         return dataclasses.replace(
             _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts, capacity),
-            quant=QuantSpec.from_op_args(*static))
+            quant=spec_of(*static))
     if op_name in ("combine", "dispatch_backward"):
         rows, _, _, slot_map, ep_size, _, max_tokens = args
         return _ep_problem(rows, slot_map.shape[1], ep_size, max_tokens)
