@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Quantized experts on one GPU in one call: install, the quantized GPU tests (of
-# tests/test_triton_quant.py, tests/test_grouped_mm_quant.py, tests/test_quant.py and
+# tests/test_triton_quant.py, tests/test_grouped_mm_quant.py, tests/test_quant.py,
+# tests/test_dispatch_quant.py, tests/test_checkpoints.py, tests/test_hf_quant.py and
 # tests/test_bench_experts.py, those that exist; TESTS=0 skips them, TEST_SECONDS
 # bounds them), then benchmarks/bench_experts.py once per shape of SHAPES (default
 # the five) with --formats $FORMATS --tokens $TOKENS --peers $PEERS $BENCH_ARGS
@@ -27,7 +28,9 @@ status=0
 tests="not run"
 if [ "${TESTS:-1}" = 1 ]; then
   files=()
-  for f in tests/test_triton_quant.py tests/test_grouped_mm_quant.py tests/test_quant.py tests/test_bench_experts.py; do
+  for f in tests/test_triton_quant.py tests/test_grouped_mm_quant.py tests/test_quant.py \
+      tests/test_dispatch_quant.py tests/test_checkpoints.py tests/test_hf_quant.py \
+      tests/test_bench_experts.py; do
     if [ -f "$f" ]; then files+=("$f"); else echo "not here (yet): $f"; fi
   done
   timeout -k 20 "${TEST_SECONDS:-180}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider "${files[@]}" 2>&1 \
