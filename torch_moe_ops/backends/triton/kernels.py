@@ -62,9 +62,13 @@ def _rows_of_program(num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_s
 @triton.jit
 def _row_scales(scale_ptr, rows, row_ok, k_start, stride_r, stride_g,
                 ACT_FORMAT: tl.constexpr, SCALE_BK: tl.constexpr):
-    """``[M, 1]`` fp8 activation scales of the rows for the K tile at ``k_start``."""
-    return _activation_scales(scale_ptr, rows, row_ok, k_start, stride_r, stride_g,
-                              ACT_FORMAT, SCALE_BK)[:, None]
+    """``[M, 1]`` fp8 activation scales of the rows for the K tile at ``k_start``
+    (1.0 for activations that are not fp8)."""
+    if ACT_FORMAT == 0:
+        return 1.0
+    else:
+        return _activation_scales(scale_ptr, rows, row_ok, k_start, stride_r, stride_g,
+                                  ACT_FORMAT, SCALE_BK)[:, None]
 
 
 @triton.jit
@@ -131,9 +135,6 @@ def moe_gate_up_act_kernel(
         gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
                      + ks[:, None] * stride_w13_h)
         up_ptrs = gate_ptrs + inter_size * stride_w13_f
-        row_scale = 1.0
-        gate_scale = 1.0
-        up_scale = 1.0
         for k in range(tl.cdiv(hidden_size, BLOCK_K)):
             k_ok = ks < hidden_size - k * BLOCK_K
             a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
@@ -143,28 +144,26 @@ def moe_gate_up_act_kernel(
             if WEIGHT_FORMAT == 0:
                 gate = tl.dot(a, gate_w, gate, input_precision=DOT_PRECISION)
                 up = tl.dot(a, up_w, up, input_precision=DOT_PRECISION)
+            elif WEIGHT_FORMAT == FP8_BLOCK:
+                a_scale = _row_scales(x_scale_ptr, rows, slot_ok, k * BLOCK_K, stride_xs_t,
+                                      stride_xs_g, ACT_FORMAT, SCALE_BK)
+                gate = _mma(gate, a, gate_w, a_scale, _fp8_weight_scales(
+                    w13_scale_ptr, expert, cols, col_ok, k * BLOCK_K, stride_ws_e, stride_ws_f,
+                    stride_ws_h, WEIGHT_FORMAT, SCALE_BN, SCALE_BK), WEIGHT_FORMAT, ACT_FORMAT,
+                    DOT_PRECISION)
+                up = _mma(up, a, up_w, a_scale, _fp8_weight_scales(
+                    w13_scale_ptr, expert, cols + inter_size, col_ok, k * BLOCK_K, stride_ws_e,
+                    stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN, SCALE_BK), WEIGHT_FORMAT,
+                    ACT_FORMAT, DOT_PRECISION)
             else:
-                if WEIGHT_FORMAT == FP8_BLOCK:
-                    if ACT_FORMAT != 0:
-                        row_scale = _row_scales(x_scale_ptr, rows, slot_ok, k * BLOCK_K,
-                                                stride_xs_t, stride_xs_g, ACT_FORMAT, SCALE_BK)
-                    gate_scale = _fp8_weight_scales(
-                        w13_scale_ptr, expert, cols, col_ok, k * BLOCK_K, stride_ws_e,
-                        stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
-                    up_scale = _fp8_weight_scales(
-                        w13_scale_ptr, expert, cols + inter_size, col_ok, k * BLOCK_K,
-                        stride_ws_e, stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
-                gate = _mma(gate, a, gate_w, row_scale, gate_scale, WEIGHT_FORMAT, ACT_FORMAT,
-                            DOT_PRECISION)
-                up = _mma(up, a, up_w, row_scale, up_scale, WEIGHT_FORMAT, ACT_FORMAT,
-                          DOT_PRECISION)
+                gate = _mma(gate, a, gate_w, 1.0, 1.0, WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
+                up = _mma(up, a, up_w, 1.0, 1.0, WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_hidden_h
             gate_ptrs += BLOCK_K * stride_w13_h
             up_ptrs += BLOCK_K * stride_w13_h
         if WEIGHT_FORMAT != 0 and WEIGHT_FORMAT != FP8_BLOCK:
-            if ACT_FORMAT != 0:
-                row_scale = _row_scales(x_scale_ptr, rows, slot_ok, 0, stride_xs_t, stride_xs_g,
-                                        ACT_FORMAT, SCALE_BK)
+            row_scale = _row_scales(x_scale_ptr, rows, slot_ok, 0, stride_xs_t, stride_xs_g,
+                                    ACT_FORMAT, SCALE_BK)
             gate_scale = _fp8_weight_scales(w13_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
                                             stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN,
                                             SCALE_BK)
@@ -235,30 +234,26 @@ def moe_down_weighted_kernel(
         a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
         w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
                   + ks[:, None] * stride_w2_i)
-        row_scale = 1.0
-        col_scale = 1.0
         for k in range(tl.cdiv(inter_size, BLOCK_K)):
             k_ok = ks < inter_size - k * BLOCK_K
             a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if WEIGHT_FORMAT == 0:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            elif WEIGHT_FORMAT == FP8_BLOCK:
+                acc = _mma(acc, a, w, _row_scales(x_scale_ptr, slots, slot_ok, k * BLOCK_K,
+                                                  stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK),
+                           _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
+                                              stride_ws_e, stride_ws_h, stride_ws_i,
+                                              WEIGHT_FORMAT, SCALE_BN, SCALE_BK),
+                           WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
             else:
-                if WEIGHT_FORMAT == FP8_BLOCK:
-                    if ACT_FORMAT != 0:
-                        row_scale = _row_scales(x_scale_ptr, slots, slot_ok, k * BLOCK_K,
-                                                stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
-                    col_scale = _fp8_weight_scales(
-                        w2_scale_ptr, expert, cols, col_ok, k * BLOCK_K, stride_ws_e,
-                        stride_ws_h, stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
-                acc = _mma(acc, a, w, row_scale, col_scale, WEIGHT_FORMAT, ACT_FORMAT,
-                           DOT_PRECISION)
+                acc = _mma(acc, a, w, 1.0, 1.0, WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_inter_i
             w_ptrs += BLOCK_K * stride_w2_i
         if WEIGHT_FORMAT != 0 and WEIGHT_FORMAT != FP8_BLOCK:
-            if ACT_FORMAT != 0:
-                row_scale = _row_scales(x_scale_ptr, slots, slot_ok, 0, stride_xs_s, stride_xs_g,
-                                        ACT_FORMAT, SCALE_BK)
+            row_scale = _row_scales(x_scale_ptr, slots, slot_ok, 0, stride_xs_s, stride_xs_g,
+                                    ACT_FORMAT, SCALE_BK)
             col_scale = _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
                                            stride_ws_h, stride_ws_i, WEIGHT_FORMAT, SCALE_BN,
                                            SCALE_BK)
