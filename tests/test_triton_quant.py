@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import torch_moe_ops as tmo
-from conftest import make_quant_inputs
+from conftest import ExpertInputs, QuantInputs, make_quant_inputs, random_topk_ids
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.registry import REGISTRY, Problem
@@ -44,10 +44,10 @@ FORMATS = {
     "fp8_tensor": QuantSpec("fp8_tensor"),
     "fp8_channel": QuantSpec("fp8_channel"),
     # bn != bk: a scale index with rows and columns swapped shows.
-    "fp8_block": QuantSpec("fp8_block", block_size=(64, 32)),
+    "fp8_block": QuantSpec("fp8_block", block_size=(32, 64)),
     "fp8_tensor_w8a16": QuantSpec("fp8_tensor", "none"),
     "fp8_channel_w8a16": QuantSpec("fp8_channel", "none"),
-    "fp8_block_w8a16": QuantSpec("fp8_block", "none", (32, 64)),
+    "fp8_block_w8a16": QuantSpec("fp8_block", "none", (64, 32)),
     "mxfp4": QuantSpec("mxfp4"),
 }
 SIZES = {"num_tokens": 5, "hidden_size": 128, "intermediate_size": 64, "num_experts": 4,
@@ -121,14 +121,18 @@ def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
     assert (out[-1] == 0).all()  # every slot skipped: exact zeros
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+# Each on one path: both paths run swiglu_oai in test_experts_quant.
+@pytest.mark.parametrize("activation,kernel_path", [("silu", "direct"), ("gelu", "tiled")],
+                         indirect=["kernel_path"])
 def test_mxfp4_every_activation(activation, kernel_path, generator):
     q = inputs(FORMATS["mxfp4"], generator, bias=True)
     out, ref = run_both(q, activation)
     assert_close_to(out, ref, BOUNDS[torch.float32])
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4"])
+@pytest.mark.parametrize("fmt,kernel_path", [("fp8_block", "tiled"), ("mxfp4", "direct"),
+                                             ("fp8_channel_w8a16", "tiled")],
+                         indirect=["kernel_path"])
 def test_one_expert_per_token(fmt, kernel_path, generator, poisoned_empty):
     q = inputs(FORMATS[fmt], generator, top_k=1, bias=True)
     out, ref = run_both(q, "swiglu_oai")
@@ -153,7 +157,8 @@ def test_no_tokens_launches_nothing(fmt, generator, monkeypatch):
     assert torch.ops.moe_triton.experts_rows_quant(*rows_args).shape == (0, SIZES["hidden_size"])
 
 
-def test_activations_are_quantized_once_per_token(generator, monkeypatch):
+@pytest.mark.parametrize("kernel_path", ["direct"], indirect=True)
+def test_activations_are_quantized_once_per_token(kernel_path, generator, monkeypatch):
     """The hidden rows are quantized once per token (T rows), the intermediate once per slot."""
     seen = []
 
@@ -173,7 +178,7 @@ def rows_args(q, prequantized: bool):
     (rows of expert -1 at the end), fp8 with scales when ``prequantized``."""
     f = q.float_inputs
     x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
-        f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, SIZES["num_experts"])
+        f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, q.w13.shape[0])
     if not prequantized:
         return (x_RH, None, expert_R, count_E, *q.weight_args("swiglu_oai", SWIGLU_ALPHA,
                                                                SWIGLU_LIMIT))
@@ -182,8 +187,10 @@ def rows_args(q, prequantized: bool):
             *q.weight_args("swiglu_oai", SWIGLU_ALPHA, SWIGLU_LIMIT), x_RH.dtype)
 
 
-@pytest.mark.parametrize("fmt,prequantized", [("fp8_block", False), ("fp8_block", True),
-                                              ("fp8_channel", True), ("mxfp4", False)])
+@pytest.mark.parametrize("fmt,prequantized,kernel_path", [
+    ("fp8_block", False, "tiled"), ("fp8_block", True, "direct"), ("fp8_channel", True, "tiled"),
+    ("fp8_tensor", False, "direct"), ("mxfp4", False, "direct"), ("mxfp4", False, "tiled")],
+    indirect=["kernel_path"])
 def test_experts_rows_quant(fmt, prequantized, kernel_path, generator, poisoned_empty):
     q = inputs(FORMATS[fmt], generator, dtype=torch.float16, bias=True)
     args = rows_args(q, prequantized)
@@ -277,14 +284,35 @@ def assert_norm_close(out: torch.Tensor, ref: torch.Tensor, spec: QuantSpec) -> 
     assert err <= limit, f"relative error {err:.3e} > {limit:.0e} ({spec.name})"
 
 
-def gpu_inputs(spec, generator, **sizes):
-    return inputs(spec, generator, dtype=torch.bfloat16, **sizes)
+def gpu_inputs(spec: QuantSpec, num_tokens: int, hidden_size: int, intermediate_size: int,
+               num_experts: int, top_k: int, bias: bool = False, seed: int = 0) -> QuantInputs:
+    """`QuantInputs` made and quantized on the GPU (real widths take seconds on the
+    CPU): bf16 activations, a fifth of the slots and the last token skipped."""
+    T, H, I, E, K = num_tokens, hidden_size, intermediate_size, num_experts, top_k
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(shape, generator=g, device="cuda") * scale
+
+    ids_TK = random_topk_ids(T, E, K, torch.Generator().manual_seed(seed), skip_fraction=0.2)
+    if T > 1:
+        ids_TK[-1] = -1
+    f = ExpertInputs(
+        hidden_TH=randn(T, H).bfloat16(),
+        topk_weights_TK=torch.rand((T, K), generator=g, device="cuda"),
+        topk_ids_TK=ids_TK.cuda(), w13_EFH=randn(E, 2 * I, H, scale=H ** -0.5),
+        w2_EHI=randn(E, H, I, scale=I ** -0.5),
+        b13_EF=randn(E, 2 * I, scale=0.5).bfloat16() if bias else None,
+        b2_EH=randn(E, H, scale=0.5).bfloat16() if bias else None)
+    (w13, w13_scale), (w2, w2_scale) = (quant.quantize_weights(w, spec)
+                                        for w in (f.w13_EFH, f.w2_EHI))
+    return QuantInputs(spec, f, w13, w2, w13_scale, w2_scale)
 
 
 @gpu
 @pytest.mark.parametrize("T", [1, 4, 256])
-def test_deepseek_v3_fp8_block_gpu(T, kernel_path, generator):
-    q = gpu_inputs(QuantSpec("fp8_block"), generator, num_tokens=T, hidden_size=7168,
+def test_deepseek_v3_fp8_block_gpu(T, kernel_path):
+    q = gpu_inputs(QuantSpec("fp8_block"), num_tokens=T, hidden_size=7168,
                    intermediate_size=2048, num_experts=16, top_k=8)
     out, ref = run_both(q, "silu")
     assert_norm_close(out, ref, q.spec)
@@ -292,8 +320,8 @@ def test_deepseek_v3_fp8_block_gpu(T, kernel_path, generator):
 
 @gpu
 @pytest.mark.parametrize("T", [1, 7, 333])
-def test_gpt_oss_mxfp4_gpu(T, kernel_path, generator):
-    q = gpu_inputs(QuantSpec("mxfp4"), generator, num_tokens=T, hidden_size=2880,
+def test_gpt_oss_mxfp4_gpu(T, kernel_path):
+    q = gpu_inputs(QuantSpec("mxfp4"), num_tokens=T, hidden_size=2880,
                    intermediate_size=2880, num_experts=8, top_k=4, bias=True)
     out, ref = run_both(q, "swiglu_oai")
     assert_norm_close(out, ref, q.spec)
@@ -302,8 +330,8 @@ def test_gpt_oss_mxfp4_gpu(T, kernel_path, generator):
 @gpu
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("T", [3, 600])
-def test_every_format_gpu(fmt, T, kernel_path, generator):
-    q = gpu_inputs(FORMATS[fmt], generator, num_tokens=T, hidden_size=1024,
+def test_every_format_gpu(fmt, T, kernel_path):
+    q = gpu_inputs(FORMATS[fmt], num_tokens=T, hidden_size=1024,
                    intermediate_size=512, num_experts=16, top_k=4, bias=True)
     out, ref = run_both(q, "swiglu_oai")
     assert_norm_close(out, ref, q.spec)
@@ -314,8 +342,8 @@ def test_every_format_gpu(fmt, T, kernel_path, generator):
 
 @gpu
 @pytest.mark.parametrize("fmt", ["fp8_block", "fp8_channel", "mxfp4"])
-def test_cuda_graph_capture_and_replay(fmt, kernel_path, generator):
-    q = gpu_inputs(FORMATS[fmt], generator, num_tokens=64, hidden_size=1024,
+def test_cuda_graph_capture_and_replay(fmt, kernel_path):
+    q = gpu_inputs(FORMATS[fmt], num_tokens=64, hidden_size=1024,
                    intermediate_size=512, num_experts=16, top_k=4, bias=True)
     args = q.args("swiglu_oai", SWIGLU_ALPHA, SWIGLU_LIMIT)
     stream = torch.cuda.Stream()
@@ -326,8 +354,8 @@ def test_cuda_graph_capture_and_replay(fmt, kernel_path, generator):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.moe_triton.experts_quant(*args)
-    fresh = gpu_inputs(FORMATS[fmt], torch.Generator().manual_seed(7), num_tokens=64,
-                       hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4)
+    fresh = gpu_inputs(FORMATS[fmt], num_tokens=64, hidden_size=1024, intermediate_size=512,
+                       num_experts=16, top_k=4, seed=7)
     f, g = q.float_inputs, fresh.float_inputs
     for mine, new in ((f.hidden_TH, g.hidden_TH), (f.topk_weights_TK, g.topk_weights_TK),
                       (f.topk_ids_TK, g.topk_ids_TK)):
