@@ -14,6 +14,11 @@ work: here a program multiplies one slot's row by a [N, H] slice of its
 expert's weights (a matrix-vector product, reduced with tl.sum, so no tile
 needs 16 rows), and a down program sums all K slots of its token in fp32 in a
 fixed order, so the output needs no third kernel and no float atomics.
+
+Quantized weights (``WEIGHT_FORMAT``, `quant_tiles`) are read as stored, fp8
+bytes or packed MXFP4, each byte once, and widened to fp32 in registers; fp8
+activation rows (``ACT_FORMAT``) are scaled as they are read. With both 0 the
+kernels compile to the unquantized ones.
 """
 
 from __future__ import annotations

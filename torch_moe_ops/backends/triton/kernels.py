@@ -13,6 +13,10 @@ columns of one program's output tile.
 ``inter`` and ``slot`` are indexed by slot, not by sorted row, so neither holds
 padding and a skipped slot (id -1) is never written nor read. Each kernel
 accumulates in fp32 and rounds once when it stores.
+
+The GEMM kernels also read quantized weights (``WEIGHT_FORMAT``) and fp8
+activation rows (``ACT_FORMAT``) with their scales (`quant_tiles`); with both
+0 they compile to the unquantized kernels.
 """
 
 from __future__ import annotations

@@ -25,14 +25,16 @@ import triton.language as tl
 from torch_moe_ops.config import QuantSpec
 
 # `WEIGHT_FORMAT` of the kernels (0: unquantized weights in the activations' dtype).
-WEIGHT_FORMAT_CODES = {None: 0, "fp8_tensor": 1, "fp8_channel": 2, "fp8_block": 3, "mxfp4": 4}
-# `ACT_FORMAT` of the kernels: what the activations a GEMM reads are.
-ACT_FORMAT_CODES = {"none": 0, "fp8_token": 1, "fp8_group": 2}
 FP8_TENSOR = tl.constexpr(1)
 FP8_CHANNEL = tl.constexpr(2)
 FP8_BLOCK = tl.constexpr(3)
 MXFP4 = tl.constexpr(4)
+WEIGHT_FORMAT_CODES = {None: 0, "fp8_tensor": FP8_TENSOR.value, "fp8_channel": FP8_CHANNEL.value,
+                       "fp8_block": FP8_BLOCK.value, "mxfp4": MXFP4.value}
+# `ACT_FORMAT` of the kernels: what the activations a GEMM reads are (0: its own dtype).
 FP8_TOKEN = tl.constexpr(1)
+FP8_GROUP = tl.constexpr(2)
+ACT_FORMAT_CODES = {"none": 0, "fp8_token": FP8_TOKEN.value, "fp8_group": FP8_GROUP.value}
 # float16 bits with an e2m1 nibble in them read as its value * 2 ** -14 (see _e2m1_halves).
 E2M1_IN_FP16 = tl.constexpr(16384.0)
 
