@@ -12,7 +12,10 @@ and ``moe_reference::experts_quant`` read the same quantized weights and, with
 fp8 activations, the same fp8 hidden rows (`act_quant` rounds as torch does,
 bit for bit, tested here). What is left:
 
-- fp32 activations, every format: fp32 sums in another order (`BOUNDS` fp32).
+- fp32 activations, every format: fp32 sums in another order (`BOUNDS` fp32);
+  on a GPU, w8a8 products go through fp8 tensor cores, which sum a K tile's
+  products with fewer bits than fp32 (about 14 on Hopper, as DeepSeek-V3's
+  report measured; the kernels add each tile's sum in fp32): `FP8_MMA_BOUND`.
 - fp16, weight-only formats (W8A16, MXFP4): the intermediate and the output are
   rounded to fp16, where the reference keeps the intermediate in fp32.
 - fp16, w8a8: the kernels quantize the intermediate from its fp16 rounding, the
@@ -56,12 +59,15 @@ SIZES = {"num_tokens": 5, "hidden_size": 128, "intermediate_size": 64, "num_expe
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 1.0
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 W8A8_LOW_PRECISION_BOUND = 3e-2
+FP8_MMA_BOUND = 2e-3
 
 
 def bound(spec: QuantSpec, dtype: torch.dtype) -> float:
     """The max-error bound of the module docstring for ``spec`` with ``dtype`` activations."""
     if spec.activations != "none" and dtype != torch.float32:
         return W8A8_LOW_PRECISION_BOUND
+    if spec.activations != "none" and DEVICE.type == "cuda":
+        return FP8_MMA_BOUND
     return BOUNDS[dtype]
 
 
@@ -127,7 +133,7 @@ def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
 def test_mxfp4_every_activation(activation, kernel_path, generator):
     q = inputs(FORMATS["mxfp4"], generator, bias=True)
     out, ref = run_both(q, activation)
-    assert_close_to(out, ref, BOUNDS[torch.float32])
+    assert_close_to(out, ref, bound(q.spec, torch.float32))
 
 
 @pytest.mark.parametrize("fmt,kernel_path", [("fp8_block", "tiled"), ("mxfp4", "direct"),
@@ -136,7 +142,7 @@ def test_mxfp4_every_activation(activation, kernel_path, generator):
 def test_one_expert_per_token(fmt, kernel_path, generator, poisoned_empty):
     q = inputs(FORMATS[fmt], generator, top_k=1, bias=True)
     out, ref = run_both(q, "swiglu_oai")
-    assert_close_to(out, ref, BOUNDS[torch.float32])
+    assert_close_to(out, ref, bound(q.spec, torch.float32))
     assert (out[-1] == 0).all()
 
 

@@ -20,8 +20,8 @@ token (not per slot) and the intermediate rows once after the activation
 (`act_quant`), and each GEMM multiplies fp8 by fp8; weight-only formats
 (W8A16, MXFP4 W4A16) are dequantized tile by tile in the kernels and meet
 the activations in their own dtype.
-Both entry points run `_run_direct` or `_run_tiled` alike: the rows format is
-the K = 1 case without routing weights. Nothing here reads a tensor's values
+Every entry point runs `_run_direct` or `_run_tiled`: the rows format is the
+K = 1 case without routing weights. Nothing here reads a tensor's values
 on the host, so a call can be captured in a CUDA graph once its config is
 cached (see `configs`).
 Arguments are expected to have passed the op contract's checks
