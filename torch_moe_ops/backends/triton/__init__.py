@@ -11,6 +11,11 @@ The gradient (`experts_backward`) is the ``grouped_mm`` path's
 without a host sync (`grouped_gemm.supports`: bf16 on sm90+, H and I multiples
 of 8), else the reference backend's, called as ``moe_reference::experts_backward``.
 
+Quantized weights (``experts_quant``, ``experts_rows_quant``): fp8 per tensor,
+per channel and per block with fp8 activations (w8a8) or without (W8A16), and
+MXFP4 W4A16, on the same kernels (`fused`); `supports` says which formats run
+where. They have no gradient (the op contract raises).
+
 Runs on CUDA; on the CPU only under the Triton interpreter (``TRITON_INTERPRET=1``),
 which is how the kernels' indexing is tested without a GPU.
 """
@@ -23,10 +28,30 @@ import torch
 
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem
-from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES
+from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES, block_k_limits
+from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, op_overload
 
 NAMESPACE = "moe_triton"
+# fp8 (e4m3) conversions and tl.dot: Ada and newer.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def _why_not_quant(quant: QuantSpec, device) -> str | None:
+    """Why quantized weights of ``quant`` cannot run on ``device``, or None."""
+    if quant.weights.startswith("fp8") and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            return (f"{quant.name} needs float8 support, sm89 or newer, got "
+                    f"sm{capability[0]}{capability[1]}")
+    if quant.weights == "fp8_block":
+        # A K tile of the tiled kernels lies inside one scale block.
+        least, _ = block_k_limits(quant, "tiled")
+        columns = quant.block_size[1]
+        if columns & -columns < least:
+            return (f"{quant.name} needs block columns (block_size[1]) divisible by {least}, "
+                    f"got {columns}")
+    return None
 
 
 def supports(spec, problem, device) -> str | None:
@@ -42,13 +67,20 @@ def supports(spec, problem, device) -> str | None:
         return "needs a CUDA GPU, this torch sees none"
     if problem.dtype not in KERNEL_DTYPES:
         return f"needs float32, float16 or bfloat16, got {problem.dtype}"
+    if problem.quant is not None:
+        return _why_not_quant(problem.quant, device)
     return None
 
 
 if TRITON_INSTALLED:
     from torch_moe_ops.backends.common import grouped_gemm
     from torch_moe_ops.backends.common.launch import static_shapes_on_cuda, traced
-    from torch_moe_ops.backends.triton.fused import fused_experts, fused_experts_rows
+    from torch_moe_ops.backends.triton.fused import (
+        fused_experts,
+        fused_experts_quant,
+        fused_experts_rows,
+        fused_experts_rows_quant,
+    )
     from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 
     def _grouped_backward_runs(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH,
@@ -65,10 +97,14 @@ if TRITON_INSTALLED:
         return op_overload(REFERENCE_NAMESPACE, "experts_backward")(*args)
 
     define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows,
-                                   "experts_backward": experts_backward})
+                                   "experts_backward": experts_backward,
+                                   "experts_quant": fused_experts_quant,
+                                   "experts_rows_quant": fused_experts_rows_quant})
     # Compiled with fixed sizes, the kernels are launched by Inductor's own code.
     decompose_backend_ops(NAMESPACE, {"experts": traced(fused_experts),
-                                      "experts_rows": traced(fused_experts_rows)},
+                                      "experts_rows": traced(fused_experts_rows),
+                                      "experts_quant": traced(fused_experts_quant),
+                                      "experts_rows_quant": traced(fused_experts_rows_quant)},
                           static_shapes_on_cuda)
     decompose_backend_ops(NAMESPACE, {"experts_backward": traced(grouped_gemm.experts_backward)},
                           lambda *args: static_shapes_on_cuda(*args)

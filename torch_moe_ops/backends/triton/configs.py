@@ -4,7 +4,10 @@ Legend: E experts, N expert intermediate size (I), K hidden size (H), M tokens
 of one call.
 
 Tuned configs live in ``configs/E={E},N={N},K={K},dtype={dtype},device={device}.json``
-beside this module (package data). Each file maps a token count to a config:
+beside this module (package data); for quantized weights the file name carries
+the format after the dtype, as `QuantSpec.name` writes it
+(``...,dtype=bfloat16,quant=fp8_block128x128+fp8_group,device=...json``).
+Each file maps a token count to a config:
 
     {"1": {"path": "direct", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1,
            "num_warps": 4, "num_stages": 3}, "64": {...}, ...}
@@ -28,6 +31,8 @@ import json
 import pathlib
 
 import torch
+
+from torch_moe_ops.config import MXFP4_GROUP, QuantSpec
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 # The device name used for tensors off CUDA (the Triton interpreter on CPU).
@@ -89,8 +94,47 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_file_name(E: int, N: int, K: int, dtype: torch.dtype, device_name: str) -> str:
-    return f"E={E},N={N},K={K},dtype={dtype_name(dtype)},device={device_name}.json"
+def config_file_name(E: int, N: int, K: int, dtype: torch.dtype, device_name: str,
+                     quant: QuantSpec | None = None) -> str:
+    """The tuned file of a shape: ``quant`` (None: unquantized) names the weights'
+    format, since each format runs kernels of its own."""
+    fmt = "" if quant is None else f",quant={quant.name}"
+    return f"E={E},N={N},K={K},dtype={dtype_name(dtype)}{fmt},device={device_name}.json"
+
+
+def block_k_limits(quant: QuantSpec | None, path: str) -> tuple[int, int | None]:
+    """``(least, divides)``: what ``BLOCK_K`` must be for ``quant``'s kernels on
+    ``path``: at least ``least``, and a divisor of ``divides`` (or anything).
+
+    fp8 ``tl.dot`` takes K tiles of 32 and more; one K tile of ``fp8_block``
+    weights must lie in one scale block (``bk``); one of mxfp4 must hold whole
+    scale groups of 32 columns.
+    """
+    if quant is None:
+        return 1 if path == "direct" else 16, None
+    least = 1 if path == "direct" else 16
+    if quant.activations != "none" and path != "direct":
+        least = 32
+    if quant.weights == "mxfp4":
+        least = MXFP4_GROUP
+    divides = quant.block_size[1] if quant.weights == "fp8_block" else None
+    return least, divides
+
+
+def fits_format(config: KernelConfig, quant: QuantSpec | None) -> bool:
+    """Whether ``config``'s K tiles suit ``quant``'s kernels (`block_k_limits`)."""
+    least, divides = block_k_limits(quant, config.path)
+    return config.BLOCK_K >= least and (divides is None or divides % config.BLOCK_K == 0)
+
+
+def fit_block_k(block_k: int, quant: QuantSpec | None, path: str) -> int:
+    """The K tile nearest ``block_k`` that suits ``quant``'s kernels on ``path``:
+    the deepest power of two <= ``block_k`` dividing ``bk``, and at least the
+    least one (`block_k_limits`; `supports` refuses formats where none exists)."""
+    least, divides = block_k_limits(quant, path)
+    if divides is not None:
+        block_k = min(block_k, divides & -divides)
+    return max(block_k, least)
 
 
 @functools.cache
@@ -132,39 +176,51 @@ def pick_entry(entries: tuple[tuple[int, KernelConfig], ...], M: int) -> KernelC
     return chosen
 
 
-def default_path(E: int, M: int, top_k: int) -> str:
+def default_path(E: int, M: int, top_k: int, quant: QuantSpec | None = None) -> str:
     """The kernels for M tokens of top_k among E experts, without a tuned file.
 
     One token, or few enough slots that experts rarely repeat (at most one in
     four experts gets a slot), reads no more weight bytes slot by slot than
-    grouped, and saves the align's launches.
+    grouped, and saves the align's launches. Quantized weights never take
+    ``grouped_mm`` (bf16 only).
     """
     num_slots = M * top_k
     if M == 1 or 4 * num_slots <= E:
         return "direct"
-    if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
+    if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E and quant is None:
         return "grouped_mm"
     return "tiled"
 
 
 def default_config(E: int, N: int, K: int, dtype: torch.dtype, M: int, top_k: int,
-                   device_name: str) -> KernelConfig:
+                   device_name: str, quant: QuantSpec | None = None) -> KernelConfig:
     """A config for shapes without a tuned file.
 
     Slots per expert (M * top_k / E) decide BLOCK_M, since few rows waste most
     of a tall tile on padding. fp32 tiles are half as deep: they take twice the
-    shared memory per element.
+    shared memory per element; fp8 tiles (w8a8) twice as deep, for the same
+    reason the other way. ``BLOCK_K`` then fits the format (`fit_block_k`).
     """
-    path = default_path(E, M, top_k)
+    path = default_path(E, M, top_k, quant)
+    config = _default_tiles(E, dtype, M, top_k, device_name, quant, path)
+    return dataclasses.replace(config, BLOCK_K=fit_block_k(config.BLOCK_K, quant, path))
+
+
+def _default_tiles(E, dtype, M, top_k, device_name, quant, path) -> KernelConfig:
     if device_name == INTERPRETER_DEVICE:
         # The interpreter runs each program with numpy: the smallest tiles that
         # tl.dot takes cost least, and GROUP_M=2 keeps the grouped order exercised.
-        return KernelConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1,
+        # Quantized kernels call a helper or two per K step, each call costing the
+        # interpreter more than a tile's numpy work: fewer, larger tiles.
+        wide = 16 if quant is None else 64
+        return KernelConfig(BLOCK_M=16, BLOCK_N=wide, BLOCK_K=wide, GROUP_M=2, num_warps=1,
                             num_stages=1, path=path)
     if path == "direct":
         return KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128 if dtype == torch.float32
                             else 256, GROUP_M=1, num_warps=4, num_stages=3, path=path)
     block_k = 32 if dtype == torch.float32 else 64
+    if quant is not None and quant.activations != "none":
+        block_k = 128
     slots_per_expert = M * top_k / E
     if slots_per_expert <= 8:
         return KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, num_warps=4,
@@ -178,17 +234,26 @@ def default_config(E: int, N: int, K: int, dtype: torch.dtype, M: int, top_k: in
 
 @functools.lru_cache(maxsize=4096)
 def get_config(E: int, N: int, K: int, dtype: torch.dtype, M: int, top_k: int,
-               device_name: str) -> KernelConfig:
+               device_name: str, quant: QuantSpec | None = None) -> KernelConfig:
     """The kernel config for E experts, intermediate size N, hidden size K and
-    M tokens of top_k experts each; its ``path`` is never None.
+    M tokens of top_k experts each, with weights quantized as ``quant`` says
+    (None: in ``dtype``); its ``path`` is never None.
 
-    Reads ``configs/E={E},N={N},K={K},dtype={dtype},device={device_name}.json``
-    on the first call for that file (a tuned table), else uses `default_config`.
+    Reads the tuned table `config_file_name` names on the first call for that
+    file, else uses `default_config`. A tuned entry must suit the format
+    (`fits_format`): one that does not is an error, not a silent change.
     """
-    entries = _tuned_entries(config_file_name(E, N, K, dtype, device_name))
+    file_name = config_file_name(E, N, K, dtype, device_name, quant)
+    entries = _tuned_entries(file_name)
     if entries is None:
-        return default_config(E, N, K, dtype, M, top_k, device_name)
+        return default_config(E, N, K, dtype, M, top_k, device_name, quant)
     config = pick_entry(entries, M)
     if config.path is None:
-        config = dataclasses.replace(config, path=default_path(E, M, top_k))
+        config = dataclasses.replace(config, path=default_path(E, M, top_k, quant))
+    if not fits_format(config, quant):
+        least, divides = block_k_limits(quant, config.path)
+        raise ValueError(f"bad kernel config file {CONFIG_DIR / file_name}: BLOCK_K="
+                         f"{config.BLOCK_K} of its entry for M={M} does not suit "
+                         f"{quant.name} (at least {least}"
+                         + (f", a divisor of {divides})" if divides else ")"))
     return config

@@ -14,6 +14,11 @@ work: here a program multiplies one slot's row by a [N, H] slice of its
 expert's weights (a matrix-vector product, reduced with tl.sum, so no tile
 needs 16 rows), and a down program sums all K slots of its token in fp32 in a
 fixed order, so the output needs no third kernel and no float atomics.
+
+Quantized weights (``WEIGHT_FORMAT``, `quant_tiles`) are read as stored, fp8
+bytes or packed MXFP4, each byte once, and widened to fp32 in registers; fp8
+activation rows (``ACT_FORMAT``) are scaled as they are read. With both 0 the
+kernels compile to the unquantized ones.
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops.backends.common.triton_activation import _activate
+from torch_moe_ops.backends.triton.quant_tiles import (
+    FP8_BLOCK,
+    FP8_TOKEN,
+    MXFP4,
+    _activation_scales,
+    _fp8_weight_scales,
+    _mxfp4_row_dot,
+)
 
 
 @triton.jit
@@ -33,9 +46,17 @@ def moe_direct_gate_up_kernel(
         stride_b13_e, stride_b13_f,
         stride_inter_s, stride_inter_i,
         swiglu_alpha, swiglu_limit,
+        x_scale_ptr, stride_xs_t, stride_xs_g,
+        w13_scale_ptr, stride_ws_e, stride_ws_f, stride_ws_h,
         TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """inter[s, n] = act(gate, up) for slot s = program 0, columns n of program 1."""
+        WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
+        SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """inter[s, n] = act(gate, up) for slot s = program 0, columns n of program 1.
+
+    Quantized (`quant_tiles`): ``hidden`` is the fp8 rows with ``x_scale`` where
+    ``ACT_FORMAT`` says so, ``w13`` and ``w13_scale`` are in ``WEIGHT_FORMAT``;
+    each K tile's sum is scaled as it is added.
+    """
     slot = tl.program_id(0).to(tl.int64)
     token = slot // TOP_K
     expert = tl.load(ids_ptr + token * stride_ids_t + (slot % TOP_K) * stride_ids_k).to(tl.int64)
@@ -44,22 +65,76 @@ def moe_direct_gate_up_kernel(
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter_size
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
-    gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
-                 + ks[None, :] * stride_w13_h)
-    up_ptrs = gate_ptrs + inter_size * stride_w13_f
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(tl.cdiv(hidden_size, BLOCK_K)):
-        k_ok = ks < hidden_size - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_ok = col_ok[:, None] & k_ok[None, :]
-        gate += tl.sum(tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x, axis=1)
-        up += tl.sum(tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x, axis=1)
-        x_ptrs += BLOCK_K * stride_hidden_h
-        gate_ptrs += BLOCK_K * stride_w13_h
-        up_ptrs += BLOCK_K * stride_w13_h
+    if WEIGHT_FORMAT == MXFP4:
+        ps = tl.arange(0, BLOCK_K // 2)
+        gs = tl.arange(0, BLOCK_K // 32)
+        x_ptrs = hidden_ptr + token * stride_hidden_t + 2 * ps * stride_hidden_h
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
+                     + ps[None, :] * stride_w13_h)
+        gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_f
+                           + gs[None, :] * stride_ws_h)
+        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
+            left = hidden_size - k * BLOCK_K
+            p_ok = ps < left // 2
+            x_even = tl.load(x_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptrs + stride_hidden_h, mask=p_ok, other=0.0).to(tl.float32)
+            w_ok = col_ok[:, None] & p_ok[None, :]
+            s_ok = col_ok[:, None] & (gs < left // 32)[None, :]
+            gate += _mxfp4_row_dot(x_even, x_odd, tl.load(gate_ptrs, mask=w_ok, other=0),
+                                   tl.load(gate_scale_ptrs, mask=s_ok, other=0), BLOCK_K,
+                                   BLOCK_N)
+            up += _mxfp4_row_dot(x_even, x_odd,
+                                 tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok,
+                                         other=0),
+                                 tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
+                                         other=0), BLOCK_K, BLOCK_N)
+            x_ptrs += BLOCK_K * stride_hidden_h
+            gate_ptrs += (BLOCK_K // 2) * stride_w13_h
+            gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
+                     + ks[None, :] * stride_w13_h)
+        up_ptrs = gate_ptrs + inter_size * stride_w13_f
+        token_scale = 1.0
+        if ACT_FORMAT == FP8_TOKEN:
+            token_scale = _activation_scales(x_scale_ptr, token, True, 0, stride_xs_t,
+                                             stride_xs_g, ACT_FORMAT, SCALE_BK)
+        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
+            k_ok = ks < hidden_size - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if ACT_FORMAT == FP8_TOKEN:
+                x *= token_scale
+            elif ACT_FORMAT != 0:
+                x *= _activation_scales(x_scale_ptr, token, True, k * BLOCK_K, stride_xs_t,
+                                        stride_xs_g, ACT_FORMAT, SCALE_BK)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            gate_k = tl.sum(tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x[None, :],
+                            axis=1)
+            up_k = tl.sum(tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x[None, :],
+                          axis=1)
+            if WEIGHT_FORMAT == FP8_BLOCK:
+                gate_k *= _fp8_weight_scales(w13_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
+                                             stride_ws_e, stride_ws_f, stride_ws_h, WEIGHT_FORMAT,
+                                             SCALE_BN, SCALE_BK)
+                up_k *= _fp8_weight_scales(w13_scale_ptr, expert, cols + inter_size, col_ok,
+                                           k * BLOCK_K, stride_ws_e, stride_ws_f, stride_ws_h,
+                                           WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
+            gate += gate_k
+            up += up_k
+            x_ptrs += BLOCK_K * stride_hidden_h
+            gate_ptrs += BLOCK_K * stride_w13_h
+            up_ptrs += BLOCK_K * stride_w13_h
+        if WEIGHT_FORMAT != 0 and WEIGHT_FORMAT != FP8_BLOCK:
+            gate *= _fp8_weight_scales(w13_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
+                                       stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN,
+                                       SCALE_BK)
+            up *= _fp8_weight_scales(w13_scale_ptr, expert, cols + inter_size, col_ok, 0,
+                                     stride_ws_e, stride_ws_f, stride_ws_h, WEIGHT_FORMAT,
+                                     SCALE_BN, SCALE_BK)
     if HAS_BIAS:
         bias_ptrs = b13_ptr + expert * stride_b13_e + cols * stride_b13_f
         gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)
@@ -78,32 +153,75 @@ def moe_direct_down_sum_kernel(
         stride_w2_e, stride_w2_h, stride_w2_i,
         stride_b2_e, stride_b2_h,
         stride_out_t, stride_out_h,
+        x_scale_ptr, stride_xs_s, stride_xs_g,
+        w2_scale_ptr, stride_ws_e, stride_ws_h, stride_ws_i,
         TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
+        SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[t, n] for token t = program 0, columns n of program 1; zeros for a
-    token whose slots are all skipped. ``weights`` is ``[S]``, weight 1 without."""
+    token whose slots are all skipped. ``weights`` is ``[S]``, weight 1 without.
+
+    Quantized as `moe_direct_gate_up_kernel`, with ``inter`` and ``x_scale`` the
+    quantized intermediate rows.
+    """
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
-    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # The K slots are the inner, unrolled loop: each step issues the loads of all
     # K experts at once, so one program keeps K weight tiles in flight instead of
     # walking its experts one after the other.
-    for k in range(tl.cdiv(inter_size, BLOCK_K)):
-        for j in tl.static_range(TOP_K):
-            slot = token * TOP_K + j
-            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-            # A skipped slot's inter row was never written: no column of it is read.
-            k_ok = ks < tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
-            a = tl.load(inter_ptr + slot * stride_inter_s + (k * BLOCK_K + ks) * stride_inter_i,
-                        mask=k_ok, other=0.0).to(tl.float32)
-            if HAS_WEIGHTS:
-                a *= tl.load(weights_ptr + slot).to(tl.float32)
-            w = tl.load(w2_ptr + tl.maximum(expert, 0) * stride_w2_e
-                        + cols[:, None] * stride_w2_h + (k * BLOCK_K + ks)[None, :] * stride_w2_i,
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    if WEIGHT_FORMAT == MXFP4:
+        ps = tl.arange(0, BLOCK_K // 2)
+        gs = tl.arange(0, BLOCK_K // 32)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            for j in tl.static_range(TOP_K):
+                slot = token * TOP_K + j
+                expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+                # A skipped slot's inter row was never written: no column of it is read.
+                left = tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
+                p_ok = ps < left // 2
+                a_ptrs = inter_ptr + slot * stride_inter_s + (k * BLOCK_K + 2 * ps) * stride_inter_i
+                a_even = tl.load(a_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+                a_odd = tl.load(a_ptrs + stride_inter_i, mask=p_ok, other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    weight = tl.load(weights_ptr + slot).to(tl.float32)
+                    a_even *= weight
+                    a_odd *= weight
+                expert = tl.maximum(expert, 0)
+                packed = tl.load(w2_ptr + expert * stride_w2_e + cols[:, None] * stride_w2_h
+                                 + (k * BLOCK_K // 2 + ps)[None, :] * stride_w2_i,
+                                 mask=col_ok[:, None] & p_ok[None, :], other=0)
+                scales = tl.load(w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
+                                 + (k * BLOCK_K // 32 + gs)[None, :] * stride_ws_i,
+                                 mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0)
+                acc += _mxfp4_row_dot(a_even, a_odd, packed, scales, BLOCK_K, BLOCK_N)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            for j in tl.static_range(TOP_K):
+                slot = token * TOP_K + j
+                expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+                # A skipped slot's inter row was never written: no column of it is read.
+                k_ok = ks < tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
+                a = tl.load(inter_ptr + slot * stride_inter_s
+                            + (k * BLOCK_K + ks) * stride_inter_i,
+                            mask=k_ok, other=0.0).to(tl.float32)
+                if ACT_FORMAT != 0:
+                    a *= _activation_scales(x_scale_ptr, slot, expert >= 0, k * BLOCK_K,
+                                            stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
+                if HAS_WEIGHTS:
+                    a *= tl.load(weights_ptr + slot).to(tl.float32)
+                w = tl.load(w2_ptr + tl.maximum(expert, 0) * stride_w2_e
+                            + cols[:, None] * stride_w2_h
+                            + (k * BLOCK_K + ks)[None, :] * stride_w2_i,
+                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_k = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                if WEIGHT_FORMAT != 0:
+                    acc_k *= _fp8_weight_scales(w2_scale_ptr, tl.maximum(expert, 0), cols, col_ok,
+                                                k * BLOCK_K, stride_ws_e, stride_ws_h,
+                                                stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
+                acc += acc_k
     if HAS_BIAS:
         for j in tl.static_range(TOP_K):
             expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)

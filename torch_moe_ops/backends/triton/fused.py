@@ -12,8 +12,16 @@ K experts per token, S = T * K slots, R rows (rows format).
 The config of a call (`configs.get_config`) names its kernels: ``direct``,
 ``tiled`` (`kernels`) or ``grouped_mm`` (`common.grouped_gemm`, which the
 ``grouped_mm`` backend runs too).
-Both entry points run `_run_direct` or `_run_tiled` alike: the rows format is
-the K = 1 case without routing weights. Nothing here reads a tensor's values
+
+Quantized weights (`fused_experts_quant`, `fused_experts_rows_quant`; formats
+in `torch_moe_ops.quant`) run the same kernels with their format switches on
+(`quant_tiles`): with fp8 activations the hidden rows are quantized once per
+token (not per slot) and the intermediate rows once after the activation
+(`act_quant`), and each GEMM multiplies fp8 by fp8; weight-only formats
+(W8A16, MXFP4 W4A16) are dequantized tile by tile in the kernels and meet
+the activations in their own dtype.
+Every entry point runs `_run_direct` or `_run_tiled`: the rows format is the
+K = 1 case without routing weights. Nothing here reads a tensor's values
 on the host, so a call can be captured in a CUDA graph once its config is
 cached (see `configs`).
 Arguments are expected to have passed the op contract's checks
@@ -32,6 +40,7 @@ from torch_moe_ops.backends.common import grouped_gemm
 from torch_moe_ops.backends.common.launch import launcher
 from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.backends.triton.act_quant import quantize_rows
 from torch_moe_ops.backends.triton.align import align_rows
 from torch_moe_ops.backends.triton.configs import (
     KERNEL_DTYPES,
@@ -49,21 +58,78 @@ from torch_moe_ops.backends.triton.kernels import (
     moe_gate_up_act_kernel,
     moe_sum_over_topk_kernel,
 )
+from torch_moe_ops.backends.triton.quant_tiles import format_codes
+from torch_moe_ops.config import QuantSpec
 
 # Columns per program of the sum over experts.
 SUM_BLOCK_H = 256
 
 
-def _plan(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, w13_EFH: torch.Tensor) -> KernelConfig:
-    """The config of this call, its path resolved to one that can run here. It
-    depends on sizes only, so a CUDA graph captured at one size replays the
-    same kernels."""
-    num_experts, inter_size, hidden_size = (w13_EFH.shape[0], w13_EFH.shape[1] // 2,
-                                            w13_EFH.shape[2])
-    config = get_config(num_experts, inter_size, hidden_size, hidden_TH.dtype, ids_TK.shape[0],
-                        ids_TK.shape[1], device_name(hidden_TH.device))
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """The expert weights of a call and their activation, as the kernels read them.
+
+    ``w13``: ``[E, 2*I, H]`` gate rows then up rows, ``w2``: ``[E, H, I]``, in the
+    activations' dtype; or quantized as ``spec`` says (`torch_moe_ops.quant`:
+    packed ``[E, N, K / 2]`` for mxfp4) with ``w13_scale`` and ``w2_scale``.
+    ``b13``: ``[E, 2*I]`` or None, ``b2``: ``[E, H]`` or None, in the output dtype.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+    activation: str
+    swiglu_alpha: float
+    swiglu_limit: float
+    spec: QuantSpec | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def inter_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def quantized_activations(self) -> bool:
+        """Whether each GEMM reads fp8 activation rows (w8a8)."""
+        return self.spec is not None and self.spec.activations != "none"
+
+    def scale_args(self, x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+                   filler: torch.Tensor) -> tuple:
+        """One GEMM launch's scale pointers and strides: the activation rows'
+        (``[M]`` or ``[M, G]``) and the weights'; ``filler`` stands in for an
+        absent one, which the kernel never reads."""
+        return (*_padded_strides(x_scale, 2, filler), *_padded_strides(w_scale, 3, filler))
+
+    def kernel_constants(self) -> dict:
+        return format_codes(self.spec)
+
+
+def _padded_strides(t: torch.Tensor | None, ndim: int, filler: torch.Tensor) -> tuple:
+    """``(t, *t.stride())`` with zero strides for the dimensions ``t`` lacks (a
+    per-row or per-tensor scale read as a table with one column)."""
+    if t is None:
+        return (filler, *(0,) * ndim)
+    return (t, *t.stride(), *(0,) * (ndim - t.dim()))
+
+
+def _plan(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13: torch.Tensor,
+          spec: QuantSpec | None = None, dtype: torch.dtype | None = None) -> KernelConfig:
+    """The config of this call (activations ``x_TH``, output ``dtype``, by default
+    ``x_TH``'s), its path resolved to one that can run here. It depends on sizes
+    only, so a CUDA graph captured at one size replays the same kernels."""
+    dtype = x_TH.dtype if dtype is None else dtype
+    num_experts, inter_size, hidden_size = w13.shape[0], w13.shape[1] // 2, x_TH.shape[1]
+    config = get_config(num_experts, inter_size, hidden_size, dtype, ids_TK.shape[0],
+                        ids_TK.shape[1], device_name(x_TH.device), spec)
     if config.path == "grouped_mm" and not (
-            grouped_gemm.supports(None, Problem(hidden_TH.dtype), hidden_TH.device) is None
+            spec is None
+            and grouped_gemm.supports(None, Problem(dtype), x_TH.device) is None
             and grouped_gemm.aligned(hidden_size, inter_size)):
         config = dataclasses.replace(config, path="tiled")
     return config
@@ -76,12 +142,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _check_dtype(name: str, t: torch.Tensor) -> None:
+def _check_dtype(name: str, dtype: torch.dtype) -> None:
     # The op contract admits float64 (the reference computes in it); these kernels do not.
-    if t.dtype not in KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         raise ValueError(f"{name} must have dtype in "
                          f"({', '.join(map(dtype_name, KERNEL_DTYPES))}) on the triton "
-                         f"experts backend, got {dtype_name(t.dtype)}")
+                         f"experts backend, got {dtype_name(dtype)}")
 
 
 def _check_activation(activation: str) -> None:
@@ -90,94 +156,106 @@ def _check_activation(activation: str) -> None:
                          f"got {activation!r}")
 
 
-def _run_direct(config: KernelConfig, hidden_TH: torch.Tensor,
-                weights_S: torch.Tensor | None, ids_TK: torch.Tensor,
-                w13_EFH: torch.Tensor, w2_EHI: torch.Tensor, b13_EF: torch.Tensor | None,
-                b2_EH: torch.Tensor | None, activation: str, swiglu_alpha: float,
-                swiglu_limit: float) -> torch.Tensor:
-    num_tokens, hidden_size = hidden_TH.shape
+def _second_gemm_input(experts: Experts, inter_SI: torch.Tensor):
+    """What the down GEMM reads of the intermediate rows: themselves, or fp8 rows and scales."""
+    if experts.quantized_activations:
+        return quantize_rows(inter_SI, experts.spec)
+    return inter_SI, None
+
+
+def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
+                x_scale: torch.Tensor | None, weights_S: torch.Tensor | None,
+                ids_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    num_tokens, hidden_size = x_TH.shape
     top_k = ids_TK.shape[1]
-    inter_size = w13_EFH.shape[1] // 2
-    device, dtype = hidden_TH.device, hidden_TH.dtype
+    inter_size = experts.inter_size
+    w13, w2 = experts.w13, experts.w2
+    device = x_TH.device
     tiles = dict(BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
+                 num_stages=config.num_stages, **experts.kernel_constants())
 
     inter_SI = torch.empty((num_tokens * top_k, inter_size), dtype=dtype, device=device)
     # An absent bias or weight is never read (HAS_BIAS / HAS_WEIGHTS False):
     # any tensor fills its slot.
-    b13 = b13_EF if b13_EF is not None else w13_EFH
+    b13 = experts.b13 if experts.b13 is not None else w13
     gate_up_grid = (num_tokens * top_k, triton.cdiv(inter_size, config.BLOCK_N))
     launcher(moe_direct_gate_up_kernel)[gate_up_grid](
-        hidden_TH, ids_TK, w13_EFH, b13, inter_SI, hidden_size, inter_size,
-        hidden_TH.stride(0), hidden_TH.stride(1), ids_TK.stride(0), ids_TK.stride(1),
-        w13_EFH.stride(0), w13_EFH.stride(1), w13_EFH.stride(2),
+        x_TH, ids_TK, w13, b13, inter_SI, hidden_size, inter_size,
+        x_TH.stride(0), x_TH.stride(1), ids_TK.stride(0), ids_TK.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
         b13.stride(0), b13.stride(1),
         inter_SI.stride(0), inter_SI.stride(1),
-        float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[activation], HAS_BIAS=b13_EF is not None,
-        **tiles)
+        float(experts.swiglu_alpha), float(experts.swiglu_limit),
+        *experts.scale_args(x_scale, experts.w13_scale, inter_SI),
+        TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
+        HAS_BIAS=experts.b13 is not None, **tiles)
 
+    inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    b2 = b2_EH if b2_EH is not None else w2_EHI[:, :, 0]
-    weights = weights_S if weights_S is not None else inter_SI
+    b2 = experts.b2 if experts.b2 is not None else out_TH
+    weights = weights_S if weights_S is not None else out_TH
     launcher(moe_direct_down_sum_kernel)[(num_tokens, triton.cdiv(hidden_size, config.BLOCK_N))](
-        inter_SI, ids_TK, weights, w2_EHI, b2, out_TH, hidden_size, inter_size,
+        inter_SI, ids_TK, weights, w2, b2, out_TH, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
-        w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2),
+        w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         out_TH.stride(0), out_TH.stride(1),
-        TOP_K=top_k, HAS_BIAS=b2_EH is not None, HAS_WEIGHTS=weights_S is not None, **tiles)
+        *experts.scale_args(inter_scale, experts.w2_scale, out_TH),
+        TOP_K=top_k, HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
+        **tiles)
     return out_TH
 
 
-def _run_tiled(config: KernelConfig, hidden_TH: torch.Tensor,
-               weights_S: torch.Tensor | None, ids_TK: torch.Tensor, w13_EFH: torch.Tensor,
-               w2_EHI: torch.Tensor, b13_EF: torch.Tensor | None,
-               b2_EH: torch.Tensor | None, activation: str, swiglu_alpha: float,
-               swiglu_limit: float) -> torch.Tensor:
-    num_tokens, hidden_size = hidden_TH.shape
+def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
+               x_scale: torch.Tensor | None, weights_S: torch.Tensor | None,
+               ids_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    num_tokens, hidden_size = x_TH.shape
     top_k = ids_TK.shape[1]
-    num_experts, inter_size = w13_EFH.shape[0], w13_EFH.shape[1] // 2
+    inter_size = experts.inter_size
+    w13, w2 = experts.w13, experts.w2
     num_slots = num_tokens * top_k
     sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align_rows(
-        ids_TK, num_experts, config.BLOCK_M)
+        ids_TK, experts.num_experts, config.BLOCK_M)
     num_blocks_m = block_expert_B.shape[0]
-    precision = _dot_precision(hidden_TH.dtype)
+    precision = _dot_precision(dtype)
     tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                  GROUP_M=config.GROUP_M, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
-    device, dtype = hidden_TH.device, hidden_TH.dtype
+                 num_stages=config.num_stages, **experts.kernel_constants())
+    device = x_TH.device
 
     inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=device)
     # An absent bias is never read (HAS_BIAS=False): any tensor fills its slot.
-    b13 = b13_EF if b13_EF is not None else w13_EFH
+    b13 = experts.b13 if experts.b13 is not None else w13
     launcher(moe_gate_up_act_kernel)[(num_blocks_m * triton.cdiv(inter_size, config.BLOCK_N),)](
-        hidden_TH, w13_EFH, b13, inter_SI, sorted_row_ids_P, block_expert_B, num_padded_rows_1,
+        x_TH, w13, b13, inter_SI, sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,
-        hidden_TH.stride(0), hidden_TH.stride(1),
-        w13_EFH.stride(0), w13_EFH.stride(1), w13_EFH.stride(2),
+        x_TH.stride(0), x_TH.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
         b13.stride(0), b13.stride(1),
         inter_SI.stride(0), inter_SI.stride(1),
-        float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[activation], HAS_BIAS=b13_EF is not None,
-        DOT_PRECISION=precision, **tiles)
+        float(experts.swiglu_alpha), float(experts.swiglu_limit),
+        *experts.scale_args(x_scale, experts.w13_scale, inter_SI),
+        TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
+        HAS_BIAS=experts.b13 is not None, DOT_PRECISION=precision, **tiles)
 
+    inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
     # With one expert per token the per-slot rows are the output rows: the down
     # GEMM writes them in place and the last kernel only zeroes skipped rows.
     slot_SH = out_TH if top_k == 1 else torch.empty((num_slots, hidden_size), dtype=dtype,
                                                     device=device)
-    b2 = b2_EH if b2_EH is not None else w2_EHI[:, :, 0]
-    weights = weights_S if weights_S is not None else inter_SI
+    b2 = experts.b2 if experts.b2 is not None else out_TH
+    weights = weights_S if weights_S is not None else out_TH
     launcher(moe_down_weighted_kernel)[(num_blocks_m * triton.cdiv(hidden_size, config.BLOCK_N),)](
-        inter_SI, w2_EHI, b2, weights, slot_SH,
+        inter_SI, w2, b2, weights, slot_SH,
         sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1),
-        w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2),
+        w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         slot_SH.stride(0), slot_SH.stride(1),
-        HAS_BIAS=b2_EH is not None, HAS_WEIGHTS=weights_S is not None,
+        *experts.scale_args(inter_scale, experts.w2_scale, out_TH),
+        HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         DOT_PRECISION=precision, **tiles)
 
     launcher(moe_sum_over_topk_kernel)[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_H))](
@@ -212,7 +290,7 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     Where the config says so (prefill, bf16 on sm90+), the two GEMMs run on
     ``torch._grouped_mm`` with Triton epilogues instead (`common.grouped_gemm`).
     """
-    _check_dtype("hidden", hidden_TH)
+    _check_dtype("hidden", hidden_TH.dtype)
     _check_activation(activation)
     if topk_ids_TK.shape[0] == 0:
         return torch.empty((0, hidden_TH.shape[1]), dtype=hidden_TH.dtype,
@@ -233,9 +311,9 @@ def experts_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
     if config.path == "grouped_mm":
         return grouped_gemm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
                                     b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
-    return _RUNNERS[config.path](config, hidden_TH, topk_weights_TK.reshape(-1), topk_ids_TK,
-                                 w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha,
-                                 swiglu_limit)
+    experts = Experts(w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
+    return _RUNNERS[config.path](config, experts, hidden_TH, None, topk_weights_TK.reshape(-1),
+                                 topk_ids_TK, hidden_TH.dtype)
 
 
 def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torch.Tensor,
@@ -260,9 +338,8 @@ def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torc
 
     Returns ``y_RH [R, H]`` in ``x_RH``'s dtype, contiguous.
     """
-    if expert_R.dim() != 1:
-        raise ValueError(f"expert_rows must be 1-D, got shape {tuple(expert_R.shape)}")
-    _check_dtype("x_rows", x_RH)
+    _check_rows(expert_R)
+    _check_dtype("x_rows", x_RH.dtype)
     _check_activation(activation)
     if expert_R.shape[0] == 0:
         return torch.empty((0, x_RH.shape[1]), dtype=x_RH.dtype, device=x_RH.device)
@@ -271,5 +348,95 @@ def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torc
     if config.path == "grouped_mm":
         return grouped_gemm.experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH,
                                          activation, swiglu_alpha, swiglu_limit)
-    return _RUNNERS[config.path](config, x_RH, None, expert_R1, w13_EFH, w2_EHI, b13_EF, b2_EH,
-                                 activation, swiglu_alpha, swiglu_limit)
+    experts = Experts(w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
+    return _RUNNERS[config.path](config, experts, x_RH, None, None, expert_R1, x_RH.dtype)
+
+
+def _check_rows(expert_R: torch.Tensor) -> None:
+    if expert_R.dim() != 1:
+        raise ValueError(f"expert_rows must be 1-D, got shape {tuple(expert_R.shape)}")
+
+
+def _first_gemm_input(experts: Experts, x_MH: torch.Tensor):
+    """What the gate-up GEMM reads of the activation rows: themselves, or fp8
+    rows and scales (quantized here, once per row)."""
+    if experts.quantized_activations:
+        return quantize_rows(x_MH, experts.spec)
+    return x_MH, None
+
+
+def fused_experts_quant(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
+                        topk_ids_TK: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                        b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None,
+                        weight_format: str, activation_format: str, block_size: list[int],
+                        activation: str, swiglu_alpha: float,
+                        swiglu_limit: float) -> torch.Tensor:
+    """`fused_experts` on quantized weights (``moe::experts_quant``): ``out_TH [T, H]``
+    in ``hidden_TH``'s dtype.
+
+    ``w13``, ``w2`` and their scales are stored as ``QuantSpec(weight_format,
+    activation_format, block_size)`` says (`torch_moe_ops.quant`); biases are in
+    ``hidden_TH``'s dtype. With fp8 activations ``hidden_TH`` is quantized once
+    per token and the intermediate once per slot, dynamically, as the reference does.
+    """
+    _check_dtype("hidden", hidden_TH.dtype)
+    _check_activation(activation)
+    if topk_ids_TK.shape[0] == 0:
+        return torch.empty((0, hidden_TH.shape[1]), dtype=hidden_TH.dtype,
+                           device=hidden_TH.device)
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    return experts_quant_with_config(
+        _plan(hidden_TH, topk_ids_TK, w13, spec), hidden_TH, topk_weights_TK, topk_ids_TK, w13,
+        w2, w13_scale, w2_scale, b13_EF, b2_EH, weight_format, activation_format, block_size,
+        activation, swiglu_alpha, swiglu_limit)
+
+
+def experts_quant_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
+                              topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
+                              w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                              w2_scale: torch.Tensor, b13_EF: torch.Tensor | None,
+                              b2_EH: torch.Tensor | None, weight_format: str,
+                              activation_format: str, block_size: list[int], activation: str,
+                              swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
+    """`fused_experts_quant` on the kernels ``config`` names (``direct`` or
+    ``tiled``), for ``T >= 1`` (the tuner times candidates through this)."""
+    experts = Experts(w13, w2, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit,
+                      QuantSpec.from_op_args(weight_format, activation_format, block_size),
+                      w13_scale, w2_scale)
+    x_TH, x_scale = _first_gemm_input(experts, hidden_TH)
+    return _RUNNERS[config.path](config, experts, x_TH, x_scale, topk_weights_TK.reshape(-1),
+                                 topk_ids_TK, hidden_TH.dtype)
+
+
+def fused_experts_rows_quant(x_RH: torch.Tensor, x_scale: torch.Tensor | None,
+                             expert_R: torch.Tensor, count_E: torch.Tensor, w13: torch.Tensor,
+                             w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                             b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None,
+                             weight_format: str, activation_format: str,
+                             block_size: list[int], activation: str, swiglu_alpha: float,
+                             swiglu_limit: float,
+                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fused_experts_rows` on quantized weights (``moe::experts_rows_quant``):
+    ``y_RH [R, H]``.
+
+    ``x_RH`` is float rows (``x_scale`` and ``out_dtype`` None; the output has
+    their dtype), or rows quantized already by dispatch: float8_e4m3fn with
+    ``x_scale`` (``[R]`` for fp8_token, ``[R, H / bk]`` for fp8_group) and the
+    output dtype ``out_dtype``; then they are read as they are. Weights as in
+    `fused_experts_quant`; ``count_E`` as in `fused_experts_rows`.
+    """
+    _check_rows(expert_R)
+    _check_activation(activation)
+    dtype = x_RH.dtype if out_dtype is None else out_dtype
+    _check_dtype("x_rows" if out_dtype is None else "out_dtype", dtype)
+    if expert_R.shape[0] == 0:
+        return torch.empty((0, x_RH.shape[1]), dtype=dtype, device=x_RH.device)
+    expert_R1 = expert_R.unsqueeze(1)
+    experts = Experts(w13, w2, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit,
+                      QuantSpec.from_op_args(weight_format, activation_format, block_size),
+                      w13_scale, w2_scale)
+    config = _plan(x_RH, expert_R1, w13, experts.spec, dtype)
+    if x_scale is None:
+        x_RH, x_scale = _first_gemm_input(experts, x_RH)
+    return _RUNNERS[config.path](config, experts, x_RH, x_scale, None, expert_R1, dtype)

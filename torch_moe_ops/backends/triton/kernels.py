@@ -13,6 +13,10 @@ columns of one program's output tile.
 ``inter`` and ``slot`` are indexed by slot, not by sorted row, so neither holds
 padding and a skipped slot (id -1) is never written nor read. Each kernel
 accumulates in fp32 and rounds once when it stores.
+
+The GEMM kernels also read quantized weights (``WEIGHT_FORMAT``) and fp8
+activation rows (``ACT_FORMAT``) with their scales (`quant_tiles`); with both
+0 they compile to the unquantized kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops.backends.common.triton_activation import _activate
+from torch_moe_ops.backends.triton.quant_tiles import (
+    FP8_BLOCK,
+    MXFP4,
+    _activation_scales,
+    _fp8_weight_scales,
+    _mma,
+    _mxfp4_dot,
+    _scale_after_loop,
+)
 
 
 @triton.jit
@@ -51,6 +64,18 @@ def _rows_of_program(num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_s
 
 
 @triton.jit
+def _row_scales(scale_ptr, rows, row_ok, k_start, stride_r, stride_g,
+                ACT_FORMAT: tl.constexpr, SCALE_BK: tl.constexpr):
+    """``[M, 1]`` fp8 activation scales of the rows for the K tile at ``k_start``
+    (1.0 for activations that are not fp8)."""
+    if ACT_FORMAT == 0:
+        return 1.0
+    else:
+        return _activation_scales(scale_ptr, rows, row_ok, k_start, stride_r, stride_g,
+                                  ACT_FORMAT, SCALE_BK)[:, None]
+
+
+@triton.jit
 def moe_gate_up_act_kernel(
         hidden_ptr, w13_ptr, b13_ptr, inter_ptr,
         sorted_row_ids_ptr, block_expert_ptr, num_padded_ptr,
@@ -60,36 +85,97 @@ def moe_gate_up_act_kernel(
         stride_b13_e, stride_b13_f,
         stride_inter_s, stride_inter_i,
         swiglu_alpha, swiglu_limit,
+        x_scale_ptr, stride_xs_t, stride_xs_g,
+        w13_scale_ptr, stride_ws_e, stride_ws_f, stride_ws_h,
         TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """inter[s, n] = act(gate, up) with gate / up = hidden[s // K] @ w13[e, n (+ I)].T (+ b13)."""
+        DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """inter[s, n] = act(gate, up) with gate / up = hidden[s // K] @ w13[e, n (+ I)].T (+ b13).
+
+    Quantized (`quant_tiles`): ``hidden`` is the fp8 rows with ``x_scale`` where
+    ``ACT_FORMAT`` says so, ``w13`` and ``w13_scale`` are in ``WEIGHT_FORMAT``.
+    """
     active, expert, slots, slot_ok, cols, col_ok = _rows_of_program(
         num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_slots, num_blocks_m,
         inter_size, BLOCK_M, BLOCK_N, GROUP_M)
     if not active:
         return
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = (hidden_ptr + (slots // TOP_K)[:, None] * stride_hidden_t
-              + ks[None, :] * stride_hidden_h)
-    # The gate and up columns of one tile are I rows apart in w13: one program
-    # computes both so the activation is applied before anything is stored.
-    gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
-                 + ks[:, None] * stride_w13_h)
-    up_ptrs = gate_ptrs + inter_size * stride_w13_f
+    rows = slots // TOP_K
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(tl.cdiv(hidden_size, BLOCK_K)):
-        k_ok = ks < hidden_size - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        gate = tl.dot(a, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate,
-                      input_precision=DOT_PRECISION)
-        up = tl.dot(a, tl.load(up_ptrs, mask=w_ok, other=0.0), up,
-                    input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_hidden_h
-        gate_ptrs += BLOCK_K * stride_w13_h
-        up_ptrs += BLOCK_K * stride_w13_h
+    # The gate and up columns of one tile are I rows apart in w13: one program
+    # computes both so the activation is applied before anything is stored.
+    if WEIGHT_FORMAT == MXFP4:
+        ps = tl.arange(0, BLOCK_K // 2)
+        gs = tl.arange(0, BLOCK_K // 32)
+        a_ptrs = (hidden_ptr + rows[:, None] * stride_hidden_t
+                  + (2 * ps)[None, :] * stride_hidden_h)
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
+                     + ps[:, None] * stride_w13_h)
+        gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[None, :] * stride_ws_f
+                           + gs[:, None] * stride_ws_h)
+        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
+            left = hidden_size - k * BLOCK_K
+            a_ok = slot_ok[:, None] & (ps < left // 2)[None, :]
+            a_even = tl.load(a_ptrs, mask=a_ok, other=0.0)
+            a_odd = tl.load(a_ptrs + stride_hidden_h, mask=a_ok, other=0.0)
+            w_ok = (ps < left // 2)[:, None] & col_ok[None, :]
+            s_ok = (gs < left // 32)[:, None] & col_ok[None, :]
+            gate = _mxfp4_dot(gate, a_even, a_odd, tl.load(gate_ptrs, mask=w_ok, other=0),
+                              tl.load(gate_scale_ptrs, mask=s_ok, other=0), BLOCK_K, BLOCK_N,
+                              DOT_PRECISION)
+            up = _mxfp4_dot(up, a_even, a_odd,
+                            tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok, other=0),
+                            tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
+                                    other=0), BLOCK_K, BLOCK_N, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_hidden_h
+            gate_ptrs += (BLOCK_K // 2) * stride_w13_h
+            gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = (hidden_ptr + rows[:, None] * stride_hidden_t
+                  + ks[None, :] * stride_hidden_h)
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
+                     + ks[:, None] * stride_w13_h)
+        up_ptrs = gate_ptrs + inter_size * stride_w13_f
+        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
+            k_ok = ks < hidden_size - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            gate_w = tl.load(gate_ptrs, mask=w_ok, other=0.0)
+            up_w = tl.load(up_ptrs, mask=w_ok, other=0.0)
+            if WEIGHT_FORMAT == 0:
+                gate = tl.dot(a, gate_w, gate, input_precision=DOT_PRECISION)
+                up = tl.dot(a, up_w, up, input_precision=DOT_PRECISION)
+            elif WEIGHT_FORMAT == FP8_BLOCK:
+                a_scale = _row_scales(x_scale_ptr, rows, slot_ok, k * BLOCK_K, stride_xs_t,
+                                      stride_xs_g, ACT_FORMAT, SCALE_BK)
+                gate = _mma(gate, a, gate_w, a_scale, _fp8_weight_scales(
+                    w13_scale_ptr, expert, cols, col_ok, k * BLOCK_K, stride_ws_e, stride_ws_f,
+                    stride_ws_h, WEIGHT_FORMAT, SCALE_BN, SCALE_BK), WEIGHT_FORMAT, ACT_FORMAT,
+                    DOT_PRECISION)
+                up = _mma(up, a, up_w, a_scale, _fp8_weight_scales(
+                    w13_scale_ptr, expert, cols + inter_size, col_ok, k * BLOCK_K, stride_ws_e,
+                    stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN, SCALE_BK), WEIGHT_FORMAT,
+                    ACT_FORMAT, DOT_PRECISION)
+            else:
+                gate = _mma(gate, a, gate_w, 1.0, 1.0, WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
+                up = _mma(up, a, up_w, 1.0, 1.0, WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_hidden_h
+            gate_ptrs += BLOCK_K * stride_w13_h
+            up_ptrs += BLOCK_K * stride_w13_h
+        if WEIGHT_FORMAT != 0 and WEIGHT_FORMAT != FP8_BLOCK:
+            row_scale = _row_scales(x_scale_ptr, rows, slot_ok, 0, stride_xs_t, stride_xs_g,
+                                    ACT_FORMAT, SCALE_BK)
+            gate_scale = _fp8_weight_scales(w13_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
+                                            stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN,
+                                            SCALE_BK)
+            up_scale = _fp8_weight_scales(w13_scale_ptr, expert, cols + inter_size, col_ok, 0,
+                                          stride_ws_e, stride_ws_f, stride_ws_h, WEIGHT_FORMAT,
+                                          SCALE_BN, SCALE_BK)
+            gate = _scale_after_loop(gate, row_scale, gate_scale, WEIGHT_FORMAT, ACT_FORMAT)
+            up = _scale_after_loop(up, row_scale, up_scale, WEIGHT_FORMAT, ACT_FORMAT)
     if HAS_BIAS:
         bias_ptrs = b13_ptr + expert * stride_b13_e + cols * stride_b13_f
         gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -109,27 +195,73 @@ def moe_down_weighted_kernel(
         stride_w2_e, stride_w2_h, stride_w2_i,
         stride_b2_e, stride_b2_h,
         stride_out_s, stride_out_h,
+        x_scale_ptr, stride_xs_s, stride_xs_g,
+        w2_scale_ptr, stride_ws_e, stride_ws_h, stride_ws_i,
         HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr):
-    """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])), weight 1 without weights."""
+        WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
+        SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])), weight 1 without weights.
+
+    Quantized as `moe_gate_up_act_kernel`, with ``inter`` and ``x_scale`` the
+    quantized intermediate rows.
+    """
     active, expert, slots, slot_ok, cols, col_ok = _rows_of_program(
         num_padded_ptr, block_expert_ptr, sorted_row_ids_ptr, num_slots, num_blocks_m,
         hidden_size, BLOCK_M, BLOCK_N, GROUP_M)
     if not active:
         return
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
-    w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
-              + ks[:, None] * stride_w2_i)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(tl.cdiv(inter_size, BLOCK_K)):
-        k_ok = ks < inter_size - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_inter_i
-        w_ptrs += BLOCK_K * stride_w2_i
+    if WEIGHT_FORMAT == MXFP4:
+        ps = tl.arange(0, BLOCK_K // 2)
+        gs = tl.arange(0, BLOCK_K // 32)
+        a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + (2 * ps)[None, :] * stride_inter_i
+        w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
+                  + ps[:, None] * stride_w2_i)
+        scale_ptrs = (w2_scale_ptr + expert * stride_ws_e + cols[None, :] * stride_ws_h
+                      + gs[:, None] * stride_ws_i)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            left = inter_size - k * BLOCK_K
+            a_ok = slot_ok[:, None] & (ps < left // 2)[None, :]
+            a_even = tl.load(a_ptrs, mask=a_ok, other=0.0)
+            a_odd = tl.load(a_ptrs + stride_inter_i, mask=a_ok, other=0.0)
+            acc = _mxfp4_dot(
+                acc, a_even, a_odd,
+                tl.load(w_ptrs, mask=(ps < left // 2)[:, None] & col_ok[None, :], other=0),
+                tl.load(scale_ptrs, mask=(gs < left // 32)[:, None] & col_ok[None, :], other=0),
+                BLOCK_K, BLOCK_N, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_inter_i
+            w_ptrs += (BLOCK_K // 2) * stride_w2_i
+            scale_ptrs += (BLOCK_K // 32) * stride_ws_i
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
+        w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
+                  + ks[:, None] * stride_w2_i)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            k_ok = ks < inter_size - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if WEIGHT_FORMAT == 0:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            elif WEIGHT_FORMAT == FP8_BLOCK:
+                acc = _mma(acc, a, w, _row_scales(x_scale_ptr, slots, slot_ok, k * BLOCK_K,
+                                                  stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK),
+                           _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
+                                              stride_ws_e, stride_ws_h, stride_ws_i,
+                                              WEIGHT_FORMAT, SCALE_BN, SCALE_BK),
+                           WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
+            else:
+                acc = _mma(acc, a, w, 1.0, 1.0, WEIGHT_FORMAT, ACT_FORMAT, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_inter_i
+            w_ptrs += BLOCK_K * stride_w2_i
+        if WEIGHT_FORMAT != 0 and WEIGHT_FORMAT != FP8_BLOCK:
+            row_scale = _row_scales(x_scale_ptr, slots, slot_ok, 0, stride_xs_s, stride_xs_g,
+                                    ACT_FORMAT, SCALE_BK)
+            col_scale = _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
+                                           stride_ws_h, stride_ws_i, WEIGHT_FORMAT, SCALE_BN,
+                                           SCALE_BK)
+            acc = _scale_after_loop(acc, row_scale, col_scale, WEIGHT_FORMAT, ACT_FORMAT)
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert * stride_b2_e + cols * stride_b2_h, mask=col_ok,
                        other=0.0).to(tl.float32)[None, :]

@@ -3,7 +3,8 @@
 Legend: E experts, N expert intermediate size (I), K hidden size (H), M tokens.
 
     python -m torch_moe_ops.backends.triton.tune --experts 128 --inter 768 \\
-        --hidden 2048 --top-k 8 --dtype bfloat16 [--tokens 1 16 256 4096] [--out DIR]
+        --hidden 2048 --top-k 8 --dtype bfloat16 [--tokens 1 16 256 4096] [--out DIR] \\
+        [--quant fp8_block [--quant-activations fp8_group] [--block-size 128 128]]
 
 For each token count it times `fused_experts` replayed from a CUDA graph
 (median of `triton.testing.do_bench`) on random routing with every candidate:
@@ -11,6 +12,9 @@ the direct kernels where experts get about one slot each, the tiled kernels,
 and ``torch._grouped_mm`` where it can run. The fastest goes into
 ``E=..,N=..,K=..,dtype=..,device=...json`` (the file `configs.get_config`
 reads); a ``grouped_mm`` entry keeps the best tiles for when it cannot run.
+With ``--quant`` the weights are random ones quantized to that `QuantSpec`,
+the candidates those whose K tiles suit it, and the file's name carries the
+format (``...,quant=fp8_block128x128+fp8_group,...``).
 Only for machines with a CUDA GPU.
 """
 
@@ -26,9 +30,11 @@ import pathlib
 import torch
 import triton.testing
 
+from torch_moe_ops import quant
 from torch_moe_ops.backends.common import grouped_gemm
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton import configs, fused
+from torch_moe_ops.config import QUANT_WEIGHT_FORMATS, QuantSpec
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -53,7 +59,15 @@ def tiled_candidates(slots_per_expert: float):
                                        num_stages=num_stages, path="tiled")
 
 
-def precompile(candidates, args, threads: int = 16) -> None:
+def run_config(config, args, spec: QuantSpec | None):
+    """One call of the experts on ``config``'s kernels: ``args`` are those of
+    ``moe::experts``, or of ``moe::experts_quant`` with quantized weights (``spec``)."""
+    if spec is None:
+        return fused.experts_with_config(config, *args)
+    return fused.experts_quant_with_config(config, *args)
+
+
+def precompile(candidates, args, spec: QuantSpec | None, threads: int = 16) -> None:
     """Compile every candidate's kernels for these sizes before any is timed.
 
     Compiling dominates a tuning run and runs largely outside the GIL (ptxas is a
@@ -61,7 +75,7 @@ def precompile(candidates, args, threads: int = 16) -> None:
     which runs each candidate again on its own."""
     def run_once(config):
         try:
-            fused.experts_with_config(config, *args)
+            run_config(config, args, spec)
         except Exception:  # noqa: BLE001, S110 (reported when the candidate is timed)
             pass
 
@@ -70,32 +84,34 @@ def precompile(candidates, args, threads: int = 16) -> None:
     torch.cuda.synchronize()
 
 
-def time_config(config, args) -> float:
+def time_config(config, args, spec: QuantSpec | None = None) -> float:
     """Milliseconds per call, replayed from a CUDA graph: eager timing of small
     token counts would measure Python launch overhead, not the kernels."""
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fused.experts_with_config(config, *args)
+            run_config(config, args, spec)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fused.experts_with_config(config, *args)
+            run_config(config, args, spec)
     except triton.runtime.errors.OutOfResources:
         return float("inf")
     return triton.testing.do_bench(graph.replay, warmup=5, rep=15)
 
 
-def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool):
+def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
+                     spec: QuantSpec | None = None):
     """The fastest config for M tokens and its time in ms."""
     E = args[3].shape[0]
     slots_per_expert = M * top_k / E
     candidates = list(tiled_candidates(slots_per_expert))
     if slots_per_expert <= 1:
         candidates += direct_candidates()
-    precompile(candidates, args)
-    timed = [(time_config(c, args), c) for c in candidates]
+    candidates = [c for c in candidates if configs.fits_format(c, spec)]
+    precompile(candidates, args, spec)
+    timed = [(time_config(c, args, spec), c) for c in candidates]
     best_ms, best = min(timed, key=lambda pair: pair[0])
     if grouped_mm_runs and slots_per_expert >= 8:
         # Its tiles are those of the best tiled config, for where grouped_mm cannot run.
@@ -108,26 +124,36 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool):
     return best_ms, best
 
 
-def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir):
+def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir,
+         spec: QuantSpec | None = None):
     device = torch.device("cuda")
     w13_EFH = torch.randn(E, 2 * N, K, device=device, dtype=dtype) / K ** 0.5
     w2_EHI = torch.randn(E, K, N, device=device, dtype=dtype) / N ** 0.5
-    grouped_mm_runs = (grouped_gemm.supports(None, Problem(dtype), device) is None
+    if spec is None:
+        weights = (w13_EFH, w2_EHI, None, None)
+    else:
+        (w13, w13_scale), (w2, w2_scale) = (quant.quantize_weights(w, spec)
+                                            for w in (w13_EFH, w2_EHI))
+        weights = (w13, w2, w13_scale, w2_scale, None, None, spec.weights, spec.activations,
+                   spec.block_list)
+    grouped_mm_runs = (spec is None and grouped_gemm.supports(None, Problem(dtype), device) is None
                        and grouped_gemm.aligned(K, N))
     table = {}
     for M in tokens:
         hidden_TH = torch.randn(M, K, device=device, dtype=dtype)
         logits_TE = torch.randn(M, E, device=device)
         topk_weights_TK, topk_ids_TK = torch.topk(logits_TE.softmax(-1), top_k, dim=-1)
-        args = (hidden_TH, topk_weights_TK, topk_ids_TK.to(torch.int32), w13_EFH, w2_EHI, None,
-                None, "silu", 1.702, 7.0)
-        best_ms, best = tune_token_count(M, top_k, args, grouped_mm_runs)
+        args = (hidden_TH, topk_weights_TK, topk_ids_TK.to(torch.int32), *weights, "silu",
+                1.702, 7.0)
+        best_ms, best = tune_token_count(M, top_k, args, grouped_mm_runs, spec)
         table[str(M)] = dataclasses.asdict(best)
         print(f"M={M}: {best_ms * 1e3:.1f} us {best}", flush=True)
-    name = configs.config_file_name(E, N, K, dtype, configs.device_name(device))
+    name = configs.config_file_name(E, N, K, dtype, configs.device_name(device), spec)
     path = pathlib.Path(out_dir) / name
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, required=True)
@@ -137,8 +163,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
     parser.add_argument("--out", default=str(configs.CONFIG_DIR))
+    parser.add_argument("--quant", choices=tuple(QUANT_WEIGHT_FORMATS),
+                        help="quantized weights of this format (QuantSpec.weights)")
+    parser.add_argument("--quant-activations", help="QuantSpec.activations (the format's "
+                        "default without)")
+    parser.add_argument("--block-size", type=int, nargs=2, help="QuantSpec.block_size of "
+                        "fp8_block (128 128 without)")
     a = parser.parse_args()
-    tune(a.experts, a.inter, a.hidden, a.top_k, getattr(torch, a.dtype), a.tokens, a.out)
+    spec = None
+    if a.quant is not None:
+        spec = QuantSpec(a.quant, a.quant_activations,
+                         tuple(a.block_size) if a.block_size else None)
+    tune(a.experts, a.inter, a.hidden, a.top_k, getattr(torch, a.dtype), a.tokens, a.out, spec)
 
 
 if __name__ == "__main__":

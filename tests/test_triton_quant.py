@@ -1,0 +1,388 @@
+"""The Triton experts kernels on quantized weights against the reference backend.
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts,
+K experts per token, R rows.
+
+Without CUDA the kernels run under the Triton interpreter (fp16/fp32 only: it
+mishandles bf16) at small shapes; ``gpu`` tests add bf16 at real widths, CUDA
+graphs and ``torch.compile``.
+
+Error bounds, as max |out - ref| / max |ref| (`assert_close_to`): the kernels
+and ``moe_reference::experts_quant`` read the same quantized weights and, with
+fp8 activations, the same fp8 hidden rows (`act_quant` rounds as torch does,
+bit for bit, tested here). What is left:
+
+- fp32 activations, every format: fp32 sums in another order (`BOUNDS` fp32);
+  on a GPU, w8a8 products go through fp8 tensor cores, which sum a K tile's
+  products with fewer bits than fp32 (about 14 on Hopper, as DeepSeek-V3's
+  report measured; the kernels add each tile's sum in fp32): `FP8_MMA_BOUND`.
+- fp16, weight-only formats (W8A16, MXFP4): the intermediate and the output are
+  rounded to fp16, where the reference keeps the intermediate in fp32.
+- fp16, w8a8: the kernels quantize the intermediate from its fp16 rounding, the
+  reference from fp32; where that rounding crosses an fp8 rounding boundary the
+  intermediate value moves by a whole fp8 step (up to 1/8 of it). A few such
+  steps among I = 64 terms move an output by up to ~2% of the largest
+  (`W8A8_LOW_PRECISION_BOUND`); the GPU tests bound the same effect in norm.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import torch_moe_ops as tmo
+from conftest import ExpertInputs, QuantInputs, make_quant_inputs, random_topk_ids
+from torch_moe_ops import quant
+from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
+
+if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
+    from torch_moe_ops.backends.triton import act_quant, configs, fused
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+gpu = pytest.mark.gpu
+FORMATS = {
+    "fp8_tensor": QuantSpec("fp8_tensor"),
+    "fp8_channel": QuantSpec("fp8_channel"),
+    # bn != bk: a scale index with rows and columns swapped shows.
+    "fp8_block": QuantSpec("fp8_block", block_size=(32, 64)),
+    "fp8_tensor_w8a16": QuantSpec("fp8_tensor", "none"),
+    "fp8_channel_w8a16": QuantSpec("fp8_channel", "none"),
+    "fp8_block_w8a16": QuantSpec("fp8_block", "none", (64, 32)),
+    "mxfp4": QuantSpec("mxfp4"),
+}
+SIZES = {"num_tokens": 5, "hidden_size": 128, "intermediate_size": 64, "num_experts": 4,
+         "top_k": 2}
+# swiglu_limit=1 makes the clamps bite on O(1) pre-activations.
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 1.0
+BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+W8A8_LOW_PRECISION_BOUND = 3e-2
+FP8_MMA_BOUND = 2e-3
+
+
+def bound(spec: QuantSpec, dtype: torch.dtype) -> float:
+    """The max-error bound of the module docstring for ``spec`` with ``dtype`` activations."""
+    if spec.activations != "none" and dtype != torch.float32:
+        return W8A8_LOW_PRECISION_BOUND
+    if spec.activations != "none" and DEVICE.type == "cuda":
+        return FP8_MMA_BOUND
+    return BOUNDS[dtype]
+
+
+def assert_close_to(out: torch.Tensor, ref: torch.Tensor, limit: float) -> None:
+    """max |out - ref| <= limit * max |ref| (nothing to compare for empty tensors)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if not ref.numel():
+        return
+    err = (out.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    assert err <= limit * scale, f"max error {err:.3e} > {limit:.1e} * max |ref| {scale:.3e}"
+
+
+@pytest.fixture(params=["direct", "tiled"])
+def kernel_path(request, monkeypatch):
+    """Runs the test on each path's kernels, whatever a call's size would pick."""
+    def pick(*key):
+        config = configs.default_config(*key)
+        quant_spec = key[7] if len(key) > 7 else None
+        return dataclasses.replace(config, path=request.param, BLOCK_K=configs.fit_block_k(
+            config.BLOCK_K, quant_spec, request.param))
+
+    monkeypatch.setattr(fused, "get_config", pick)
+    return request.param
+
+
+def inputs(spec: QuantSpec, generator, **sizes):
+    """`make_quant_inputs` at `SIZES` (overridden by ``sizes``), on DEVICE, with the
+    last token's slots all skipped."""
+    q = make_quant_inputs(generator, spec, **{**SIZES, "skip_fraction": 0.2, **sizes})
+    f = q.float_inputs
+    if f.topk_ids_TK.shape[0] > 1:
+        f.topk_ids_TK[-1] = -1
+    moved = {name: None if t is None else t.to(DEVICE)
+             for name, t in vars(f).items()}
+    return dataclasses.replace(
+        q, float_inputs=dataclasses.replace(f, **moved), w13=q.w13.to(DEVICE),
+        w2=q.w2.to(DEVICE), w13_scale=q.w13_scale.to(DEVICE), w2_scale=q.w2_scale.to(DEVICE))
+
+
+def run_both(q, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    args = q.args(activation, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    return (torch.ops.moe_triton.experts_quant(*args),
+            torch.ops.moe_reference.experts_quant(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
+    spec = FORMATS[fmt]
+    activation = {"fp8_channel": "gelu", "mxfp4": "swiglu_oai"}.get(fmt.split("_w8")[0], "silu")
+    q = inputs(spec, generator, dtype=dtype, bias=dtype == torch.float16,
+               ids_dtype=torch.int64 if dtype == torch.float16 else torch.int32)
+    out, ref = run_both(q, activation)
+    assert out.is_contiguous()
+    assert_close_to(out, ref, bound(spec, dtype))
+    assert (out[-1] == 0).all()  # every slot skipped: exact zeros
+
+
+# Each on one path: both paths run swiglu_oai in test_experts_quant.
+@pytest.mark.parametrize("activation,kernel_path", [("silu", "direct"), ("gelu", "tiled")],
+                         indirect=["kernel_path"])
+def test_mxfp4_every_activation(activation, kernel_path, generator):
+    q = inputs(FORMATS["mxfp4"], generator, bias=True)
+    out, ref = run_both(q, activation)
+    assert_close_to(out, ref, bound(q.spec, torch.float32))
+
+
+@pytest.mark.parametrize("fmt,kernel_path", [("fp8_block", "tiled"), ("mxfp4", "direct"),
+                                             ("fp8_channel_w8a16", "tiled")],
+                         indirect=["kernel_path"])
+def test_one_expert_per_token(fmt, kernel_path, generator, poisoned_empty):
+    q = inputs(FORMATS[fmt], generator, top_k=1, bias=True)
+    out, ref = run_both(q, "swiglu_oai")
+    assert_close_to(out, ref, bound(q.spec, torch.float32))
+    assert (out[-1] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_channel", "mxfp4"])
+def test_no_tokens_launches_nothing(fmt, generator, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a kernel ran for 0 tokens")
+
+    monkeypatch.setattr(fused, "align_rows", fail)
+    monkeypatch.setattr(fused, "quantize_rows", fail)
+    q = inputs(FORMATS[fmt], generator, num_tokens=0, bias=True)
+    out, ref = run_both(q, "silu")
+    assert out.shape == ref.shape == (0, SIZES["hidden_size"])
+    f = q.float_inputs
+    rows_args = (f.hidden_TH, None, f.topk_ids_TK[:, 0].to(torch.int32),
+                 torch.zeros(SIZES["num_experts"], dtype=torch.int32, device=DEVICE),
+                 *q.weight_args("silu"))
+    assert torch.ops.moe_triton.experts_rows_quant(*rows_args).shape == (0, SIZES["hidden_size"])
+
+
+@pytest.mark.parametrize("kernel_path", ["direct"], indirect=True)
+def test_activations_are_quantized_once_per_token(kernel_path, generator, monkeypatch):
+    """The hidden rows are quantized once per token (T rows), the intermediate once per slot."""
+    seen = []
+
+    def recording(x_MK, spec):
+        seen.append(tuple(x_MK.shape))
+        return act_quant.quantize_rows(x_MK, spec)
+
+    monkeypatch.setattr(fused, "quantize_rows", recording)
+    q = inputs(FORMATS["fp8_block"], generator)
+    run_both(q, "silu")
+    T, H, I, K = (SIZES[k] for k in ("num_tokens", "hidden_size", "intermediate_size", "top_k"))
+    assert seen == [(T, H), (T * K, I)]
+
+
+def rows_args(q, prequantized: bool):
+    """``moe::experts_rows_quant`` arguments: the routed rows that dispatch makes
+    (rows of expert -1 at the end), fp8 with scales when ``prequantized``."""
+    f = q.float_inputs
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
+        f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, q.w13.shape[0])
+    if not prequantized:
+        return (x_RH, None, expert_R, count_E, *q.weight_args("swiglu_oai", SWIGLU_ALPHA,
+                                                               SWIGLU_LIMIT))
+    x_q_RH, x_scale = quant.quantize_activations(x_RH, q.spec)
+    return (x_q_RH, x_scale, expert_R, count_E,
+            *q.weight_args("swiglu_oai", SWIGLU_ALPHA, SWIGLU_LIMIT), x_RH.dtype)
+
+
+@pytest.mark.parametrize("fmt,prequantized,kernel_path", [
+    ("fp8_block", False, "tiled"), ("fp8_block", True, "direct"), ("fp8_channel", True, "tiled"),
+    ("fp8_tensor", False, "direct"), ("mxfp4", False, "direct"), ("mxfp4", False, "tiled")],
+    indirect=["kernel_path"])
+def test_experts_rows_quant(fmt, prequantized, kernel_path, generator, poisoned_empty):
+    q = inputs(FORMATS[fmt], generator, dtype=torch.float16, bias=True)
+    args = rows_args(q, prequantized)
+    out = torch.ops.moe_triton.experts_rows_quant(*args)
+    ref = torch.ops.moe_reference.experts_rows_quant(*args)
+    assert out.dtype == torch.float16 and out.is_contiguous()
+    assert_close_to(out, ref, bound(q.spec, torch.float16))
+    assert (out[args[2] < 0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("spec", [QuantSpec("fp8_channel"), QuantSpec("fp8_block")],
+                         ids=["fp8_token", "fp8_group"])
+def test_activation_quantization_rounds_as_torch(spec, dtype, generator):
+    x_MK = torch.randn((6, 384), generator=generator) * 3
+    x_MK[1] = 0  # the smallest scale
+    x_MK[2, :50] = torch.linspace(-448, 448, 50)  # a row whose values round up a binade
+    x_MK[3] *= 1e-4  # fp8 subnormals
+    x_MK = x_MK.to(DEVICE, dtype)
+    q_MK, scale = act_quant.quantize_rows(x_MK, spec)
+    expected_q_MK, expected_scale = quant.quantize_activations(x_MK, spec)
+    assert q_MK.dtype == quant.FP8_DTYPE and scale.shape == expected_scale.shape
+    assert torch.equal(scale, expected_scale)
+    # Equal as values: the kernel rounds a tiny negative value to +0, torch to -0.
+    assert torch.equal(q_MK.float(), expected_q_MK.float())
+
+
+def test_config_files_are_keyed_by_format():
+    spec = QuantSpec("fp8_block")
+    assert (configs.config_file_name(256, 2048, 7168, torch.bfloat16, "X", spec)
+            == "E=256,N=2048,K=7168,dtype=bfloat16,quant=fp8_block128x128+fp8_group,"
+               "device=X.json")
+    assert (configs.config_file_name(8, 64, 128, torch.bfloat16, "X")
+            == "E=8,N=64,K=128,dtype=bfloat16,device=X.json")
+
+
+@pytest.mark.parametrize("spec", list(FORMATS.values()), ids=list(FORMATS))
+@pytest.mark.parametrize("device_name", ["cpu", "NVIDIA_H100_80GB_HBM3"])
+def test_default_configs_suit_each_format(spec, device_name):
+    for M in (1, 16, 4096, 100_000):
+        config = configs.get_config(8, 256, 512, torch.bfloat16, M, 4, device_name, spec)
+        assert config.path != "grouped_mm"
+        assert configs.fits_format(config, spec), config
+    w8a8 = configs.default_config(8, 256, 512, torch.bfloat16, 4096, 4, device_name,
+                                  QuantSpec("fp8_channel"))
+    assert w8a8.BLOCK_K >= 32
+
+
+def test_tuned_entry_that_does_not_suit_its_format_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs._tuned_entries.cache_clear()
+    configs.get_config.cache_clear()
+    spec = QuantSpec("fp8_block", block_size=(128, 64))
+    entry = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+             "num_stages": 3, "path": "tiled"}
+    (tmp_path / configs.config_file_name(8, 128, 256, torch.float16, "X", spec)).write_text(
+        '{"1": ' + str(entry).replace("'", '"') + "}")
+    try:
+        with pytest.raises(ValueError, match="BLOCK_K=128 .* divisor of 64"):
+            configs.get_config(8, 128, 256, torch.float16, 1, 2, "X", spec)
+    finally:
+        configs._tuned_entries.cache_clear()
+        configs.get_config.cache_clear()
+
+
+@pytest.mark.parametrize("spec,reason", [
+    (QuantSpec("fp8_block", block_size=(128, 16)), "divisible by 32"),
+    (QuantSpec("fp8_block", "none", (128, 8)), "divisible by 16"),
+    (QuantSpec("fp8_block", "none", (128, 16)), None),
+    (QuantSpec("mxfp4"), None),
+])
+def test_supports_says_which_formats_run(spec, reason):
+    backend = REGISTRY.experts["triton"]
+    got = backend.why_not(BackendSpec(experts="triton"), Problem(torch.float16, quant=spec),
+                          DEVICE)
+    if reason is None:
+        assert got is None
+    else:
+        assert reason in got
+
+
+# GPU: bf16 at real widths, CUDA graphs, torch.compile. Norm bounds: the output's
+# relative error in norm, ||out - ref|| / ||ref||, over bf16 rounding (weight-only)
+# and the fp8 steps of the intermediate's rounding through bf16 (w8a8).
+GPU_NORM_BOUNDS = {"none": 1e-2, "fp8": 3e-2}
+
+
+def assert_norm_close(out: torch.Tensor, ref: torch.Tensor, spec: QuantSpec) -> None:
+    limit = GPU_NORM_BOUNDS["none" if spec.activations == "none" else "fp8"]
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err <= limit, f"relative error {err:.3e} > {limit:.0e} ({spec.name})"
+
+
+def gpu_inputs(spec: QuantSpec, num_tokens: int, hidden_size: int, intermediate_size: int,
+               num_experts: int, top_k: int, bias: bool = False, seed: int = 0) -> QuantInputs:
+    """`QuantInputs` made and quantized on the GPU (real widths take seconds on the
+    CPU): bf16 activations, a fifth of the slots and the last token skipped."""
+    T, H, I, E, K = num_tokens, hidden_size, intermediate_size, num_experts, top_k
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(shape, generator=g, device="cuda") * scale
+
+    ids_TK = random_topk_ids(T, E, K, torch.Generator().manual_seed(seed), skip_fraction=0.2)
+    if T > 1:
+        ids_TK[-1] = -1
+    f = ExpertInputs(
+        hidden_TH=randn(T, H).bfloat16(),
+        topk_weights_TK=torch.rand((T, K), generator=g, device="cuda"),
+        topk_ids_TK=ids_TK.cuda(), w13_EFH=randn(E, 2 * I, H, scale=H ** -0.5),
+        w2_EHI=randn(E, H, I, scale=I ** -0.5),
+        b13_EF=randn(E, 2 * I, scale=0.5).bfloat16() if bias else None,
+        b2_EH=randn(E, H, scale=0.5).bfloat16() if bias else None)
+    (w13, w13_scale), (w2, w2_scale) = (quant.quantize_weights(w, spec)
+                                        for w in (f.w13_EFH, f.w2_EHI))
+    return QuantInputs(spec, f, w13, w2, w13_scale, w2_scale)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 4, 256])
+def test_deepseek_v3_fp8_block_gpu(T, kernel_path):
+    q = gpu_inputs(QuantSpec("fp8_block"), num_tokens=T, hidden_size=7168,
+                   intermediate_size=2048, num_experts=16, top_k=8)
+    out, ref = run_both(q, "silu")
+    assert_norm_close(out, ref, q.spec)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 7, 333])
+def test_gpt_oss_mxfp4_gpu(T, kernel_path):
+    q = gpu_inputs(QuantSpec("mxfp4"), num_tokens=T, hidden_size=2880,
+                   intermediate_size=2880, num_experts=8, top_k=4, bias=True)
+    out, ref = run_both(q, "swiglu_oai")
+    assert_norm_close(out, ref, q.spec)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("T", [3, 600])
+def test_every_format_gpu(fmt, T, kernel_path):
+    q = gpu_inputs(FORMATS[fmt], num_tokens=T, hidden_size=1024,
+                   intermediate_size=512, num_experts=16, top_k=4, bias=True)
+    out, ref = run_both(q, "swiglu_oai")
+    assert_norm_close(out, ref, q.spec)
+    args = rows_args(q, prequantized=q.spec.activations != "none")
+    assert_norm_close(torch.ops.moe_triton.experts_rows_quant(*args),
+                      torch.ops.moe_reference.experts_rows_quant(*args), q.spec)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_channel", "mxfp4"])
+def test_cuda_graph_capture_and_replay(fmt, kernel_path):
+    q = gpu_inputs(FORMATS[fmt], num_tokens=64, hidden_size=1024,
+                   intermediate_size=512, num_experts=16, top_k=4, bias=True)
+    args = q.args("swiglu_oai", SWIGLU_ALPHA, SWIGLU_LIMIT)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.moe_triton.experts_quant(*args)  # compiles the kernels, caches the config
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.moe_triton.experts_quant(*args)
+    fresh = gpu_inputs(FORMATS[fmt], num_tokens=64, hidden_size=1024, intermediate_size=512,
+                       num_experts=16, top_k=4, seed=7)
+    f, g = q.float_inputs, fresh.float_inputs
+    for mine, new in ((f.hidden_TH, g.hidden_TH), (f.topk_weights_TK, g.topk_weights_TK),
+                      (f.topk_ids_TK, g.topk_ids_TK)):
+        mine.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(out, torch.ops.moe_triton.experts_quant(*args), atol=0, rtol=0)
+    assert_norm_close(out, torch.ops.moe_reference.experts_quant(*args), q.spec)
+
+
+@gpu
+@pytest.mark.parametrize("spec", [QuantSpec("fp8_block"), QuantSpec("mxfp4")],
+                         ids=["fp8_block", "mxfp4"])
+def test_compiled_quantized_moe_matches_eager(spec):
+    torch.manual_seed(0)
+    activation = "swiglu_oai" if spec.weights == "mxfp4" else "silu"
+    cfg = MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
+                    activation=activation, expert_bias=spec.weights == "mxfp4", quant=spec)
+    moe = tmo.MoE(cfg, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(moe, fullgraph=True, backend=tmo.backend(experts="triton"))
+    with torch.no_grad():
+        for T in (5, 64):
+            x = torch.randn(T, 1024, device="cuda", dtype=torch.bfloat16)
+            expected = moe(x)
+            torch.testing.assert_close(compiled(x), expected, atol=2e-2, rtol=2e-2)
