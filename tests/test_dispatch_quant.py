@@ -92,7 +92,7 @@ BAD_INPUT = {  # name: (weight_format, activation_format, block_size), message
                              ("hidden.shape[1] must be a multiple of block_size[1] (24, "
                               "the columns of one fp8_group scale), got shape (3, 32)")),
     "mxfp4": (("mxfp4", "fp8_token", []),
-              ("QuantSpec.activations (with weights='mxfp4') must be one of 'none', "
+              ("activation_format must be one of 'none' with weight_format='mxfp4', "
                "got 'fp8_token'")),
 }
 

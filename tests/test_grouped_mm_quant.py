@@ -26,9 +26,10 @@ reads the same fp8 weights and rounds each GEMM's input through fp8 as well:
 - GPU, bf16 (`GPU_BOUND`): the GEMMs write bf16 and the intermediate is rounded
   to bf16 before fp8, which moves about 1 in 64 of its values to the fp8
   neighbour of the reference's (both half an fp8 step from the exact value):
-  about 1% in all. Against the exact product with the dequantized weights and
-  unquantized activations, the backend must be as close as the reference is
-  (`NO_WORSE_THAN_REFERENCE`).
+  about 1% over many rows; over one token's few rows a flipped value weighs
+  more (2.1% measured on an H200 for one DeepSeek-like token), so 3%. Against
+  the exact product with the dequantized weights and unquantized activations,
+  the backend must be as close as the reference is (`NO_WORSE_THAN_REFERENCE`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 
 CPU_BOUND = 1e-4
-GPU_BOUND = 2e-2
+GPU_BOUND = 3e-2
 # Our error against the unquantized result over the reference's, plus a floor.
 NO_WORSE_THAN_REFERENCE = (1.25, 2e-3)
 STATIC = ("silu", 1.702, 7.0)
@@ -510,14 +511,18 @@ def test_gpu_symbolic_token_count_compiles_once():
     moe = _quantized_moe()
     counter = CompileCounterWithBackend(tmo.backend(experts="grouped_mm"))
     compiled = torch.compile(moe, backend=counter, fullgraph=True)
+    inputs = [torch.randn(num_tokens, 1024, device="cuda", dtype=torch.bfloat16)
+              for num_tokens in (5, 300)]
+    # The reference compiled first: a second backend on the same module's code
+    # would count as a recompilation of the first.
     expected = torch.compile(moe, backend=tmo.backend(experts="reference"), fullgraph=True)
     codes = []
     with torch.no_grad():
-        for num_tokens in (5, 300):
-            x_TH = torch.randn(num_tokens, 1024, device="cuda", dtype=torch.bfloat16)
+        refs = [expected(x_TH) for x_TH in inputs]
+        for x_TH, ref_TH in zip(inputs, refs):
             torch._dynamo.mark_dynamic(x_TH, 0)
             out_TH, new_codes = run_and_get_code(compiled, x_TH)
             codes += new_codes
-            assert relative_error(out_TH, expected(x_TH)) < GPU_BOUND
+            assert relative_error(out_TH, ref_TH) < GPU_BOUND
     assert counter.frame_count == 1
     assert "moe_grouped_mm.experts_quant" in "\n".join(codes)

@@ -243,6 +243,9 @@ def test_deepseek_v3_fp8_checkpoint_on_the_gpu(tmp_path):
     """On a GPU that runs fp8 transformers loads the experts as FP8Experts: the
     patch runs them in place, against the same checkpoint dequantized."""
     pytest.importorskip("accelerate")
+    # transformers runs every fp8 layer (attention's too) through the hub's
+    # finegrained-fp8 kernel, which the `kernels` package fetches.
+    pytest.importorskip("kernels")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("transformers runs fp8 from compute capability 8.9")
     write_deepseek_v3_fp8(make_model("deepseek_v3"), tmp_path)

@@ -37,9 +37,12 @@ def pack_rows(hidden_TH: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``[T, B]`` uint8: each token's fp8 values, then its fp32 scales, as bytes."""
     num_tokens, hidden_size = hidden_TH.shape
     q_TH, scale = quant.quantize_activations(hidden_TH, spec)
-    # Sized from H, not inferred: 0 tokens still give rows of B bytes.
-    scale_TG = scale.reshape(num_tokens, hidden_size // quant.activation_group(spec, hidden_size))
-    return torch.cat([q_TH.view(_BYTES), scale_TG.view(_BYTES)], dim=1)
+    # Sized from H, not inferred: 0 tokens still give rows of B bytes. The scales
+    # are viewed as bytes flat: Inductor gives a last dimension of size 1 (one
+    # fp8_token scale per row) stride 0, which no dtype view takes.
+    groups = hidden_size // quant.activation_group(spec, hidden_size)
+    scale_bytes = scale.reshape(-1).view(_BYTES).reshape(num_tokens, 4 * groups)
+    return torch.cat([q_TH.view(_BYTES), scale_bytes], dim=1)
 
 
 def unpack_rows(packed_RB: torch.Tensor, hidden_size: int, spec: QuantSpec
