@@ -101,7 +101,7 @@ def moe_direct_gate_up_kernel(
         up_ptrs = gate_ptrs + inter_size * stride_w13_f
         token_scale = 1.0
         if ACT_FORMAT == FP8_TOKEN:
-            token_scale = _activation_scales(x_scale_ptr, token, True, 0, stride_xs_t,
+            token_scale = _activation_scales(x_scale_ptr, token, expert >= 0, 0, stride_xs_t,
                                              stride_xs_g, ACT_FORMAT, SCALE_BK)
         for k in range(tl.cdiv(hidden_size, BLOCK_K)):
             k_ok = ks < hidden_size - k * BLOCK_K
@@ -109,7 +109,7 @@ def moe_direct_gate_up_kernel(
             if ACT_FORMAT == FP8_TOKEN:
                 x *= token_scale
             elif ACT_FORMAT != 0:
-                x *= _activation_scales(x_scale_ptr, token, True, k * BLOCK_K, stride_xs_t,
+                x *= _activation_scales(x_scale_ptr, token, expert >= 0, k * BLOCK_K, stride_xs_t,
                                         stride_xs_g, ACT_FORMAT, SCALE_BK)
             w_ok = col_ok[:, None] & k_ok[None, :]
             gate_k = tl.sum(tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x[None, :],

@@ -186,21 +186,23 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         b13.stride(0), b13.stride(1),
         inter_SI.stride(0), inter_SI.stride(1),
         float(experts.swiglu_alpha), float(experts.swiglu_limit),
-        *experts.scale_args(x_scale, experts.w13_scale, inter_SI),
+        *experts.scale_args(x_scale, experts.w13_scale, w13),
         TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
         HAS_BIAS=experts.b13 is not None, **tiles)
 
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    b2 = experts.b2 if experts.b2 is not None else out_TH
-    weights = weights_S if weights_S is not None else out_TH
+    # Absent inputs are never read: unmutated tensors fill their slots (an output
+    # there would look to torch.compile like another use of the buffer written).
+    b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
+    weights = weights_S if weights_S is not None else inter_SI
     launcher(moe_direct_down_sum_kernel)[(num_tokens, triton.cdiv(hidden_size, config.BLOCK_N))](
         inter_SI, ids_TK, weights, w2, b2, out_TH, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         out_TH.stride(0), out_TH.stride(1),
-        *experts.scale_args(inter_scale, experts.w2_scale, out_TH),
+        *experts.scale_args(inter_scale, experts.w2_scale, w2),
         TOP_K=top_k, HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         **tiles)
     return out_TH
@@ -234,7 +236,7 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         b13.stride(0), b13.stride(1),
         inter_SI.stride(0), inter_SI.stride(1),
         float(experts.swiglu_alpha), float(experts.swiglu_limit),
-        *experts.scale_args(x_scale, experts.w13_scale, inter_SI),
+        *experts.scale_args(x_scale, experts.w13_scale, w13),
         TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
         HAS_BIAS=experts.b13 is not None, DOT_PRECISION=precision, **tiles)
 
@@ -244,8 +246,8 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     # GEMM writes them in place and the last kernel only zeroes skipped rows.
     slot_SH = out_TH if top_k == 1 else torch.empty((num_slots, hidden_size), dtype=dtype,
                                                     device=device)
-    b2 = experts.b2 if experts.b2 is not None else out_TH
-    weights = weights_S if weights_S is not None else out_TH
+    b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
+    weights = weights_S if weights_S is not None else inter_SI
     launcher(moe_down_weighted_kernel)[(num_blocks_m * triton.cdiv(hidden_size, config.BLOCK_N),)](
         inter_SI, w2, b2, weights, slot_SH,
         sorted_row_ids_P, block_expert_B, num_padded_rows_1,
@@ -254,7 +256,7 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         slot_SH.stride(0), slot_SH.stride(1),
-        *experts.scale_args(inter_scale, experts.w2_scale, out_TH),
+        *experts.scale_args(inter_scale, experts.w2_scale, w2),
         HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         DOT_PRECISION=precision, **tiles)
 

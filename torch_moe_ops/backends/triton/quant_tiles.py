@@ -85,9 +85,10 @@ def _e2m1_halves(packed):
     # of a float16, which then reads as the e2m1 value * 2 ** -14: the e2m1
     # subnormal (0.5) lands on a float16 subnormal, and the conversion of float16
     # to float32 is exact, so no arithmetic on subnormals is involved.
-    bits = packed.to(tl.uint16)
-    low = ((bits & 0x8) << 12) | ((bits & 0x7) << 9)
-    high = ((bits & 0x80) << 8) | ((bits & 0x70) << 5)
+    # In int32 whatever the promotion rules of the Triton version, then 16 bits.
+    bits = packed.to(tl.int32)
+    low = (((bits & 0x8) << 12) | ((bits & 0x7) << 9)).to(tl.uint16)
+    high = (((bits & 0x80) << 8) | ((bits & 0x70) << 5)).to(tl.uint16)
     return (low.to(tl.float16, bitcast=True).to(tl.float32),
             high.to(tl.float16, bitcast=True).to(tl.float32))
 
