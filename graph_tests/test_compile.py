@@ -218,3 +218,31 @@ def test_supports_sees_the_layer_problem(monkeypatch):
             problem.top_k, problem.activation, problem.dtype) == (
         cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.activation,
         torch.float32)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_training_graphs_take_the_training_priority(monkeypatch, grad):
+    """``experts="auto"`` orders its candidates by ``training_priority`` where the
+    experts' output requires grad in the traced graph (a training step), by
+    ``priority`` under ``torch.no_grad()``."""
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    seen = []
+
+    def recording_supports(spec, problem, device):
+        seen.append(problem.training)
+
+    # Of the two CPU backends, "cpu" comes first by priority; here "reference"
+    # comes first in training.
+    monkeypatch.setitem(REGISTRY.experts, "reference", dataclasses.replace(
+        REGISTRY.experts["reference"], supports=recording_supports, training_priority=100))
+    moe = tmo.MoE(tmo.MoEConfig(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2))
+    counter = torch._dynamo.testing.CompileCounterWithBackend(tmo.backend(inner="aot_eager"))
+    compiled = torch.compile(moe, backend=counter, fullgraph=True)
+    with torch.set_grad_enabled(grad):
+        compiled(torch.randn(5, 16))
+    graph = counter.graphs[0]
+    targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    chosen = "moe_reference.experts" if grad else "moe_cpu.experts"
+    assert chosen in targets, targets
+    assert (True in seen) == grad

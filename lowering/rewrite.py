@@ -104,6 +104,9 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
         if name is None:
             continue
         problems[node] = problem_of(name, _example_args(node))
+        output = _value(node)
+        if name in EXPERTS_OPS and isinstance(output, torch.Tensor) and output.requires_grad:
+            problems[node] = dataclasses.replace(problems[node], training=True)
         layer_of[node] = node
         if name in ACTIVATION_OPS:
             for arg in node.all_input_nodes:

@@ -49,4 +49,9 @@ REGISTRY.register_experts(ExpertsBackend(
     name="grouped_mm", namespace=NAMESPACE, layout="rows", supports=supports,
     priority=10, description="torch._grouped_mm on rows sorted by expert (bf16, sm90+); fp8 "
                              "w8a8 rowwise through torch._scaled_grouped_mm (sm90)",
-    backward=grouped_gemm.supports if TRITON_INSTALLED else None))
+    backward=grouped_gemm.supports if TRITON_INSTALLED else None,
+    # Compiled training: its forward and its gradient are traced grouped GEMMs
+    # over the same sorted rows, so the joint graph sorts, gathers and projects
+    # once where triton's kernels do it twice (OLMoE, T=8192, H200: 4.93 ms a
+    # step against 6.43).
+    training_priority=30))

@@ -45,7 +45,9 @@ class Problem:
     know it (`available_backends` asks about a device and dtype alone; a graph
     node knows the sizes of its own arguments). ``num_experts`` counts the
     experts of all ranks, ``num_local_experts`` those of one; ``capacity`` is
-    the rows one rank receives from each rank with expert parallelism.
+    the rows one rank receives from each rank with expert parallelism;
+    ``training``: gradients flow through the layer (in a compiled graph, the
+    experts op's output requires grad).
     """
 
     dtype: torch.dtype
@@ -59,6 +61,7 @@ class Problem:
     capacity: int | None = None
     max_tokens_per_rank: int | None = None
     quant: QuantSpec | None = None
+    training: bool | None = None
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dtype: torch.dtype) -> Problem:
@@ -84,7 +87,8 @@ SupportsFn = Callable[[BackendSpec, Problem, torch.device], str | None]
 class ExpertsBackend:
     """An experts backend: its concrete ops live in ``torch.ops.<namespace>``.
 
-    ``priority`` orders the candidates of ``experts="auto"`` (highest first);
+    ``priority`` orders the candidates of ``experts="auto"`` (highest first),
+    ``training_priority`` (where given) in place of it for a training problem;
     ``dispatch_dtype`` is the dtype its rows must arrive in, ``None`` for the
     activations' own. ``quantized_rows`` names the activation formats
     (`QuantSpec.activations`) in which its ``experts_rows_quant`` reads rows that
@@ -106,6 +110,7 @@ class ExpertsBackend:
     description: str
     dispatch_dtype: torch.dtype | None = None
     backward: SupportsFn | None = None
+    training_priority: int | None = None
     quantized_rows: tuple[str, ...] = ()
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
@@ -202,7 +207,12 @@ class Registry:
         Raises ValueError naming what is registered and why the choice is out.
         """
         if spec.experts == "auto":
-            candidates = sorted(self.experts.values(), key=lambda b: -b.priority)
+            def rank(backend: ExpertsBackend) -> int:
+                if problem.training and backend.training_priority is not None:
+                    return -backend.training_priority
+                return -backend.priority
+
+            candidates = sorted(self.experts.values(), key=rank)
             for backend in candidates:
                 if backend.why_not(spec, problem, device) is None:
                     return backend
