@@ -38,7 +38,8 @@ from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
-    from torch_moe_ops.backends.triton import act_quant, configs, fused
+    from torch_moe_ops.backends.common import grouped_gemm
+    from torch_moe_ops.backends.triton import act_quant, configs, dequant, fused
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -278,6 +279,34 @@ def test_supports_says_which_formats_run(spec, reason):
         assert reason in got
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dequantize_mxfp4_matches_oracle_exactly(dtype, generator):
+    # 70 rows and 320 columns: partial blocks of rows and of packed bytes.
+    w_ENK = torch.randn((2, 35, 320), generator=generator) * 3
+    w_ENK[0, 0] = 0  # a zero group: scale byte 0
+    packed, scale = quant.quantize_weights(w_ENK, QuantSpec("mxfp4"))
+    out = dequant.dequantize_mxfp4(packed.to(DEVICE), scale.to(DEVICE), dtype)
+    ref = quant.dequantize_weights(packed, scale, QuantSpec("mxfp4")).to(dtype)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out.cpu(), ref)
+
+
+def test_mxfp4_prefill_takes_dequant_grouped_mm_where_it_runs():
+    mxfp4, fp8 = QuantSpec("mxfp4"), QuantSpec("fp8_channel", "none")
+    many = configs.GROUPED_MM_MIN_ROWS_PER_EXPERT * 8 // 4
+    assert configs.default_path(8, many, 4, mxfp4) == "dequant_grouped_mm"
+    assert configs.default_path(8, many - 1, 4, mxfp4) == "tiled"
+    assert configs.default_path(8, many, 4, fp8) == "tiled"
+    assert configs.default_path(8, many, 4) == "grouped_mm"
+    x_TH = torch.empty((many, 128), dtype=torch.bfloat16, device=DEVICE)
+    ids_TK = torch.zeros((many, 4), dtype=torch.int32, device=DEVICE)
+    w13 = torch.empty((8, 128, 64), dtype=torch.uint8, device=DEVICE)
+    runs = grouped_gemm.supports(None, Problem(torch.bfloat16), DEVICE) is None
+    assert (fused._plan(x_TH, ids_TK, w13, mxfp4).path
+            == ("dequant_grouped_mm" if runs else "tiled"))
+    assert fused._plan(x_TH.half(), ids_TK, w13, mxfp4).path == "tiled"
+
+
 # GPU: bf16 at real widths, CUDA graphs, torch.compile. Norm bounds: the output's
 # relative error in norm, ||out - ref|| / ||ref||, over bf16 rounding (weight-only)
 # and the fp8 steps of the intermediate's rounding through bf16 (w8a8).
@@ -331,6 +360,19 @@ def test_gpt_oss_mxfp4_gpu(T, kernel_path):
                    intermediate_size=2880, num_experts=8, top_k=4, bias=True)
     out, ref = run_both(q, "swiglu_oai")
     assert_norm_close(out, ref, q.spec)
+
+
+@gpu
+def test_gpt_oss_mxfp4_dequant_grouped_mm_gpu():
+    q = gpu_inputs(QuantSpec("mxfp4"), num_tokens=2048, hidden_size=2880,
+                   intermediate_size=2880, num_experts=8, top_k=4, bias=True)
+    f = q.float_inputs
+    assert fused._plan(f.hidden_TH, f.topk_ids_TK, q.w13, q.spec).path == "dequant_grouped_mm"
+    out, ref = run_both(q, "swiglu_oai")
+    assert_norm_close(out, ref, q.spec)
+    args = rows_args(q, prequantized=False)
+    assert_norm_close(torch.ops.moe_triton.experts_rows_quant(*args),
+                      torch.ops.moe_reference.experts_rows_quant(*args), q.spec)
 
 
 @gpu

@@ -42,8 +42,11 @@ INTERPRETER_DEVICE = "cpu"
 #               few tokens, where each expert gets at most about one slot;
 #   tiled       align, then grouped GEMMs over expert-sorted tiles of BLOCK_M rows;
 #   grouped_mm  align, then torch._grouped_mm (bf16, sm90+); where it cannot
-#               run the call takes `tiled` with this config's tiles.
-PATHS = ("direct", "tiled", "grouped_mm")
+#               run the call takes `tiled` with this config's tiles;
+#   dequant_grouped_mm  MXFP4 weights only: the layer's weights decoded to the
+#               activations' dtype (`dequant`, a transient buffer of the call),
+#               then `grouped_mm`; where that cannot run, `tiled`.
+PATHS = ("direct", "tiled", "grouped_mm", "dequant_grouped_mm")
 # Without a tuned file, from this many slots per expert on `grouped_mm` (cuBLAS,
 # wgmma) beats the tiled kernels' tl.dot on sm90 in bf16. Measured on an H200
 # (2026-11-21) for Mixtral, Qwen3-30B-A3B, OLMoE, GPT-OSS-20B and DeepSeek-V3
@@ -182,13 +185,20 @@ def default_path(E: int, M: int, top_k: int, quant: QuantSpec | None = None) -> 
     One token, or few enough slots that experts rarely repeat (at most one in
     four experts gets a slot), reads no more weight bytes slot by slot than
     grouped, and saves the align's launches. Quantized weights never take
-    ``grouped_mm`` (bf16 only).
+    ``grouped_mm`` (bf16 only); MXFP4 weights take ``dequant_grouped_mm`` where
+    unquantized ones would take ``grouped_mm``: decoding the weights once costs
+    about one more read of them, where the tiled kernels decode each weight tile
+    once per block of rows (measured on an H200, 2026-11-23: the tiled MXFP4
+    kernels ran 10-16x slower than bf16 ``grouped_mm`` at 4096 tokens and more).
     """
     num_slots = M * top_k
     if M == 1 or 4 * num_slots <= E:
         return "direct"
-    if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E and quant is None:
-        return "grouped_mm"
+    if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
+        if quant is None:
+            return "grouped_mm"
+        if quant.weights == "mxfp4":
+            return "dequant_grouped_mm"
     return "tiled"
 
 
