@@ -36,7 +36,9 @@ def dequantize_mxfp4_kernel(packed_ptr, scale_ptr, out_ptr, num_rows, num_packed
                             BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_p = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    # Row offsets in int64: a layer's decoded weights pass 2 ** 31 elements
+    # (DeepSeek-V3's w13: 256 x 4096 x 7168).
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     groups = pid_p * (BLOCK_P // PACKED_GROUP) + tl.arange(0, BLOCK_P // PACKED_GROUP)
     row_ok = rows < num_rows
