@@ -43,6 +43,8 @@ FP8 = quant.FP8_DTYPE
 W8A8_TOKEN = QuantSpec("fp8_channel")
 W8A8_GROUP = QuantSpec("fp8_block", block_size=(16, 16))
 SPECS = {"fp8_token": W8A8_TOKEN, "fp8_group": W8A8_GROUP}
+# Weight-only: its rows travel unquantized.
+W8A16_BLOCK = QuantSpec("fp8_block", "none", (16, 16))
 STATIC = ("silu", 1.702, 7.0)
 A2A_NAMESPACES = {"all_to_all": "moe_all_to_all", "allgather": "moe_allgather"}
 
@@ -276,7 +278,7 @@ class _Lowered:
 
 def _check_layer(rank, world_size, spec, dtype, inner):
     """A quantized `MoE` sharded over the group, eager (bf16 dispatch) and compiled
-    (fp8 dispatch), against the same layer in one process."""
+    (fp8 dispatch where its activations are fp8), against the same layer in one process."""
     torch._dynamo.reset()
     torch.manual_seed(5)
     single = tmo.MoE(_config(1, spec), dtype=dtype)
@@ -299,7 +301,8 @@ def _check_layer(rank, world_size, spec, dtype, inner):
         # Op by op, a row quantized before the transport is the row quantized after it.
         torch.testing.assert_close(compiled_TH, eager_TH, rtol=0, atol=0)
     (gm,) = recording.graphs
-    assert moe_op_sequence(gm) == ("moe_reference::route\nmoe_all_to_all::dispatch_quant\n"
+    dispatch = "dispatch" if spec.activations == "none" else "dispatch_quant"
+    assert moe_op_sequence(gm) == (f"moe_reference::route\nmoe_all_to_all::{dispatch}\n"
                                    "moe_reference::experts_rows_quant\nmoe_all_to_all::combine")
 
 
@@ -312,6 +315,7 @@ def _run_cases(rank, world_size):
     _opcheck(rank, world_size, W8A8_GROUP)
     _check_layer(rank, world_size, W8A8_TOKEN, torch.float32, "aot_eager")
     _check_layer(rank, world_size, W8A8_GROUP, torch.bfloat16, "aot_eager")
+    _check_layer(rank, world_size, W8A16_BLOCK, torch.float32, "aot_eager")
 
 
 def test_quantized_layers_dispatch_fp8_across_ranks():

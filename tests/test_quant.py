@@ -28,11 +28,9 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from conftest import TOLERANCES, QuantInputs, make_quant_inputs
-from distributed import run_on_ranks
 from formulas import activation_formula
 from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
@@ -736,31 +734,3 @@ def test_expert_parallel_keeps_this_ranks_weights_and_scales(name):
             ours, expected = getattr(sharded, tensor), state[tensor][local]
             assert (ours.shape, ours.dtype) == (expected.shape, expected.dtype), tensor
             assert torch.equal(ours.view(torch.uint8), expected.view(torch.uint8)), tensor
-
-
-# Expert parallelism on two CPU processes (gloo).
-
-EP_TOKENS = (5, 3)
-EP_SPECS = ("fp8_block", "mxfp4")
-
-
-def _check_expert_parallel(rank, world_size):
-    mine = slice(sum(EP_TOKENS[:rank]), sum(EP_TOKENS[:rank + 1]))
-    x_NH = torch.randn(sum(EP_TOKENS), H, generator=torch.Generator().manual_seed(6))
-    for name in EP_SPECS:
-        single = _module(name)
-        sharded = tmo.MoE(_config(name, ep_size=world_size, max_tokens_per_rank=max(EP_TOKENS)),
-                          ep_group=dist.group.WORLD)
-        sharded.load_full_weights(single.state_dict())
-        with torch.no_grad():
-            expected_TH = single(x_NH)[mine]
-            torch.testing.assert_close(sharded(x_NH[mine]), expected_TH, rtol=1e-5, atol=1e-6)
-            if name == EP_SPECS[0]:
-                compiled = torch.compile(sharded, fullgraph=True, backend=tmo.backend(
-                    experts="reference", a2a="all_to_all", inner="aot_eager"))
-                torch.testing.assert_close(compiled(x_NH[mine]), expected_TH, rtol=1e-5,
-                                           atol=1e-6)
-
-
-def test_expert_parallel_matches_single_process():
-    run_on_ranks(2, _check_expert_parallel)
