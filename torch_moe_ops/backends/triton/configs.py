@@ -190,9 +190,14 @@ def default_path(E: int, M: int, top_k: int, quant: QuantSpec | None = None) -> 
     about one more read of them, where the tiled kernels decode each weight tile
     once per block of rows (measured on an H200, 2026-11-23: the tiled MXFP4
     kernels ran 10-16x slower than bf16 ``grouped_mm`` at 4096 tokens and more).
+    With fp8 activations (w8a8) even one token takes ``tiled``: fp8 times fp8
+    in the tensor cores beats the direct kernels' widening of every weight to
+    fp32 (one token, H200, 2026-11-23: 123-145 us against 205-265 us at
+    Mixtral-8x7B and DeepSeek-V3 widths, 39-44 us against 66-91 us at Qwen3 and OLMoE).
     """
     num_slots = M * top_k
-    if M == 1 or 4 * num_slots <= E:
+    w8a8 = quant is not None and quant.activations != "none"
+    if (M == 1 or 4 * num_slots <= E) and not w8a8:
         return "direct"
     if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
         if quant is None:
