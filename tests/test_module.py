@@ -168,13 +168,18 @@ def test_available_backends_lists_reference_and_none():
     by_name = {(s.kind, s.name): s for s in table}
     assert by_name[("experts", "reference")].available
     assert by_name[("a2a", "none")].available
-    lines = str(table).splitlines()
-    assert re.fullmatch(r"kind\s+name\s+available\s+backward\s+why not / what", lines[0])
+    *lines, unsupported = str(table).splitlines()
+    assert re.fullmatch(r"kind\s+name\s+available\s+backward\s+quantized\s+why not / what",
+                        lines[0])
     assert len(lines) == 1 + len(table)
-    assert any(re.fullmatch(r"experts\s+reference\s+yes\s+own\s+plain PyTorch.*", line)
+    assert any(re.fullmatch(r"experts\s+reference\s+yes\s+own\s+"
+                            r"fp8_tensor,fp8_channel,fp8_block,mxfp4\s+plain PyTorch.*", line)
                for line in lines)
-    assert any(re.fullmatch(r"a2a\s+none\s+yes\s+-\s+single device.*", line)
+    assert any(re.fullmatch(r"experts\s+cpu\s+yes\s+own\s+-\s+only the chosen.*", line)
                for line in lines)
+    assert any(re.fullmatch(r"a2a\s+none\s+yes\s+-\s+-\s+single device.*", line)
+               for line in lines)
+    assert unsupported.startswith("quantized formats not supported by any backend: nvfp4")
     # Columns line up: every row starts its "available" cell at the header's column.
     column = lines[0].index("available")
     assert all(line[column:].split()[0] in ("yes", "no", "available") for line in lines)

@@ -22,9 +22,12 @@ from collections.abc import Callable
 
 import torch
 
-from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
+from torch_moe_ops.config import QUANT_WEIGHT_FORMATS, BackendSpec, MoEConfig, QuantSpec
 from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, defines
 
+# The last line of `available_backends()`: formats no backend here has kernels for.
+UNSUPPORTED_FORMATS = ("quantized formats not supported by any backend: nvfp4 and the other "
+                       "Blackwell-only formats (QuantSpec lists what is)")
 EXPERTS_OPS = ("experts", "experts_rows")
 # The experts ops on quantized weights: a backend has kernels for quantized
 # weights exactly where its namespace defines these (its `supports` says which formats).
@@ -149,7 +152,9 @@ class A2ABackend:
 class BackendStatus:
     """One row of `BackendTable`. ``backward``: where an available experts
     backend's gradient runs (``"own"`` or ``"reference"``); ``"-"`` for an
-    unavailable one and for a2a backends (whose gradients are their transport, reversed)."""
+    unavailable one and for a2a backends (whose gradients are their transport, reversed).
+    ``quantized``: the weight formats (`QuantSpec.weights`) an available experts
+    backend runs with their default activations, ``"-"`` for none."""
 
     kind: str
     name: str
@@ -157,19 +162,20 @@ class BackendStatus:
     reason: str
     description: str
     backward: str = "-"
+    quantized: str = "-"
 
 
 class BackendTable(list):
     """`available_backends()`'s answer: a list of `BackendStatus` that prints as a table."""
 
     def __str__(self) -> str:
-        header = ("kind", "name", "available", "backward", "why not / what")
-        rows = [(s.kind, s.name, "yes" if s.available else "no", s.backward,
+        header = ("kind", "name", "available", "backward", "quantized", "why not / what")
+        rows = [(s.kind, s.name, "yes" if s.available else "no", s.backward, s.quantized,
                  s.description if s.available else s.reason) for s in self]
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5]
                  for r in [header, *rows]]
-        return "\n".join(lines)
+        return "\n".join([*lines, UNSUPPORTED_FORMATS])
 
 
 class Registry:
@@ -240,11 +246,15 @@ class Registry:
                 spec = BackendSpec(a2a=backend.name) if kind == "a2a" else BackendSpec()
                 problem = Problem(dtype)
                 reason = backend.supports(spec, problem, device)
-                backward = "-"
+                backward = quantized = "-"
                 if kind == "experts" and reason is None:
                     backward = backend.backward_runs(spec, problem, device)
+                    quantized = ",".join(
+                        weights for weights in QUANT_WEIGHT_FORMATS
+                        if backend.why_not(spec, Problem(dtype, quant=QuantSpec(weights)),
+                                           device) is None) or "-"
                 table.append(BackendStatus(kind, backend.name, reason is None, reason or "",
-                                           backend.description, backward))
+                                           backend.description, backward, quantized))
         return table
 
     @staticmethod
