@@ -35,8 +35,8 @@ FLOAT_DTYPES = list(TOLERANCES)
 INT_POISON = -777
 
 
-def _assert_close(table: dict, actual: torch.Tensor, expected: torch.Tensor,
-                  dtype: torch.dtype) -> None:
+def assert_close_within(table: dict, actual: torch.Tensor, expected: torch.Tensor,
+                        dtype: torch.dtype) -> None:
     """``actual`` (any dtype) against an fp64 ``expected``; atol scales with the
     magnitude of ``expected`` so that one bound serves small and large outputs."""
     tol = table[dtype]
@@ -48,13 +48,13 @@ def _assert_close(table: dict, actual: torch.Tensor, expected: torch.Tensor,
 @pytest.fixture
 def assert_close_for_dtype() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
     """``check(actual, expected_fp64, dtype)`` under `TOLERANCES[dtype]`."""
-    return lambda actual, expected, dtype: _assert_close(TOLERANCES, actual, expected, dtype)
+    return lambda actual, expected, dtype: assert_close_within(TOLERANCES, actual, expected, dtype)
 
 
 @pytest.fixture
 def assert_grad_close_for_dtype() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
     """``check(actual, expected_fp64, dtype)`` under `GRAD_TOLERANCES[dtype]`."""
-    return lambda actual, expected, dtype: _assert_close(GRAD_TOLERANCES, actual, expected,
+    return lambda actual, expected, dtype: assert_close_within(GRAD_TOLERANCES, actual, expected,
                                                          dtype)
 
 

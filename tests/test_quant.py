@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import torch_moe_ops as tmo
-from conftest import TOLERANCES, QuantInputs, make_quant_inputs
+from conftest import TOLERANCES, QuantInputs, assert_close_within, make_quant_inputs
 from formulas import activation_formula
 from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
@@ -61,10 +61,7 @@ def exactly(message: str) -> str:
 
 def assert_close(actual: torch.Tensor, expected_fp64: torch.Tensor, dtype: torch.dtype) -> None:
     """``TOLERANCES[dtype]``, atol relative to the largest expected magnitude."""
-    tol = TOLERANCES[dtype]
-    scale = max(1.0, expected_fp64.abs().max().item()) if expected_fp64.numel() else 1.0
-    torch.testing.assert_close(actual.double(), expected_fp64, rtol=tol["rtol"],
-                               atol=tol["atol"] * scale)
+    assert_close_within(TOLERANCES, actual, expected_fp64, dtype)
 
 
 # The formula: every (token, slot) pair on its own, in fp64.
