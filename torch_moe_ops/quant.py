@@ -16,6 +16,8 @@ returns tensors on any device, computes in fp32 and never reads a value on the h
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torch_moe_ops.config import MXFP4_GROUP, QuantSpec
@@ -120,8 +122,13 @@ def quantize_activations(x_MK: torch.Tensor, spec: QuantSpec
     ``scale [M]`` for ``fp8_token``, ``[M, K / bk]`` for ``fp8_group``."""
     rows, cols = x_MK.shape
     group = activation_group(spec, cols)
-    x_MGC = x_MK.float().reshape(rows, cols // group, group)
-    scale_MG = _fp8_scale(x_MGC.abs().amax(dim=2))
+    # fp32 math with no fp32 copy of x: the maximum is exact in x's own dtype (and
+    # rounds to fp32 as the maximum of rounded values would), and the division
+    # promotes x on the fly; fp64 is read as fp32 first. Row-major out, as
+    # torch._scaled_grouped_mm takes it.
+    x_MGC = (x_MK.float() if x_MK.dtype == torch.float64 else x_MK).contiguous().reshape(
+        rows, cols // group, group)
+    scale_MG = _fp8_scale(torch.linalg.vector_norm(x_MGC, math.inf, dim=2))
     q_MK = _to_fp8(x_MGC / scale_MG[:, :, None]).reshape(rows, cols)
     return q_MK, scale_MG.squeeze(1) if spec.activations == "fp8_token" else scale_MG
 

@@ -34,8 +34,6 @@ N multiples of 16; fewer than 1024 groups; no bias.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from torch_moe_ops import quant
@@ -43,6 +41,9 @@ from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_gemm
 from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.quant import rows_out_dtype
+
+# What torch._scaled_grouped_mm's rowwise scaling takes: one fp8 scale per row.
+ROWWISE = QuantSpec("fp8_channel", "fp8_token")
 
 if TRITON_INSTALLED:
     from torch_moe_ops.backends.common.epilogues import bias_act_rows, gather_weighted_sum
@@ -114,15 +115,8 @@ def _check_runs(w13, w2, weight_format: str, activation_format: str, block_size)
 
 def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_MK, scale_M)``: each row of ``x_MK`` in float8_e4m3fn, row-major, with
-    one fp32 scale (``amax / 448``). The values of `quant.quantize_activations`
-    for ``fp8_token``, bit for bit, with fewer passes over ``x_MK`` when run op by
-    op: the maximum is taken in its own dtype (exact) in one reduction, and the
-    division reads it as it is (promoted to fp32 on the fly)."""
-    x_MK = x_MK.contiguous()
-    amax_M1 = torch.linalg.vector_norm(x_MK, math.inf, dim=1, keepdim=True).float()
-    scale_M1 = amax_M1.clamp(min=quant.MIN_SCALE) / quant.FP8_MAX
-    q_MK = (x_MK / scale_M1).clamp_(-quant.FP8_MAX, quant.FP8_MAX).to(quant.FP8_DTYPE)
-    return q_MK, scale_M1.view(-1)
+    one fp32 scale (`quant.quantize_activations`, ``fp8_token``)."""
+    return quant.quantize_activations(x_MK, ROWWISE)
 
 
 def channel_scales(w_scale: torch.Tensor, weight_format: str, rows: int) -> torch.Tensor:
