@@ -1,0 +1,6 @@
+"""The ``flashinfer`` backends, on flashinfer-python's kernels: routing
+(``fused_topk_deepseek``), the MoE all-to-all (``MoeAlltoAll``) and the CUTLASS
+fused experts (``cutlass_fused_moe``). Each is a backend of its own kind in its own
+module; what they share is here and in `library`: whether flashinfer imports, and
+whether one of its JIT modules is built. Nothing here builds a module.
+"""

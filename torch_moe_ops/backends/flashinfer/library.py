@@ -1,0 +1,34 @@
+"""Whether flashinfer-python runs here. Its kernels are JIT modules compiled on
+first use; asking whether one is built never builds it."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+INSTALL_HINT = "pip install flashinfer-python"
+
+
+@functools.cache
+def missing() -> str | None:
+    """Why ``flashinfer`` cannot be imported here, or ``None`` where it can."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return f"flashinfer-python is not installed ({INSTALL_HINT})"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as error:  # noqa: BLE001 (any import failure is the reason)
+        return f"import flashinfer failed: {type(error).__name__}: {error}"
+    return None
+
+
+def device_reason(device: torch.device, min_capability: tuple[int, int] = (9, 0)) -> str | None:
+    """Why flashinfer's kernels cannot run on ``device``, or ``None``."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < min_capability:
+        return (f"needs sm{min_capability[0]}{min_capability[1]} or newer, got "
+                f"sm{capability[0]}{capability[1]}")
+    return missing()
