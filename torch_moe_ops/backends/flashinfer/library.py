@@ -27,6 +27,8 @@ def device_reason(device: torch.device, min_capability: tuple[int, int] = (9, 0)
     """Why flashinfer's kernels cannot run on ``device``, or ``None``."""
     if device.type != "cuda":
         return f"needs a CUDA device, got {device.type}"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device, this torch sees none"
     capability = torch.cuda.get_device_capability(device)
     if capability < min_capability:
         return (f"needs sm{min_capability[0]}{min_capability[1]} or newer, got "
