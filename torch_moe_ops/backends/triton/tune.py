@@ -47,13 +47,23 @@ def direct_candidates():
                                    num_warps=num_warps, num_stages=num_stages, path="direct")
 
 
-def tiled_candidates(slots_per_expert: float):
-    """BLOCK_M near the expected slots per expert: few rows waste most of a tall tile."""
+def tiled_candidates(slots_per_expert: float, spec: QuantSpec | None = None):
+    """BLOCK_M near the expected slots per expert: few rows waste most of a tall tile.
+
+    fp8 x fp8 tiles (w8a8) take half the shared memory of bf16 ones per element,
+    so they also try twice as deep (short tiles) or twice as wide (tall ones), and
+    more stages in flight."""
+    w8a8 = spec is not None and spec.activations != "none"
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * slots_per_expert)]
     for block_m in block_ms[-2:]:
         short = block_m <= 32
-        for block_n, block_k, num_warps, num_stages in itertools.product(
-                (32, 64, 128) if short else (64, 128), (64, 128), (4, 8), (3, 4)):
+        if w8a8:
+            shapes = itertools.product((32, 64, 128) if short else (128, 256),
+                                       (128, 256) if short else (128,), (4, 8), (3, 4, 5))
+        else:
+            shapes = itertools.product((32, 64, 128) if short else (64, 128), (64, 128),
+                                       (4, 8), (3, 4))
+        for block_n, block_k, num_warps, num_stages in shapes:
             yield configs.KernelConfig(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                        GROUP_M=1 if block_m == 16 else 8, num_warps=num_warps,
                                        num_stages=num_stages, path="tiled")
@@ -106,8 +116,10 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
     """The fastest config for M tokens and its time in ms."""
     E = args[3].shape[0]
     slots_per_expert = M * top_k / E
-    candidates = list(tiled_candidates(slots_per_expert))
-    if slots_per_expert <= 1:
+    candidates = list(tiled_candidates(slots_per_expert, spec))
+    # w8a8 skips the direct kernels: they widen every fp8 weight to fp32 and lost
+    # to the tiled ones at every shape (`configs.default_path`).
+    if slots_per_expert <= 1 and (spec is None or spec.activations == "none"):
         candidates += direct_candidates()
     candidates = [c for c in candidates if configs.fits_format(c, spec)]
     precompile(candidates, args, spec)
