@@ -33,10 +33,6 @@ FORMATS: dict[str, QuantSpec | None] = {
     "mxfp4": QuantSpec("mxfp4"),
 }
 DEFAULT_FORMATS = ("bf16", "fp8_block", "fp8_channel", "mxfp4")
-# The plain-PyTorch quantizers work in fp32 (mxfp4 through a 16-entry table per
-# value): real-width weights are quantized this many elements at a time at most
-# (whole experts, at least one).
-CHUNK_ELEMENTS = 2**25
 
 
 def uses_fp8_math(spec: QuantSpec | None) -> bool:
@@ -93,22 +89,6 @@ class ExpertWeights:
                 self.spec.weights, self.spec.activations, self.spec.block_list)
 
 
-def _quantize_chunked(w_ENK: torch.Tensor, spec: QuantSpec
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quant.quantize_weights` of ``w_ENK``, a few experts at a time, into
-    outputs allocated once (so the fp32 temporaries stay small)."""
-    num_experts, rows, cols = w_ENK.shape
-    q = torch.empty(quant.weight_shape(spec, num_experts, rows, cols),
-                    dtype=quant.weight_dtype(spec), device=w_ENK.device)
-    scale = torch.empty(quant.scale_shape(spec, num_experts, rows, cols),
-                        dtype=quant.scale_dtype(spec), device=w_ENK.device)
-    step = max(1, CHUNK_ELEMENTS // (rows * cols))
-    for first in range(0, num_experts, step):
-        q[first:first + step], scale[first:first + step] = quant.quantize_weights(
-            w_ENK[first:first + step], spec)
-    return q, scale
-
-
 def expert_weights(name: str, w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
                    b13_EF: torch.Tensor | None, b2_EH: torch.Tensor | None) -> ExpertWeights:
     """Float weights as format ``name`` stores them (quantized by `torch_moe_ops.quant`);
@@ -116,6 +96,6 @@ def expert_weights(name: str, w13_EFH: torch.Tensor, w2_EHI: torch.Tensor,
     spec = FORMATS[name]
     if spec is None:
         return ExpertWeights(name, None, w13_EFH, w2_EHI, None, None, b13_EF, b2_EH)
-    w13, w13_scale = _quantize_chunked(w13_EFH, spec)
-    w2, w2_scale = _quantize_chunked(w2_EHI, spec)
+    w13, w13_scale = quant.quantize_weights(w13_EFH, spec)
+    w2, w2_scale = quant.quantize_weights(w2_EHI, spec)
     return ExpertWeights(name, spec, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH)

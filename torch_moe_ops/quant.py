@@ -66,10 +66,30 @@ def _blocks(w_ENK: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tens
                          block_cols)
 
 
+# The quantizers work in fp32 (mxfp4 through a 16-entry table per value): weights
+# are quantized this many elements at a time at most (whole experts, at least one),
+# so the fp32 temporaries of real-width layers stay small.
+CHUNK_ELEMENTS = 2**25
+
+
 def quantize_weights(w_ENK: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of float weights ``w_ENK [E, N, K]`` in ``spec``'s format:
     scales from each group's absolute maximum, values rounded to the nearest
-    representable one (mxfp4 ties go to the smaller magnitude)."""
+    representable one (mxfp4 ties go to the smaller magnitude). A few experts
+    at a time (`CHUNK_ELEMENTS`), into outputs allocated once."""
+    num_experts, rows, cols = w_ENK.shape
+    q = torch.empty(weight_shape(spec, num_experts, rows, cols), dtype=weight_dtype(spec),
+                    device=w_ENK.device)
+    scale = torch.empty(scale_shape(spec, num_experts, rows, cols), dtype=scale_dtype(spec),
+                        device=w_ENK.device)
+    step = max(1, CHUNK_ELEMENTS // max(1, rows * cols))
+    for first in range(0, num_experts, step):
+        q[first:first + step], scale[first:first + step] = _quantize_experts(
+            w_ENK[first:first + step], spec)
+    return q, scale
+
+
+def _quantize_experts(w_ENK: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     w_ENK = w_ENK.float()
     if spec.weights == "mxfp4":
         return _quantize_mxfp4(w_ENK)
