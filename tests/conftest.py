@@ -139,7 +139,11 @@ def poisoned_empty(monkeypatch) -> None:
     def poisoned(allocate):
         def allocate_poisoned(*args, **kwargs):
             t = allocate(*args, **kwargs)
-            return t.fill_(math.nan if t.is_floating_point() else INT_POISON)
+            if t.is_floating_point():
+                return t.fill_(math.nan)
+            # Unsigned bytes (packed MXFP4, e8m0 scales) get their largest value.
+            info = torch.iinfo(t.dtype)
+            return t.fill_(INT_POISON if info.min <= INT_POISON else info.max)
 
         return allocate_poisoned
 

@@ -256,8 +256,15 @@ def test_tuned_entry_that_does_not_suit_its_format_is_an_error(tmp_path, monkeyp
     (tmp_path / configs.config_file_name(8, 128, 256, torch.float16, "X", spec)).write_text(
         '{"1": ' + str(entry).replace("'", '"') + "}")
     try:
-        with pytest.raises(ValueError, match="BLOCK_K=128 .* divisor of 64"):
+        with pytest.raises(ValueError, match="BLOCK_K=128.*divisor of 64"):
             configs.get_config(8, 128, 256, torch.float16, 1, 2, "X", spec)
+        configs._tuned_entries.cache_clear()
+        # w8a8's direct kernels multiply on the tensor cores: 16 columns at least.
+        narrow = {**entry, "BLOCK_K": 64, "BLOCK_N": 8, "path": "direct"}
+        (tmp_path / configs.config_file_name(8, 128, 256, torch.float16, "X", spec)).write_text(
+            '{"1": ' + str(narrow).replace("'", '"') + "}")
+        with pytest.raises(ValueError, match="BLOCK_N=8.*BLOCK_N at least 16"):
+            configs.get_config(8, 128, 256, torch.float16, 2, 2, "X", spec)
     finally:
         configs._tuned_entries.cache_clear()
         configs.get_config.cache_clear()

@@ -109,14 +109,14 @@ def block_k_limits(quant: QuantSpec | None, path: str) -> tuple[int, int | None]
     """``(least, divides)``: what ``BLOCK_K`` must be for ``quant``'s kernels on
     ``path``: at least ``least``, and a divisor of ``divides`` (or anything).
 
-    fp8 ``tl.dot`` takes K tiles of 32 and more; one K tile of ``fp8_block``
-    weights must lie in one scale block (``bk``); one of mxfp4 must hold whole
-    scale groups of 32 columns.
+    fp8 ``tl.dot`` (w8a8, on every path) takes K tiles of 32 and more; one K
+    tile of ``fp8_block`` weights must lie in one scale block (``bk``); one of
+    mxfp4 must hold whole scale groups of 32 columns.
     """
     if quant is None:
         return 1 if path == "direct" else 16, None
     least = 1 if path == "direct" else 16
-    if quant.activations != "none" and path != "direct":
+    if quant.activations != "none":
         least = 32
     if quant.weights == "mxfp4":
         least = MXFP4_GROUP
@@ -124,10 +124,20 @@ def block_k_limits(quant: QuantSpec | None, path: str) -> tuple[int, int | None]
     return least, divides
 
 
+def least_block_n(quant: QuantSpec | None, path: str) -> int:
+    """The narrowest ``BLOCK_N`` of ``quant``'s kernels on ``path``: w8a8's direct
+    kernels multiply on the tensor cores too, where ``tl.dot`` takes 16 columns
+    and more; the other direct kernels reduce with ``tl.sum``."""
+    w8a8 = quant is not None and quant.activations != "none"
+    return 1 if path == "direct" and not w8a8 else 16
+
+
 def fits_format(config: KernelConfig, quant: QuantSpec | None) -> bool:
-    """Whether ``config``'s K tiles suit ``quant``'s kernels (`block_k_limits`)."""
+    """Whether ``config``'s tiles suit ``quant``'s kernels (`block_k_limits`,
+    `least_block_n`)."""
     least, divides = block_k_limits(quant, config.path)
-    return config.BLOCK_K >= least and (divides is None or divides % config.BLOCK_K == 0)
+    return (config.BLOCK_K >= least and (divides is None or divides % config.BLOCK_K == 0)
+            and config.BLOCK_N >= least_block_n(quant, config.path))
 
 
 def fit_block_k(block_k: int, quant: QuantSpec | None, path: str) -> int:
@@ -267,8 +277,9 @@ def get_config(E: int, N: int, K: int, dtype: torch.dtype, M: int, top_k: int,
         config = dataclasses.replace(config, path=default_path(E, M, top_k, quant))
     if not fits_format(config, quant):
         least, divides = block_k_limits(quant, config.path)
-        raise ValueError(f"bad kernel config file {CONFIG_DIR / file_name}: BLOCK_K="
-                         f"{config.BLOCK_K} of its entry for M={M} does not suit "
-                         f"{quant.name} (at least {least}"
-                         + (f", a divisor of {divides})" if divides else ")"))
+        raise ValueError(f"bad kernel config file {CONFIG_DIR / file_name}: the tiles of its "
+                         f"entry for M={M} (BLOCK_K={config.BLOCK_K}, BLOCK_N={config.BLOCK_N}, "
+                         f"path {config.path!r}) do not suit {quant.name}: BLOCK_K at least "
+                         f"{least}" + (f" and a divisor of {divides}" if divides else "")
+                         + f", BLOCK_N at least {least_block_n(quant, config.path)}")
     return config

@@ -16,9 +16,14 @@ needs 16 rows), and a down program sums all K slots of its token in fp32 in a
 fixed order, so the output needs no third kernel and no float atomics.
 
 Quantized weights (``WEIGHT_FORMAT``, `quant_tiles`) are read as stored, fp8
-bytes or packed MXFP4, each byte once, and widened to fp32 in registers; fp8
-activation rows (``ACT_FORMAT``) are scaled as they are read. With both 0 the
-kernels compile to the unquantized ones.
+bytes or packed MXFP4, each byte once. Weight-only formats widen them to fp32 in
+registers. With fp8 activations (w8a8, ``ACT_FORMAT``) fp8 meets fp8 in the
+tensor cores instead: the slot's row is the first of a 16-row tile (``tl.dot``
+takes no fewer rows) whose other rows are zeros, and the product's rows are
+summed, which is that row exactly. Widening every fp8 weight to fp32 made the
+kernels convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
+DeepSeek-V3 widths); the tensor cores convert nothing. With both 0 the kernels
+compile to the unquantized ones.
 """
 
 from __future__ import annotations
@@ -33,8 +38,21 @@ from torch_moe_ops.backends.triton.quant_tiles import (
     MXFP4,
     _activation_scales,
     _fp8_weight_scales,
+    _mma,
     _mxfp4_row_dot,
+    _scale_after_loop,
 )
+
+# Rows of the tile one slot's row is padded to for tl.dot (its least M).
+DOT_ROWS = tl.constexpr(16)
+
+
+@triton.jit
+def _row_tile(row_ptrs, k_ok):
+    """``[DOT_ROWS, BK]``: the row at ``row_ptrs [BK]`` first, zeros under it."""
+    first = tl.arange(0, DOT_ROWS) == 0
+    return tl.load(row_ptrs[None, :] + 0 * tl.arange(0, DOT_ROWS)[:, None],
+                   mask=first[:, None] & k_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -93,6 +111,56 @@ def moe_direct_gate_up_kernel(
             x_ptrs += BLOCK_K * stride_hidden_h
             gate_ptrs += (BLOCK_K // 2) * stride_w13_h
             gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+    elif ACT_FORMAT != 0:
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
+        # [BK, BN] tiles, as tl.dot takes them.
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
+                     + ks[:, None] * stride_w13_h)
+        up_ptrs = gate_ptrs + inter_size * stride_w13_f
+        gate_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+        up_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
+            k_ok = ks < hidden_size - k * BLOCK_K
+            x_MK = _row_tile(x_ptrs, k_ok)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            # Per K tile: fp8_group activations' and fp8_block weights' scales
+            # (`_mma`); the others are applied after the loop.
+            if ACT_FORMAT == FP8_TOKEN:
+                row_scale = 1.0
+            else:
+                row_scale = _activation_scales(x_scale_ptr, token, expert >= 0, k * BLOCK_K,
+                                               stride_xs_t, stride_xs_g, ACT_FORMAT, SCALE_BK)
+            if WEIGHT_FORMAT == FP8_BLOCK:
+                gate_scale = _fp8_weight_scales(w13_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
+                                                stride_ws_e, stride_ws_f, stride_ws_h,
+                                                WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
+                up_scale = _fp8_weight_scales(w13_scale_ptr, expert, cols + inter_size, col_ok,
+                                              k * BLOCK_K, stride_ws_e, stride_ws_f, stride_ws_h,
+                                              WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
+            else:
+                gate_scale = 1.0
+                up_scale = 1.0
+            gate_MN = _mma(gate_MN, x_MK, tl.load(gate_ptrs, mask=w_ok, other=0.0), row_scale,
+                           gate_scale, WEIGHT_FORMAT, ACT_FORMAT, "ieee")
+            up_MN = _mma(up_MN, x_MK, tl.load(up_ptrs, mask=w_ok, other=0.0), row_scale,
+                         up_scale, WEIGHT_FORMAT, ACT_FORMAT, "ieee")
+            x_ptrs += BLOCK_K * stride_hidden_h
+            gate_ptrs += BLOCK_K * stride_w13_h
+            up_ptrs += BLOCK_K * stride_w13_h
+        # The scales left for after the loop (`_scale_after_loop` skips the rest).
+        gate_cols = _fp8_weight_scales(w13_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
+                                       stride_ws_f, stride_ws_h, WEIGHT_FORMAT, SCALE_BN,
+                                       SCALE_BK)
+        up_cols = _fp8_weight_scales(w13_scale_ptr, expert, cols + inter_size, col_ok, 0,
+                                     stride_ws_e, stride_ws_f, stride_ws_h, WEIGHT_FORMAT,
+                                     SCALE_BN, SCALE_BK)
+        token_scale = _activation_scales(x_scale_ptr, token, expert >= 0, 0, stride_xs_t,
+                                         stride_xs_g, ACT_FORMAT, SCALE_BK)
+        gate = tl.sum(_scale_after_loop(gate_MN, token_scale, gate_cols, WEIGHT_FORMAT,
+                                        ACT_FORMAT), axis=0)
+        up = tl.sum(_scale_after_loop(up_MN, token_scale, up_cols, WEIGHT_FORMAT, ACT_FORMAT),
+                    axis=0)
     else:
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
@@ -196,6 +264,34 @@ def moe_direct_down_sum_kernel(
                                  + (k * BLOCK_K // 32 + gs)[None, :] * stride_ws_i,
                                  mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0)
                 acc += _mxfp4_row_dot(a_even, a_odd, packed, scales, BLOCK_K, BLOCK_N)
+    elif ACT_FORMAT != 0:
+        ks = tl.arange(0, BLOCK_K)
+        acc_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            for j in tl.static_range(TOP_K):
+                slot = token * TOP_K + j
+                expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+                # A skipped slot's inter row was never written: no column of it is read.
+                k_ok = ks < tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
+                a_MK = _row_tile(inter_ptr + slot * stride_inter_s
+                                 + (k * BLOCK_K + ks) * stride_inter_i, k_ok)
+                w_KN = tl.load(w2_ptr + tl.maximum(expert, 0) * stride_w2_e
+                               + cols[None, :] * stride_w2_h
+                               + (k * BLOCK_K + ks)[:, None] * stride_w2_i,
+                               mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                # Each slot has scales and a weight of its own: all of them scale
+                # its tile's product before it joins the token's sum.
+                scale = _activation_scales(x_scale_ptr, slot, expert >= 0, k * BLOCK_K,
+                                           stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
+                if HAS_WEIGHTS:
+                    scale *= tl.load(weights_ptr + slot).to(tl.float32)
+                col_scale = _fp8_weight_scales(w2_scale_ptr, tl.maximum(expert, 0), cols,
+                                               col_ok, k * BLOCK_K, stride_ws_e, stride_ws_h,
+                                               stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
+                # fp8_tensor's scale is one scalar: as wide as the others' [BN].
+                col_scale += tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc_MN += tl.dot(a_MK, w_KN) * (scale * col_scale[None, :])
+        acc = tl.sum(acc_MN, axis=0)
     else:
         ks = tl.arange(0, BLOCK_K)
         for k in range(tl.cdiv(inter_size, BLOCK_K)):

@@ -39,10 +39,14 @@ from torch_moe_ops.config import QUANT_WEIGHT_FORMATS, QuantSpec
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def direct_candidates():
-    """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert."""
-    for block_n, block_k, num_warps, num_stages in itertools.product(
-            (1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,)):
+def direct_candidates(spec: QuantSpec | None = None):
+    """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert.
+    w8a8 multiplies on the tensor cores, whose tiles are 16 columns and more."""
+    if spec is not None and spec.activations != "none":
+        shapes = itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4))
+    else:
+        shapes = itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,))
+    for block_n, block_k, num_warps, num_stages in shapes:
         yield configs.KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                                    num_warps=num_warps, num_stages=num_stages, path="direct")
 
@@ -117,10 +121,8 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
     E = args[3].shape[0]
     slots_per_expert = M * top_k / E
     candidates = list(tiled_candidates(slots_per_expert, spec))
-    # w8a8 skips the direct kernels: they widen every fp8 weight to fp32 and lost
-    # to the tiled ones at every shape (`configs.default_path`).
-    if slots_per_expert <= 1 and (spec is None or spec.activations == "none"):
-        candidates += direct_candidates()
+    if slots_per_expert <= 1:
+        candidates += direct_candidates(spec)
     candidates = [c for c in candidates if configs.fits_format(c, spec)]
     precompile(candidates, args, spec)
     timed = [(time_config(c, args, spec), c) for c in candidates]
@@ -165,6 +167,11 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
         print(f"M={M}: {best_ms * 1e3:.1f} us {best}", flush=True)
     name = configs.config_file_name(E, N, K, dtype, configs.device_name(device), spec)
     path = pathlib.Path(out_dir) / name
+    # Token counts not tuned now keep their entries: of the file being written
+    # if there is one, else of the shipped one.
+    kept = configs.load_config_file(path) or configs.load_config_file(configs.CONFIG_DIR / name)
+    table = {**{str(M): dataclasses.asdict(c) for M, c in kept or ()}, **table}
+    table = dict(sorted(table.items(), key=lambda item: int(item[0])))
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
 
