@@ -14,7 +14,8 @@ and ``torch._grouped_mm`` where it can run. The fastest goes into
 reads); a ``grouped_mm`` entry keeps the best tiles for when it cannot run.
 With ``--quant`` the weights are random ones quantized to that `QuantSpec`,
 the candidates those whose K tiles suit it, and the file's name carries the
-format (``...,quant=fp8_block128x128+fp8_group,...``).
+format (``...,quant=fp8_block128x128+fp8_group,...``). Entries of token counts
+not tuned in this run are kept from the file already there (or the shipped one).
 Only for machines with a CUDA GPU.
 """
 
