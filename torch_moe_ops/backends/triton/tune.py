@@ -128,6 +128,9 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
     precompile(candidates, args, spec)
     timed = [(time_config(c, args, spec), c) for c in candidates]
     best_ms, best = min(timed, key=lambda pair: pair[0])
+    for path in sorted({c.path for _, c in timed}):
+        print(f"  M={M} best {path}: "
+              f"{min(ms for ms, c in timed if c.path == path) * 1e3:.1f} us", flush=True)
     if grouped_mm_runs and slots_per_expert >= 8:
         # Its tiles are those of the best tiled config, for where grouped_mm cannot run.
         _, tiled = min((pair for pair in timed if pair[1].path == "tiled"),
