@@ -307,7 +307,8 @@ def test_mxfp4_prefill_takes_dequant_grouped_mm_where_it_runs():
     assert configs.default_path(8, many, 4) == "grouped_mm"
     # One token: the direct kernels, but w8a8 multiplies on the tensor cores (tiled).
     assert configs.default_path(8, 1, 4, mxfp4) == configs.default_path(8, 1, 4, fp8) == "direct"
-    assert configs.default_path(8, 1, 4, QuantSpec("fp8_channel")) == "tiled"
+    assert configs.default_path(8, 1, 4, QuantSpec("fp8_channel")) == "direct"
+    assert configs.default_path(64, 8, 4, QuantSpec("fp8_channel")) == "tiled"
     x_TH = torch.empty((many, 128), dtype=torch.bfloat16, device=DEVICE)
     ids_TK = torch.zeros((many, 4), dtype=torch.int32, device=DEVICE)
     w13 = torch.empty((8, 128, 64), dtype=torch.uint8, device=DEVICE)

@@ -200,14 +200,13 @@ def default_path(E: int, M: int, top_k: int, quant: QuantSpec | None = None) -> 
     about one more read of them, where the tiled kernels decode each weight tile
     once per block of rows (measured on an H200, 2026-11-23: the tiled MXFP4
     kernels ran 10-16x slower than bf16 ``grouped_mm`` at 4096 tokens and more).
-    With fp8 activations (w8a8) even one token takes ``tiled``: fp8 times fp8
-    in the tensor cores beats the direct kernels' widening of every weight to
-    fp32 (one token, H200, 2026-11-23: 123-145 us against 205-265 us at
-    Mixtral-8x7B and DeepSeek-V3 widths, 39-44 us against 66-91 us at Qwen3 and OLMoE).
+    w8a8 follows the same rule since its direct kernels multiply on the tensor
+    cores (one token, H200, 2026-11-23, tuned tiles: 34-38 us direct against
+    44-46 us tiled at Qwen3 and OLMoE widths, 112-114 against 132-133 at
+    DeepSeek-V3's, 135 against 132 at Mixtral-8x7B's).
     """
     num_slots = M * top_k
-    w8a8 = quant is not None and quant.activations != "none"
-    if (M == 1 or 4 * num_slots <= E) and not w8a8:
+    if M == 1 or 4 * num_slots <= E:
         return "direct"
     if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
         if quant is None:

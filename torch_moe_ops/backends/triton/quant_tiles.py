@@ -128,12 +128,16 @@ def _mma(acc, a, w, row_scale, col_scale, WEIGHT_FORMAT: tl.constexpr,
     """
     if ACT_FORMAT == 0:
         w = w.to(a.dtype)
-    if WEIGHT_FORMAT == FP8_BLOCK:
-        return acc + tl.dot(a, w, input_precision=DOT_PRECISION) * (row_scale * col_scale[None, :])
-    if ACT_FORMAT == 0:
+        if WEIGHT_FORMAT == FP8_BLOCK:
+            return acc + (tl.dot(a, w, input_precision=DOT_PRECISION)
+                          * (row_scale * col_scale[None, :]))
         return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     # fp8 x fp8 products are summed in fp32 tile by tile: Hopper's fp8 MMA keeps
-    # fewer bits than fp32 along one chain of accumulation.
+    # fewer bits than fp32 along one chain of accumulation. No input precision:
+    # it names how fp32 operands are multiplied (an H200 gave wrong fp8 products
+    # with "ieee").
+    if WEIGHT_FORMAT == FP8_BLOCK:
+        return acc + tl.dot(a, w) * (row_scale * col_scale[None, :])
     return acc + tl.dot(a, w)
 
 
