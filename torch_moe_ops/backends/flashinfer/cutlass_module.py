@@ -118,7 +118,7 @@ class BuildProgress:
         if not self.objects_total:
             return (f"{self.module}: not built, no build started in {self.build_dir} "
                     f"(start one with `{DETACHED_COMMAND}` or `{BUILD_COMMAND}`)")
-        return (f"{self.module}: building, {self.objects_done} of {self.objects_total} "
+        return (f"{self.module}: not built yet, {self.objects_done} of {self.objects_total} "
                 f"objects compiled in {self.build_dir}")
 
 
