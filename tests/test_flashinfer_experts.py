@@ -35,6 +35,11 @@ import torch
 import flashinfer_emulator
 import torch_moe_ops as tmo
 from torch_moe_ops import quant
+from torch_moe_ops.backends.dispatch_dtype import (
+    DEFAULT_RULE,
+    DispatchSides,
+    resolve_dispatch_dtype,
+)
 from torch_moe_ops.backends.flashinfer import cutlass_module, library
 from torch_moe_ops.backends.flashinfer import experts as backend
 from torch_moe_ops.backends.registry import REGISTRY, Problem
@@ -431,6 +436,19 @@ def test_registry_row():
     with pytest.raises(ValueError, match="experts backend 'flashinfer' is not available: "
                                          "needs a CUDA device, got cpu"):
         REGISTRY.choose_experts(BackendSpec(experts="flashinfer"), Problem(torch.float32), CPU)
+
+
+@pytest.mark.parametrize("a2a", ["all_to_all", "deepep"])
+def test_fp8_block_layers_dispatch_in_bf16(a2a, recwarn):
+    """FlashInfer quantizes its rows itself: an fp8_block layer's rows travel in bf16,
+    from an a2a backend that could send fp8 too, without a warning; asking for fp8
+    falls back to bf16 with one."""
+    sides = DispatchSides.of(REGISTRY.a2a[a2a], REGISTRY.experts["flashinfer"])
+    chosen = resolve_dispatch_dtype(torch.bfloat16, None, FP8_BLOCK, sides)
+    assert (chosen.dtype, chosen.rule) == (torch.bfloat16, DEFAULT_RULE) and not recwarn
+    with pytest.warns(UserWarning, match="dispatching in torch.bfloat16"):
+        chosen = resolve_dispatch_dtype(torch.bfloat16, torch.float8_e4m3fn, FP8_BLOCK, sides)
+    assert chosen.dtype == torch.bfloat16
 
 
 # On an sm90 GPU with FlashInfer's module built.
