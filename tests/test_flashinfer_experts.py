@@ -27,6 +27,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -251,13 +252,22 @@ def test_weights_are_prepared_once_per_version(emulated, expert_inputs, monkeypa
     assert len(backend._PREPARED) == 1
 
 
-def test_cache_entries_go_with_their_weights(emulated, expert_inputs):
-    inputs = bf16_inputs(expert_inputs, bias=False)
+@pytest.mark.parametrize("freed_first", ["w13", "w2"])
+def test_cache_entries_go_with_their_weights(emulated, expert_inputs, freed_first):
+    """An entry goes when its weights go, and holds none of them alive (it holds
+    w2 itself, as fc2)."""
+    inputs = bf16_inputs(expert_inputs, bias=True)
     torch.ops.moe_flashinfer.experts(*inputs.args())
     assert len(backend._PREPARED) == 1
+    storages = [weakref.ref(t.untyped_storage())
+                for t in (inputs.w13_EFH, inputs.w2_EHI, inputs.b13_EF, inputs.b2_EH)]
+    if freed_first == "w13":
+        inputs.w13_EFH = None
+        gc.collect()
+        assert len(backend._PREPARED) == 0
     del inputs
     gc.collect()
-    assert len(backend._PREPARED) == 0
+    assert len(backend._PREPARED) == 0 and all(ref() is None for ref in storages)
 
 
 def test_a_miss_during_cuda_graph_capture_raises(emulated, expert_inputs, monkeypatch):

@@ -203,6 +203,13 @@ class _Entry:
     versions: tuple
     storages: tuple
     prepared: PreparedWeights
+    # One per source storage; each holds the entry weakly (``prepared`` may hold a
+    # source itself: a strong hold would keep that source alive for good).
+    finalizers: list = dataclasses.field(default_factory=list)
+
+    def detach(self) -> None:
+        for finalizer in self.finalizers:
+            finalizer.detach()
 
 
 def _where(t: torch.Tensor | None) -> tuple | None:
@@ -250,18 +257,27 @@ class WeightCache:
                                "run the layer once before capturing (or after changing its "
                                "weights)")
         storages = tuple(weakref.ref(t.untyped_storage()) for t in sources if t is not None)
+        if entry is not None:
+            entry.detach()
         entry = _Entry(versions, storages, prepare())
         self._entries[key] = entry
         for t in sources:
             if t is not None:
-                weakref.finalize(t.untyped_storage(), self._forget, key, entry).atexit = False
+                finalizer = weakref.finalize(t.untyped_storage(), self._forget, key,
+                                             weakref.ref(entry))
+                finalizer.atexit = False
+                entry.finalizers.append(finalizer)
         return entry.prepared
 
-    def _forget(self, key: tuple, entry: _Entry) -> None:
-        if self._entries.get(key) is entry:
+    def _forget(self, key: tuple, entry_ref: weakref.ref) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry is entry_ref():
+            entry.detach()
             del self._entries[key]
 
     def clear(self) -> None:
+        for entry in self._entries.values():
+            entry.detach()
         self._entries.clear()
 
 
