@@ -424,6 +424,7 @@ def test_command_line(emulated, capsys):
     assert cutlass_module.main(["build"]) == 0 and emulated.BUILDS == ["fused_moe_90"]
     assert cutlass_module.main(["status"]) == 0
     assert cutlass_module.main([]) == 2 and "usage:" in capsys.readouterr().err
+    assert cutlass_module.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
 
 
 def test_build_without_flashinfer_says_why(monkeypatch):

@@ -146,7 +146,10 @@ USAGE = f"""usage: python -m torch_moe_ops.backends.flashinfer {{build,status}}
 
 
 def main(argv: list[str]) -> int:
-    """The command line: ``build`` or ``status``; returns the exit status."""
+    """The command line: ``build``, ``status`` or ``--help``; returns the exit status."""
+    if argv in (["--help"], ["-h"]):
+        print(USAGE)
+        return 0
     if len(argv) != 1 or argv[0] not in ("build", "status"):
         print(USAGE, file=sys.stderr)
         return 2
