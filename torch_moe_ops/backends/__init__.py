@@ -10,6 +10,8 @@ Experts backends, highest ``auto`` priority first (each runs where its
 - ``triton`` (`triton`): fused Triton kernels, CUDA.
 - ``grouped_mm`` (`grouped_mm`): ``torch._grouped_mm`` with Triton epilogues, bf16 on sm90+;
   fp8 w8a8 with rowwise scales on ``torch._scaled_grouped_mm`` (sm90).
+- ``flashinfer`` (`flashinfer.experts`): FlashInfer's CUTLASS fused MoE, bf16 and fp8
+  128 x 128 weight blocks on sm90, once its JIT module is built (`flashinfer.cutlass_module`).
 - ``cpu`` (`cpu`): the chosen experts only, on the CPU; the CPU default.
 - ``reference`` (`reference`): dense plain PyTorch, any device; the correctness oracle.
 
@@ -40,6 +42,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     reference,
     triton,
 )
+from torch_moe_ops.backends.flashinfer import experts as flashinfer_experts  # noqa: F401
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,

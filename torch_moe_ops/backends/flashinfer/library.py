@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -34,3 +35,19 @@ def device_reason(device: torch.device, min_capability: tuple[int, int] = (9, 0)
         return (f"needs sm{min_capability[0]}{min_capability[1]} or newer, got "
                 f"sm{capability[0]}{capability[1]}")
     return missing()
+
+
+def built_jit_module(name: str) -> Path | None:
+    """The library of FlashInfer's JIT module ``name`` where it is built (an installed
+    AOT package's, else the one compiled into FlashInfer's JIT cache), or ``None``.
+
+    Only looks: it neither builds nor writes (FlashInfer's own ``build_and_load``
+    would build). Call it where `missing` returned ``None``.
+    """
+    from flashinfer.jit import env as jit_env
+
+    artifacts = jit_env.get_aot_artifacts(name)
+    if artifacts:
+        return artifacts[0].path
+    path = jit_env.FLASHINFER_JIT_DIR / name / f"{name}.so"
+    return path if path.exists() else None

@@ -1,0 +1,608 @@
+"""The ``flashinfer`` experts backend (FlashInfer's CUTLASS fused MoE).
+
+Legend: T tokens, H hidden size, I expert intermediate size, F = 2 * I, E experts,
+K experts per token, R rows.
+
+On the CPU, with FlashInfer replaced by tests/flashinfer_emulator.py (what its
+kernels compute, in plain PyTorch, with its binding's checks): the layout
+conversion and the weight cache, both ops of both formats against the reference
+backend, what `supports` says (not installed, not sm90, module not built, with
+the build command; dtypes, activations, formats, sizes), that nothing builds the
+module but `build` (not import, not `available_backends`, not a choice of
+backend), the build's progress report and command line, and the registry's row.
+
+On an sm90 GPU where flashinfer-python is installed and its fused-MoE module is
+built (``gpu`` marker; each test skips, saying why, elsewhere): the real kernels
+against the reference in bf16 and fp8 blocks, CUDA-graph capture and replay, and a
+compiled `tmo.MoE`. Error bounds are relative Frobenius errors against the
+reference: `BF16_BOUND` for bf16 outputs (the kernels also round the activation
+to bf16 before the second GEMM), `FP8_BOUND` where that bf16 rounding also moves
+some values to the other fp8 neighbour (as in tests/test_grouped_mm_quant.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashinfer_emulator
+import torch_moe_ops as tmo
+from torch_moe_ops import quant
+from torch_moe_ops.backends.dispatch_dtype import (
+    DEFAULT_RULE,
+    DispatchSides,
+    resolve_dispatch_dtype,
+)
+from torch_moe_ops.backends.flashinfer import cutlass_module, library
+from torch_moe_ops.backends.flashinfer import experts as backend
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec, QuantSpec
+
+BF16_BOUND = 1e-2
+FP8_BOUND = 3e-2
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
+FP8_BLOCK = QuantSpec("fp8_block")
+BUILD_HINT = ("build it once with `python -m torch_moe_ops.backends.flashinfer build` (or "
+              "`scripts/flashinfer_build.sh`, detached), or set "
+              "TORCH_MOE_OPS_FLASHINFER_BUILD=1 to let the first call build it")
+
+
+def relative_error(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+
+
+@pytest.fixture
+def emulated(monkeypatch, tmp_path):
+    """``import flashinfer`` finds tests/flashinfer_emulator.py; its JIT cache is
+    empty, under ``tmp_path``."""
+    for name, module in flashinfer_emulator.MODULES.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(flashinfer_emulator.jit_env, "FLASHINFER_JIT_DIR", tmp_path / "jit")
+    flashinfer_emulator.BUILDS.clear()
+    flashinfer_emulator.CALLS.clear()
+    flashinfer_emulator.AOT_ARTIFACTS.clear()
+    monkeypatch.delenv(cutlass_module.BUILD_ENV, raising=False)
+    library.missing.cache_clear()
+    yield flashinfer_emulator
+    library.missing.cache_clear()
+
+
+@pytest.fixture
+def built(emulated):
+    """The emulated module, built."""
+    cutlass_module.build(verbose=False)
+    emulated.BUILDS.clear()
+    return emulated
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """``torch.cuda`` claims a GPU of compute capability ``gpu(major, minor)`` (sm90 first)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def claim(major: int = 9, minor: int = 0):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major,
+                                                                                      minor))
+
+    claim()
+    return claim
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    backend.clear_prepared_weights()
+    yield
+    backend.clear_prepared_weights()
+
+
+def problem(dtype=torch.bfloat16, spec=None, hidden=4096, inter=1024, activation="silu"):
+    return Problem(dtype, num_experts=8, num_local_experts=8, hidden_size=hidden,
+                   intermediate_size=inter, top_k=2, activation=activation, quant=spec)
+
+
+def reason(spec=None, **kwargs):
+    return REGISTRY.experts["flashinfer"].why_not(BackendSpec(experts="flashinfer"),
+                                                  problem(spec=spec, **kwargs), CUDA)
+
+
+# The layout.
+
+def test_prepare_weights_swaps_gate_and_up(generator):
+    w13_EFH = torch.randn(3, 8, 5, generator=generator)
+    w2_EHI = torch.randn(3, 5, 4, generator=generator)
+    b13_EF = torch.randn(3, 8, generator=generator)
+    prepared = backend.prepare_weights(w13_EFH, w2_EHI, b13_EF, None)
+    assert torch.equal(prepared.fc1[:, :4], w13_EFH[:, 4:])  # up rows first
+    assert torch.equal(prepared.fc1[:, 4:], w13_EFH[:, :4])  # then the gate rows
+    assert prepared.fc1.is_contiguous() and prepared.fc2 is w2_EHI
+    assert torch.equal(prepared.fc1_bias, torch.cat([b13_EF[:, 4:], b13_EF[:, :4]], dim=1))
+    # FlashInfer takes both biases or neither: zeros stand in for the absent one.
+    assert torch.equal(prepared.fc2_bias, torch.zeros(3, 5))
+    assert prepared.quant_scales == []
+    assert backend.prepare_weights(w13_EFH, w2_EHI, None, None).fc1_bias is None
+
+
+def test_prepare_weights_swaps_the_block_scales_of_w13(quant_inputs):
+    inputs = quant_inputs(FP8_BLOCK, hidden_size=256, intermediate_size=256, num_experts=2)
+    prepared = backend.prepare_weights(inputs.w13, inputs.w2, None, None, inputs.w13_scale,
+                                       inputs.w2_scale)
+    fc1_scale, fc2_scale = prepared.quant_scales
+    assert fc1_scale.shape == (2, 4, 2) and fc2_scale is inputs.w2_scale
+    dequantized = quant.dequantize_weights(prepared.fc1, fc1_scale, FP8_BLOCK)
+    w13_EFH = inputs.dequantized()[0]
+    assert torch.equal(dequantized, torch.cat([w13_EFH[:, 256:], w13_EFH[:, :256]], dim=1))
+
+
+def test_transposed_weights_are_prepared_contiguous(generator):
+    w2_EIH = torch.randn(2, 4, 8, generator=generator)
+    prepared = backend.prepare_weights(torch.randn(2, 8, 8, generator=generator),
+                                       w2_EIH.transpose(1, 2), None, None)
+    assert prepared.fc2.is_contiguous() and torch.equal(prepared.fc2, w2_EIH.transpose(1, 2))
+
+
+# Both ops against the reference, FlashInfer emulated.
+
+def bf16_inputs(expert_inputs, bias, num_tokens=9):
+    inputs = expert_inputs(num_tokens=num_tokens, hidden_size=32, intermediate_size=16,
+                           num_experts=4, top_k=2, dtype=torch.bfloat16, bias=bias,
+                           skip_fraction=0.25)
+    return inputs
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_match_reference(emulated, expert_inputs, activation, bias):
+    args = bf16_inputs(expert_inputs, bias).args(activation, 1.702, 0.75)
+    out_TH = torch.ops.moe_flashinfer.experts(*args)
+    ref_TH = torch.ops.moe_reference.experts(*args)
+    assert out_TH.dtype == torch.bfloat16 and out_TH.shape == ref_TH.shape
+    assert relative_error(out_TH, ref_TH) < BF16_BOUND
+    (call,) = emulated.CALLS
+    assert call["activation_type"] == {"gelu": emulated.ActivationType.Geglu}.get(
+        activation, emulated.ActivationType.Swiglu)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_experts_rows_match_reference(emulated, expert_inputs, activation):
+    inputs = bf16_inputs(expert_inputs, bias=True)
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
+        inputs.hidden_TH, inputs.topk_weights_TK, inputs.topk_ids_TK, 4)
+    weights = inputs.args(activation)[3:]
+    out_RH = torch.ops.moe_flashinfer.experts_rows(x_RH, expert_R, count_E, *weights)
+    ref_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *weights)
+    assert relative_error(out_RH, ref_RH) < BF16_BOUND
+    assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
+
+
+def test_zero_tokens_launch_nothing(emulated, expert_inputs):
+    out_TH = torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, True, 0).args())
+    assert out_TH.shape == (0, 32) and emulated.CALLS == []
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
+    inputs = quant_inputs(FP8_BLOCK, num_tokens=8, hidden_size=256, intermediate_size=128,
+                          num_experts=4, top_k=2, dtype=torch.bfloat16, bias=True,
+                          skip_fraction=0.25)
+    args = inputs.args(activation, 1.702, 7.0)
+    out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
+    ref_TH = torch.ops.moe_reference.experts_quant(*args)
+    assert relative_error(out_TH, ref_TH) < FP8_BOUND
+    f = inputs.float_inputs
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
+                                                              f.topk_ids_TK, 4)
+    rows_args = (x_RH, None, expert_R, count_E, *inputs.weight_args(activation, 1.702, 7.0))
+    out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
+    ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
+    assert relative_error(out_RH, ref_RH) < FP8_BOUND
+    assert all(call["block_scale"] for call in emulated.CALLS)
+
+
+def test_rows_arriving_quantized_are_refused(emulated, quant_inputs):
+    inputs = quant_inputs(FP8_BLOCK, num_tokens=4, hidden_size=128, intermediate_size=128,
+                          dtype=torch.bfloat16)
+    f = inputs.float_inputs
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
+                                                              f.topk_ids_TK, 4)
+    x_q_RH, x_scale = quant.quantize_activations(x_RH, FP8_BLOCK)
+    with pytest.raises(ValueError, match="x_rows must arrive unquantized, in bfloat16"):
+        torch.ops.moe_flashinfer.experts_rows_quant(x_q_RH, x_scale, expert_R, count_E,
+                                                    *inputs.weight_args(), torch.bfloat16)
+
+
+def test_direct_calls_outside_supports_raise(expert_inputs, quant_inputs):
+    float_args = expert_inputs(num_tokens=3, hidden_size=16, intermediate_size=8).args()
+    with pytest.raises(ValueError, match="'flashinfer' runs bfloat16 activations, got "
+                                         "torch.float32"):
+        torch.ops.moe_flashinfer.experts(*float_args)
+    odd_args = expert_inputs(num_tokens=3, hidden_size=12, intermediate_size=8,
+                             dtype=torch.bfloat16).args()
+    with pytest.raises(ValueError, match="needs H and I divisible by 8, got H=12, I=8"):
+        torch.ops.moe_flashinfer.experts(*odd_args)
+    inputs = quant_inputs(QuantSpec("fp8_channel"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not run fp8_channel\\+fp8_token"):
+        torch.ops.moe_flashinfer.experts_quant(*inputs.args())
+
+
+# The weight cache.
+
+def test_weights_are_prepared_once_per_version(emulated, expert_inputs, monkeypatch):
+    prepared = []
+    real = backend.prepare_weights
+    monkeypatch.setattr(backend, "prepare_weights", lambda *a: prepared.append(1) or real(*a))
+    inputs = bf16_inputs(expert_inputs, bias=True)
+    args = inputs.args()
+    first = torch.ops.moe_flashinfer.experts(*args)
+    assert torch.equal(torch.ops.moe_flashinfer.experts(*args), first) and len(prepared) == 1
+    with torch.no_grad():
+        inputs.w13_EFH.mul_(2)  # an in-place write bumps the version: prepared again
+    changed = torch.ops.moe_flashinfer.experts(*args)
+    assert len(prepared) == 2 and not torch.equal(changed, first)
+    assert relative_error(changed, torch.ops.moe_reference.experts(*args)) < BF16_BOUND
+    assert len(backend._PREPARED) == 1
+
+
+@pytest.mark.parametrize("freed_first", ["w13", "w2"])
+def test_cache_entries_go_with_their_weights(emulated, expert_inputs, freed_first):
+    """An entry goes when its weights go, and holds none of them alive (it holds
+    w2 itself, as fc2)."""
+    inputs = bf16_inputs(expert_inputs, bias=True)
+    torch.ops.moe_flashinfer.experts(*inputs.args())
+    assert len(backend._PREPARED) == 1
+    storages = [weakref.ref(t.untyped_storage())
+                for t in (inputs.w13_EFH, inputs.w2_EHI, inputs.b13_EF, inputs.b2_EH)]
+    if freed_first == "w13":
+        inputs.w13_EFH = None
+        gc.collect()
+        assert len(backend._PREPARED) == 0
+    del inputs
+    gc.collect()
+    assert len(backend._PREPARED) == 0 and all(ref() is None for ref in storages)
+
+
+def test_a_miss_during_cuda_graph_capture_raises(emulated, expert_inputs, monkeypatch):
+    args = bf16_inputs(expert_inputs, bias=False).args()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="run the layer once before capturing"):
+        torch.ops.moe_flashinfer.experts(*args)
+
+
+# supports.
+
+def test_supports_without_flashinfer(gpu, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer fails
+    library.missing.cache_clear()
+    try:
+        assert reason().startswith("import flashinfer failed") or reason() == (
+            "flashinfer-python is not installed (pip install flashinfer-python)")
+    finally:
+        library.missing.cache_clear()
+
+
+def test_supports_off_a_gpu():
+    table = {s.name: s for s in tmo.available_backends("cpu")}
+    assert not table["flashinfer"].available
+    assert table["flashinfer"].reason == "needs a CUDA device, got cpu"
+
+
+def test_supports_says_how_to_build_the_module(emulated, gpu):
+    assert reason() == ("FlashInfer's SM90 fused-MoE module (fused_moe_90) is not built, and "
+                        "building it takes about 45 minutes on 16 cores, so no call builds it "
+                        f"implicitly: {BUILD_HINT}")
+    assert emulated.BUILDS == []
+
+
+def test_supports_once_built_or_opted_in(emulated, gpu, monkeypatch):
+    monkeypatch.setenv(cutlass_module.BUILD_ENV, "1")
+    assert reason() is None
+    monkeypatch.delenv(cutlass_module.BUILD_ENV)
+    emulated.AOT_ARTIFACTS["fused_moe_90"] = Path("/aot/fused_moe_90.so")
+    assert reason() is None and cutlass_module.built_path() == Path("/aot/fused_moe_90.so")
+    assert emulated.BUILDS == []
+
+
+NOT_BF16 = "runs bfloat16 activations (FlashInfer's bf16 kernels), got torch.float16"
+NOT_SM90 = "runs FlashInfer's SM90 fused-MoE module, on sm90 (Hopper) only here, got sm100"
+NO_ACTIVATION = "has no FlashInfer activation for 'relu2' (it maps silu, gelu, swiglu_oai)"
+NOT_ALIGNED = ("needs hidden_size and intermediate_size divisible by 8 (FlashInfer's TMA "
+               "loads), got 4100 and 1024")
+WHY_NOT = {  # id: (what differs from sm90, bf16, silu, H=4096, I=1024, float weights), reason
+    "sm89": ({"sm": (8, 9)}, "needs sm90 or newer, got sm89"),
+    "sm100": ({"sm": (10, 0)}, NOT_SM90),
+    "fp16": ({"dtype": torch.float16}, NOT_BF16),
+    "activation": ({"activation": "relu2"}, NO_ACTIVATION),
+    "H": ({"hidden": 4100}, NOT_ALIGNED),
+}
+
+
+@pytest.mark.parametrize("case", list(WHY_NOT))
+def test_supports_says_why_not(built, gpu, case):
+    changes, expected = WHY_NOT[case]
+    gpu(*changes.pop("sm", (9, 0)))
+    assert reason(**changes) == expected
+
+
+FORMAT_REASONS = {  # spec: what supports says on a built sm90 GPU
+    FP8_BLOCK: None,
+    QuantSpec("fp8_block", block_size=(64, 64)): (
+        "does not run fp8_block64x64+fp8_group: FlashInfer's block-scaled path takes "
+        "128 x 128 weight blocks only"),
+    QuantSpec("fp8_block", "none"): (
+        "does not run fp8_block128x128+none (weight-only fp8): FlashInfer's block-scaled path "
+        "quantizes the activations too, in 1 x 128 groups"),
+    QuantSpec("fp8_tensor"): (
+        "does not run fp8_tensor+fp8_token: FlashInfer's per-tensor fp8 path takes activations "
+        "quantized beforehand with one static scale, not fp8_token scales computed per row, "
+        "and one weight scale per expert"),
+    QuantSpec("fp8_channel", "none"): (
+        "does not run fp8_channel+none: FlashInfer has no weight-only fp8 path"),
+    QuantSpec("mxfp4"): (
+        "does not run mxfp4+none: FlashInfer's sm90 W4A16 mxfp4 path (weights and scales "
+        "interleaved by its module) is not wired to this backend"),
+}
+
+
+@pytest.mark.parametrize("spec", list(FORMAT_REASONS), ids=lambda spec: spec.name)
+def test_supports_says_which_formats_run(built, gpu, spec):
+    assert reason(spec=spec) == FORMAT_REASONS[spec]
+
+
+def test_available_backends_lists_it_with_its_formats(built, gpu):
+    row = {s.name: s for s in tmo.available_backends("cuda")}["flashinfer"]
+    assert row.available and row.quantized == "fp8_block" and row.backward == "reference"
+
+
+# Building: only on purpose.
+
+def test_nothing_builds_the_module_but_build(tmp_path):
+    """Importing the package, `available_backends()` and choosing backends (by name
+    too) on an sm90 GPU whose module is not built: no build, the reason says how."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+import flashinfer_emulator
+flashinfer_emulator.install({str(tmp_path)!r})
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+import torch_moe_ops as tmo
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+rows = {{s.name: s for s in tmo.available_backends("cuda")}}
+assert not rows["flashinfer"].available and "is not built" in rows["flashinfer"].reason
+try:
+    REGISTRY.choose_experts(tmo.BackendSpec(experts="flashinfer"), Problem(torch.bfloat16),
+                            torch.device("cuda"))
+except ValueError as error:
+    assert "is not built" in str(error), error
+else:
+    raise AssertionError("chose a backend whose module is not built")
+assert flashinfer_emulator.BUILDS == [], flashinfer_emulator.BUILDS
+"""
+    env = {k: v for k, v in os.environ.items() if k != cutlass_module.BUILD_ENV}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_build_builds_once_and_reports_progress(emulated, gpu):
+    state = cutlass_module.progress()
+    assert state.objects_total == 0 and "no build started" in str(state)
+    build_dir = emulated.jit_env.FLASHINFER_JIT_DIR / "fused_moe_90"
+    build_dir.mkdir(parents=True)
+    objects = [build_dir / f"object{i}.cuda.o" for i in range(3)]
+    (build_dir / "build.ninja").write_text("".join(
+        f"build {path}: cuda_compile /src/{path.stem}.cu\n" for path in objects)
+        + f"build {build_dir / 'fused_moe_90.so'}: link {' '.join(map(str, objects))}\n")
+    objects[0].write_bytes(b"")
+    assert str(cutlass_module.progress()) == (
+        f"fused_moe_90: not built yet, 1 of 3 objects compiled in {build_dir}")
+    path = tmo.backends.flashinfer.build(verbose=False)
+    assert path == build_dir / "fused_moe_90.so" and emulated.BUILDS == ["fused_moe_90"]
+    assert str(cutlass_module.progress()) == f"fused_moe_90: built, {path}"
+    assert reason() is None
+
+
+def test_build_leaves_an_installed_module_alone(emulated):
+    emulated.AOT_ARTIFACTS["fused_moe_90"] = Path("/aot/fused_moe_90.so")
+    assert cutlass_module.build() == Path("/aot/fused_moe_90.so") and emulated.BUILDS == []
+
+
+def test_command_line(emulated, capsys):
+    assert cutlass_module.main(["status"]) == 3
+    assert "fused_moe_90: not built" in capsys.readouterr().out
+    assert cutlass_module.main(["build"]) == 0 and emulated.BUILDS == ["fused_moe_90"]
+    assert cutlass_module.main(["status"]) == 0
+    assert cutlass_module.main([]) == 2 and "usage:" in capsys.readouterr().err
+    assert cutlass_module.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_build_without_flashinfer_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    library.missing.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="cannot build FlashInfer's fused-MoE module"):
+            cutlass_module.build()
+    finally:
+        library.missing.cache_clear()
+
+
+# The registry.
+
+def test_registry_row():
+    flashinfer, others = REGISTRY.experts["flashinfer"], REGISTRY.experts
+    assert flashinfer.namespace == "moe_flashinfer" and flashinfer.layout == "rows"
+    assert flashinfer.priority < min(others["triton"].priority, others["grouped_mm"].priority)
+    assert flashinfer.backward is None and flashinfer.quantized_rows == ()
+    with pytest.raises(ValueError, match="experts backend 'flashinfer' is not available: "
+                                         "needs a CUDA device, got cpu"):
+        REGISTRY.choose_experts(BackendSpec(experts="flashinfer"), Problem(torch.float32), CPU)
+
+
+@pytest.mark.parametrize("a2a", ["all_to_all", "deepep"])
+def test_fp8_block_layers_dispatch_in_bf16(a2a, recwarn):
+    """FlashInfer quantizes its rows itself: an fp8_block layer's rows travel in bf16,
+    from an a2a backend that could send fp8 too, without a warning; asking for fp8
+    falls back to bf16 with one."""
+    sides = DispatchSides.of(REGISTRY.a2a[a2a], REGISTRY.experts["flashinfer"])
+    chosen = resolve_dispatch_dtype(torch.bfloat16, None, FP8_BLOCK, sides)
+    assert (chosen.dtype, chosen.rule) == (torch.bfloat16, DEFAULT_RULE) and not recwarn
+    with pytest.warns(UserWarning, match="dispatching in torch.bfloat16"):
+        chosen = resolve_dispatch_dtype(torch.bfloat16, torch.float8_e4m3fn, FP8_BLOCK, sides)
+    assert chosen.dtype == torch.bfloat16
+
+
+# On an sm90 GPU with FlashInfer's module built.
+
+def _needs_flashinfer(spec=None):
+    why = REGISTRY.experts["flashinfer"].why_not(
+        BackendSpec(experts="flashinfer"), Problem(torch.bfloat16, quant=spec), CUDA)
+    if why is not None:
+        pytest.skip(f"experts backend 'flashinfer': {why}")
+
+
+GPU_SHAPES = {  # (H, I, E, K, activation, bias)
+    "mixtral-like": (4096, 14336, 8, 2, "silu", False),
+    "qwen3-like": (2048, 768, 128, 8, "silu", False),
+    "gpt-oss-like": (2880, 2880, 32, 4, "swiglu_oai", True),
+    "gelu": (1024, 512, 16, 4, "gelu", True),
+}
+GPU_TOKENS = (1, 37, 300, 4096)
+
+
+def gpu_route(generator, num_tokens, num_experts, top_k):
+    """bf16 tokens and their routing, every fifth slot -1, expert 0 chosen by none."""
+    logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
+    logits_TE[:, 0] = -math.inf
+    weights_TK, ids_TK = torch.ops.moe.route(logits_TE, None, top_k, "softmax", True, 1, 1, 1.0)
+    ids_TK.view(-1)[::5] = -1
+    return weights_TK, ids_TK
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_matches_reference(shape, poisoned_empty):
+    _needs_flashinfer()
+    hidden, inter, num_experts, top_k, act, bias = GPU_SHAPES[shape]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
+
+    weights = (randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5),
+               randn(num_experts, hidden, inter, scale=inter ** -0.5),
+               randn(num_experts, 2 * inter, scale=0.5) if bias else None,
+               randn(num_experts, hidden, scale=0.5) if bias else None, act, 1.702, 7.0)
+    for num_tokens in GPU_TOKENS:
+        hidden_TH = randn(num_tokens, hidden)
+        weights_TK, ids_TK = gpu_route(generator, num_tokens, num_experts, top_k)
+        args = (hidden_TH, weights_TK, ids_TK, *weights)
+        out_TH = torch.ops.moe_flashinfer.experts(*args)
+        assert not out_TH.isnan().any()
+        error = relative_error(out_TH, torch.ops.moe_reference.experts(*args))
+        assert error < BF16_BOUND, (num_tokens, error)
+        x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
+                                                                  num_experts)
+        out_RH = torch.ops.moe_flashinfer.experts_rows(x_RH, expert_R, count_E, *weights)
+        ref_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *weights)
+        assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
+        assert relative_error(out_RH, ref_RH) < BF16_BOUND, num_tokens
+
+
+FP8_GPU_SHAPES = {  # (H, I, E, K, activation, bias)
+    "deepseek-like": (7168, 2048, 16, 8, "silu", False),
+    "bias-swiglu_oai": (2048, 1024, 8, 4, "swiglu_oai", True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(FP8_GPU_SHAPES))
+def test_gpu_fp8_blocks_match_reference(shape, poisoned_empty):
+    _needs_flashinfer(FP8_BLOCK)
+    hidden, inter, num_experts, top_k, act, bias = FP8_GPU_SHAPES[shape]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return torch.randn(*size, device="cuda", generator=generator) * scale
+
+    w13, w13_scale = quant.quantize_weights(randn(num_experts, 2 * inter, hidden,
+                                                  scale=hidden ** -0.5), FP8_BLOCK)
+    w2, w2_scale = quant.quantize_weights(randn(num_experts, hidden, inter, scale=inter ** -0.5),
+                                          FP8_BLOCK)
+    biases = ((randn(num_experts, 2 * inter, scale=0.5).bfloat16(),
+               randn(num_experts, hidden, scale=0.5).bfloat16()) if bias else (None, None))
+    weights = (w13, w2, w13_scale, w2_scale, *biases, "fp8_block", "fp8_group", [128, 128], act,
+               1.702, 7.0)
+    for num_tokens in GPU_TOKENS:
+        hidden_TH = randn(num_tokens, hidden).bfloat16()
+        weights_TK, ids_TK = gpu_route(generator, num_tokens, num_experts, top_k)
+        args = (hidden_TH, weights_TK, ids_TK, *weights)
+        out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
+        assert not out_TH.isnan().any()
+        error = relative_error(out_TH, torch.ops.moe_reference.experts_quant(*args))
+        assert error < FP8_BOUND, (num_tokens, error)
+        x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
+                                                                  num_experts)
+        rows_args = (x_RH, None, expert_R, count_E, *weights)
+        out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
+        ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
+        assert relative_error(out_RH, ref_RH) < FP8_BOUND, num_tokens
+
+
+@pytest.mark.gpu
+def test_gpu_captures_in_cuda_graph():
+    _needs_flashinfer()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(*size, device="cuda", generator=generator).bfloat16() * scale
+              for size, scale in (((64, 1024), 1.0), ((16, 1024, 1024), 1024 ** -0.5),
+                                  ((16, 1024, 512), 512 ** -0.5))]
+    hidden_TH, w13_EFH, w2_EHI = inputs
+    weights_TK, ids_TK = gpu_route(generator, 64, 16, 4)
+    static = (w13_EFH, w2_EHI, None, None, "silu", 1.702, 7.0)
+    torch.ops.moe_flashinfer.experts(hidden_TH, weights_TK, ids_TK, *static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_TH = torch.ops.moe_flashinfer.experts(hidden_TH, weights_TK, ids_TK, *static)
+    fresh_TH = torch.randn_like(hidden_TH)
+    fresh_weights_TK, fresh_ids_TK = gpu_route(generator, 64, 16, 4)
+    for tensor, new in ((hidden_TH, fresh_TH), (weights_TK, fresh_weights_TK),
+                        (ids_TK, fresh_ids_TK)):
+        tensor.copy_(new)
+    out_TH.fill_(math.nan)
+    graph.replay()
+    ref_TH = torch.ops.moe_reference.experts(fresh_TH, fresh_weights_TK, fresh_ids_TK, *static)
+    assert relative_error(out_TH, ref_TH) < BF16_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK], ids=["bf16", "fp8_block"])
+def test_gpu_compiled_moe_runs_flashinfer(spec):
+    """``tmo.backend(experts="flashinfer")``: one graph (fullgraph) whose experts op is
+    FlashInfer's, against the reference backend's graph of the same module."""
+    _needs_flashinfer(spec)
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = tmo.MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
+                        renormalize=True, quant=spec)
+    torch.manual_seed(0)
+    moe = tmo.MoE(cfg, device="cuda", dtype=torch.bfloat16)
+    x_TH = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = torch.compile(moe, backend=tmo.backend(experts="reference"), fullgraph=True)
+    compiled = torch.compile(moe, backend=tmo.backend(experts="flashinfer"), fullgraph=True)
+    with torch.no_grad():
+        ref_TH = expected(x_TH)
+        out_TH, codes = run_and_get_code(compiled, x_TH)
+    assert "moe_flashinfer.experts" in "\n".join(codes)
+    assert relative_error(out_TH, ref_TH) < (FP8_BOUND if spec else BF16_BOUND)

@@ -1,0 +1,165 @@
+"""FlashInfer's SM90 CUTLASS fused-MoE JIT module: whether it is built, building it on
+purpose, and how far a build has got. Nothing here builds unless `build` is called.
+
+FlashInfer compiles the kernels of ``cutlass_fused_moe`` into one JIT module on first
+use: on sm90 ``fused_moe_90`` (``fused_moe_90_h20_prebuilt_d`` on an H20), about 250
+CUDA objects that take about 45 minutes on 16 cores. So the ``flashinfer`` experts
+backend never lets a call start that build by surprise: its ``supports`` refuses
+until the module is built (`not_built_reason`), unless ``TORCH_MOE_OPS_FLASHINFER_BUILD=1``
+opts in to building on first use. Building it on purpose, on the GPU machine that
+will run it (nvcc and ninja needed; the target is that GPU's architecture, or
+``FLASHINFER_CUDA_ARCH_LIST``)::
+
+    python -m torch_moe_ops.backends.flashinfer build     # foreground
+    scripts/flashinfer_build.sh                           # detached, logs to a file
+    python -m torch_moe_ops.backends.flashinfer status    # how far it has got
+
+or ``torch_moe_ops.backends.flashinfer.build()``. The module lands in FlashInfer's JIT
+cache (``~/.cache/flashinfer/<version>/<arch>/cached_ops/<module>/``;
+``FLASHINFER_WORKSPACE_BASE`` moves it). Its build file records the compiler flags,
+and FlashInfer checks it with ninja on each process's first call: run with the
+``FLASHINFER_*`` settings it was built with (``FLASHINFER_NVCC_THREADS``,
+``FLASHINFER_JIT_DEBUG``, ``FLASHINFER_JIT_VERBOSE``, which also turns debug builds
+on, ``FLASHINFER_CUDA_ARCH_LIST``), or that first call compiles it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from torch_moe_ops.backends.flashinfer import library
+
+BUILD_ENV = "TORCH_MOE_OPS_FLASHINFER_BUILD"
+SM90_MODULE = "fused_moe_90"
+# FlashInfer's variant of the module for the H20 (flashinfer.jit.fused_moe).
+H20_MODULE = "fused_moe_90_h20_prebuilt_d"
+BUILD_COMMAND = "python -m torch_moe_ops.backends.flashinfer build"
+DETACHED_COMMAND = "scripts/flashinfer_build.sh"
+BUILD_TIME = "about 45 minutes on 16 cores"
+
+
+def build_opted_in() -> bool:
+    """Whether ``TORCH_MOE_OPS_FLASHINFER_BUILD=1`` lets a first call build the module."""
+    return os.environ.get(BUILD_ENV) == "1"
+
+
+def module_name() -> str:
+    """The name FlashInfer gives its SM90 fused-MoE module for the current GPU."""
+    from flashinfer.jit import fused_moe as jit_fused_moe
+
+    h20 = getattr(jit_fused_moe, "_should_enable_sm90_moe_prebuilt_d_descriptor", None)
+    return H20_MODULE if h20 is not None and h20() else SM90_MODULE
+
+
+def built_path() -> Path | None:
+    """The built module's library, or ``None``: only looks (`library.built_jit_module`)."""
+    return library.built_jit_module(module_name())
+
+
+def not_built_reason() -> str | None:
+    """Why a call cannot run FlashInfer's fused MoE without building it first, or
+    ``None`` where the module is built or building on first use is opted in."""
+    if build_opted_in() or built_path() is not None:
+        return None
+    return (f"FlashInfer's SM90 fused-MoE module ({module_name()}) is not built, and "
+            f"building it takes {BUILD_TIME}, so no call builds it implicitly: build it "
+            f"once with `{BUILD_COMMAND}` (or `{DETACHED_COMMAND}`, detached), or set "
+            f"{BUILD_ENV}=1 to let the first call build it")
+
+
+def build(verbose: bool = True) -> Path:
+    """Compile FlashInfer's SM90 fused-MoE module into its JIT cache (about 45 minutes
+    on 16 cores; a module already built is only checked, in seconds), load it once,
+    and return the library's path. ``verbose`` prints ninja's progress (``[n/N]``
+    per object).
+
+    Raises RuntimeError where flashinfer-python does not import.
+    """
+    reason = library.missing()
+    if reason is not None:
+        raise RuntimeError(f"cannot build FlashInfer's fused-MoE module: {reason}")
+    name = module_name()
+    path = built_path()
+    if path is not None and path != _build_dir(name) / f"{name}.so":
+        return path  # An installed AOT package's: nothing to compile.
+    from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
+
+    # The flags FlashInfer's cutlass_fused_moe builds it with (use_fast_build=False):
+    # another set would be rebuilt by the first call.
+    spec = gen_cutlass_fused_moe_sm90_module()
+    spec.build(verbose=verbose, need_lock=True)
+    spec.load()
+    return spec.get_library_path()
+
+
+def _build_dir(name: str) -> Path:
+    from flashinfer.jit import env as jit_env
+
+    return jit_env.FLASHINFER_JIT_DIR / name
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildProgress:
+    """How far a build of the module has got: ``objects_done`` of ``objects_total``
+    compiled (0 of 0 before a build wrote its build file), ``library`` once built."""
+
+    module: str
+    build_dir: Path
+    objects_done: int
+    objects_total: int
+    library: Path | None
+
+    def __str__(self) -> str:
+        if self.library is not None:
+            return f"{self.module}: built, {self.library}"
+        if not self.objects_total:
+            return (f"{self.module}: not built, no build started in {self.build_dir} "
+                    f"(start one with `{DETACHED_COMMAND}` or `{BUILD_COMMAND}`)")
+        return (f"{self.module}: not built yet, {self.objects_done} of {self.objects_total} "
+                f"objects compiled in {self.build_dir}")
+
+
+def progress() -> BuildProgress:
+    """`BuildProgress` of the module, read from its build file and the objects beside it."""
+    name = module_name()
+    build_dir = _build_dir(name)
+    ninja_path = build_dir / "build.ninja"
+    objects = []
+    if ninja_path.exists():
+        # FlashInfer's build file: "build <object>: compile|cuda_compile <source>".
+        for line in ninja_path.read_text().splitlines():
+            target, _, rule = line.partition(": ")
+            if target.startswith("build ") and rule.split(" ")[0] in ("compile", "cuda_compile"):
+                objects.append(Path(target.removeprefix("build ")))
+    done = sum(path.exists() for path in objects)
+    return BuildProgress(name, build_dir, done, len(objects), built_path())
+
+
+USAGE = f"""usage: python -m torch_moe_ops.backends.flashinfer {{build,status}}
+
+  build   compile FlashInfer's SM90 fused-MoE module ({BUILD_TIME}) into its JIT cache,
+          in the foreground ({DETACHED_COMMAND} runs it detached, logging to a file)
+  status  whether it is built, or how many of its objects a build has compiled"""
+
+
+def main(argv: list[str]) -> int:
+    """The command line: ``build``, ``status`` or ``--help``; returns the exit status."""
+    if argv in (["--help"], ["-h"]):
+        print(USAGE)
+        return 0
+    if len(argv) != 1 or argv[0] not in ("build", "status"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    reason = library.missing()
+    if reason is not None:
+        print(f"flashinfer: {reason}", file=sys.stderr)
+        return 1
+    if argv[0] == "build":
+        print(f"built: {build()}")
+        return 0
+    state = progress()
+    print(state)
+    return 0 if state.library is not None else 3
