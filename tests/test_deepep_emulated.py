@@ -290,9 +290,11 @@ def _quantized_cases(rank, world_size):
             # The dispatch dtype rule: experts that quantize inside get bf16 rows.
             reference = REGISTRY.experts["reference"]
             REGISTRY.experts["reference"] = dataclasses.replace(reference, quantized_rows=())
-            _check_quantized_layer(rank, world_size, deepep, mode, QUANT_SPECS["fp8_token"],
-                                   reads_fp8=False)
-            REGISTRY.experts["reference"] = reference
+            try:
+                _check_quantized_layer(rank, world_size, deepep, mode, QUANT_SPECS["fp8_token"],
+                                       reads_fp8=False)
+            finally:
+                REGISTRY.experts["reference"] = reference
         gc.collect()
         deepep.close_all()
     torch._dynamo.reset()
