@@ -9,7 +9,10 @@ tests/test_deepep_gpu.py runs the real one.
 - Normal mode (intranode): ``dispatch(num_worst_tokens=N)`` returns ``[N, ...]``
   with the received tokens first, in source-rank order, local expert ids (-1 for
   another rank's expert) and their weights (0 there); padding tokens have ids -1
-  and garbage elsewhere. ``combine`` sums each token's rows (and ``topk_weights``)
+  and garbage elsewhere. ``x`` is a bf16 ``[T, H]`` tensor or DeepEP's fp8 pair
+  ``(x [T, H] float8_e4m3fn, scales [T, S] fp32)`` with any S (its kernels copy
+  ``scales.size(1)`` floats per token beside the row), and ``recv_x`` has the same
+  form. ``combine`` sums each token's rows (and ``topk_weights``)
   over the ranks it went to, in fp32, rounded to bf16 once. A cached-handle
   ``dispatch`` sends the same tokens to the same places.
 - Low-latency mode: each (token, slot) is one message to the expert's rank; rank
@@ -18,6 +21,10 @@ tests/test_deepep_gpu.py runs the real one.
   an arbitrary (random) order; ``layout_range`` packs count (low 32 bits) and begin
   (high); positions past the count hold garbage. ``low_latency_combine`` sends each
   block back by ``src_info`` and ``layout_range`` and sums ``weight * row`` per token.
+  ``use_fp8=True`` casts each token to e4m3 before it leaves, one scale per 128
+  columns, as DeepEP's kernel does (`ll_fp8_cast`), and returns ``(x [E_l, Q, H] fp8,
+  scales [E_l, Q, H / 128])``, the scales column-major (a transposed ``[E_l, H / 128,
+  Q]``); combine is bf16 only.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ import torch.distributed as dist
 
 topk_idx_t = torch.int64
 GARBAGE = 1e4
+FP8 = torch.float8_e4m3fn
+# DeepEP's low-latency fp8 cast (internode_ll.cu, calculate_fp8_scales without
+# round_scale): columns per scale, the floor of a group's amax, e4m3's largest value.
+LL_FP8_GROUP = 128
+LL_FP8_MARGIN = 1e-4
+FP8_MAX = 448.0
 
 
 class Config:
@@ -51,7 +64,46 @@ def _exchange(per_rank: list, group) -> list:
 
 
 def _garbage(shape, dtype):
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=dtype)
     return (torch.randn(shape) * GARBAGE).to(dtype)
+
+
+def ll_fp8_cast(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's low-latency cast of bf16 tokens: per 128 columns, amax (at least
+    1e-4), ``fp8(x * (448 / amax))`` saturated, scale ``amax * fp32(1 / 448)``."""
+    num_tokens, hidden = x_TH.shape
+    x_TGC = x_TH.float().view(num_tokens, hidden // LL_FP8_GROUP, LL_FP8_GROUP)
+    amax_TG = x_TGC.abs().amax(2).clamp(min=LL_FP8_MARGIN)
+    scale_TG = torch.tensor(FP8_MAX, dtype=torch.float32) / amax_TG
+    scale_inv_TG = amax_TG * torch.tensor(1 / FP8_MAX, dtype=torch.float32)
+    q_TGC = (x_TGC * scale_TG.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q_TGC.view(num_tokens, hidden), scale_inv_TG
+
+
+def _parts(x) -> tuple[list[torch.Tensor], bool]:
+    """``dispatch``'s ``x`` as the tensors that travel (fp8 values as bytes: CPU
+    indexing takes no float8), and whether it was the fp8 pair."""
+    if isinstance(x, tuple):
+        x_TH, scales_TS = x
+        assert x_TH.dtype == FP8 and x_TH.dim() == 2 and x_TH.is_contiguous()
+        assert scales_TS.dtype == torch.float32 and scales_TS.dim() == 2
+        assert scales_TS.shape[0] == x_TH.shape[0] and x_TH.shape[0] >= 1
+        return [x_TH.view(torch.uint8), scales_TS], True
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] >= 1
+    return [x], False
+
+
+def _received(got: list, num_worst: int, is_fp8: bool):
+    """Each part's received rows (``got``: per source, a list of parts) first in a
+    ``[num_worst, ...]`` buffer of garbage, in ``dispatch``'s form of ``x``."""
+    out = []
+    for part in zip(*got):
+        rows = torch.cat(part)
+        buffer = _garbage((num_worst, *rows.shape[1:]), rows.dtype)
+        buffer[:rows.shape[0]] = rows
+        out.append(buffer)
+    return (out[0].view(FP8), out[1]) if is_fp8 else out[0]
 
 
 class Buffer:
@@ -103,16 +155,14 @@ class Buffer:
                  topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
                  previous_event=None, async_finish=False, allocate_on_comm_stream=False):
         assert not self.low_latency_mode and not self.destroyed
-        assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] >= 1
+        parts, is_fp8 = _parts(x)
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             _, _, in_rank_TP, num_worst = handle
-            got = _exchange([x[in_rank_TP[:, q]] for q in range(self.group_size)], self.group)
-            recv_NH = _garbage((num_worst, x.shape[1]), x.dtype)
-            rows = torch.cat(got)
-            recv_NH[:rows.shape[0]] = rows
+            got = _exchange([[p[in_rank_TP[:, q]] for p in parts]
+                             for q in range(self.group_size)], self.group)
             self.calls["cached_dispatch"] += 1
-            return recv_NH, None, None, None, None, None
+            return _received(got, num_worst, is_fp8), None, None, None, None, None
         assert num_worst_tokens > 0 and topk_idx.dtype == topk_idx_t
         assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
         num_local = num_tokens_per_expert.shape[0] // self.group_size
@@ -123,18 +173,19 @@ class Buffer:
             local = torch.where((ids >= q * num_local) & (ids < (q + 1) * num_local),
                                 ids - q * num_local, -1)
             weights = torch.where(local >= 0, topk_weights[sent], 0.0)
-            sends.append((x[sent], local, weights, torch.nonzero(sent)[:, 0].int()))
+            sends.append(([p[sent] for p in parts], local, weights,
+                          torch.nonzero(sent)[:, 0].int()))
         got = _exchange(sends, self.group)
-        counts = [g[0].shape[0] for g in got]
+        counts = [g[1].shape[0] for g in got]
         num_recv, top_k = sum(counts), topk_idx.shape[1]
         assert num_recv <= num_worst_tokens
-        recv_x = _garbage((num_worst_tokens, x.shape[1]), x.dtype)
+        recv_x = _received([g[0] for g in got], num_worst_tokens, is_fp8)
         recv_ids = torch.full((num_worst_tokens, top_k), -1, dtype=topk_idx_t)
         recv_weights = _garbage((num_worst_tokens, top_k), torch.float32)
         src_idx = torch.full((num_worst_tokens,), -1, dtype=torch.int32)
-        for out, part in ((recv_x, 0), (recv_ids, 1), (recv_weights, 2), (src_idx, 3)):
+        for out, part in ((recv_ids, 1), (recv_weights, 2), (src_idx, 3)):
             out[:num_recv] = torch.cat([g[part] for g in got])
-        self.calls["dispatch"] += 1
+        self.calls["fp8_dispatch" if is_fp8 else "dispatch"] += 1
         handle = (counts, src_idx, is_token_in_rank.clone(), num_worst_tokens)
         return recv_x, recv_ids, recv_weights, [], handle, None
 
@@ -167,20 +218,28 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
                              use_ue8m0=False, async_finish=False, return_recv_hook=False):
-        assert self.low_latency_mode and not self.destroyed and not use_fp8
+        assert self.low_latency_mode and not self.destroyed
+        assert not round_scale and not use_ue8m0
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and topk_idx.dtype == topk_idx_t
-        max_tokens = num_max_dispatch_tokens_per_rank
-        assert 1 <= x.shape[0] <= max_tokens and x.shape[1] % 128 == 0
+        max_tokens, hidden = num_max_dispatch_tokens_per_rank, x.shape[1]
+        assert 1 <= x.shape[0] <= max_tokens and hidden % 128 == 0
         assert (self.group_size * max_tokens) % 4 == 0
+        # What each token's message carries: its row, or its fp8 bytes and scales.
+        parts = [x]
+        if use_fp8:
+            assert hidden % 512 == 0
+            q_TH, scale_TS = ll_fp8_cast(x)
+            parts = [q_TH.view(torch.uint8), scale_TS]
         num_local = num_experts // self.group_size
         sends = [[] for _ in range(self.group_size)]
         for t, ids in enumerate(topk_idx.tolist()):
             for expert in ids:
                 if expert >= 0:
-                    sends[expert // num_local].append((expert % num_local, t, x[t]))
+                    sends[expert // num_local].append((expert % num_local, t,
+                                                       [p[t] for p in parts]))
         got = _exchange(sends, self.group)
         num_positions = self.group_size * max_tokens
-        recv_EQH = _garbage((num_local, num_positions, x.shape[1]), x.dtype)
+        recv_parts = [_garbage((num_local, num_positions, *p.shape[1:]), p.dtype) for p in parts]
         src_info_EQ = torch.randint(-5, 10 ** 6, (num_local, num_positions), dtype=torch.int32)
         layout_range_EP = torch.zeros((num_local, self.group_size), dtype=torch.int64)
         count_E = torch.zeros(num_local, dtype=torch.int32)
@@ -191,14 +250,21 @@ class Buffer:
             for p in arrival:
                 block = [m for m in got[p] if m[0] == e]
                 self.arrival.shuffle(block)
-                for i, (_, t, row) in enumerate(block):
-                    recv_EQH[e, begin + i], src_info_EQ[e, begin + i] = row, t
+                for i, (_, t, rows) in enumerate(block):
+                    src_info_EQ[e, begin + i] = t
+                    for received, row in zip(recv_parts, rows):
+                        received[e, begin + i] = row
                 layout_range_EP[e, p] = (begin << 32) | len(block)
                 begin += len(block)
             count_E[e] = begin
-        self.calls["low_latency_dispatch"] += 1
-        handle = (src_info_EQ, layout_range_EP, max_tokens, x.shape[1], num_experts)
-        return recv_EQH, count_E, handle, None, None
+        self.calls["fp8_low_latency_dispatch" if use_fp8 else "low_latency_dispatch"] += 1
+        handle = (src_info_EQ, layout_range_EP, max_tokens, hidden, num_experts)
+        if not use_fp8:
+            return recv_parts[0], count_E, handle, None, None
+        # DeepEP allocates the scales [E_l, H / 128, Q] and hands them back transposed.
+        recv_q_EQH, recv_scale_EQS = recv_parts
+        recv_scale_EQS = recv_scale_EQS.transpose(1, 2).contiguous().transpose(1, 2)
+        return (recv_q_EQH.view(FP8), recv_scale_EQS), count_E, handle, None, None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False, out=None,

@@ -1,13 +1,15 @@
 """Tokens, routing and expert weights that every rank of an expert-parallel test
-draws alike, and the slice of them one rank owns.
+draws alike, the slice of them one rank owns, and the checks of what one rank gets.
 
 Legend: N tokens of all ranks, H hidden size, I expert intermediate size,
-E experts, K experts per token.
+E experts, K experts per token, R rows.
 """
 
 from __future__ import annotations
 
 import torch
+
+from torch_moe_ops import quant
 
 ROUTES = ("random", "one_rank")
 
@@ -77,3 +79,36 @@ def assert_rank_matches(out_TH, ours, ref_NH, ref_leaves, mine: slice, local: sl
     check_grad(ours[1].grad, ref_leaves[1].grad[mine])
     for leaf, ref in zip(ours[2:], ref_leaves[2:]):
         check_grad(leaf.grad, ref.grad[local])
+
+
+def assert_quantized_dispatch(dispatched, dispatched_quant, spec, one_fp8_step=False) -> None:
+    """``dispatch_quant``'s outputs against ``dispatch``'s on the same input, its rows
+    quantized by the oracle (`quant.quantize_activations`): the routing equal, and the
+    kept rows (expert != -1) bit for bit; or, where a transport quantizes with a cast
+    of its own (``one_fp8_step``), values at most one e4m3 step apart (under 1% of
+    them differing) and scales two fp32 ulps apart."""
+    x_RH, *routing = dispatched
+    q_RH, *quant_routing, x_scale = dispatched_quant
+    assert q_RH.dtype == quant.FP8_DTYPE and x_scale.dtype == torch.float32
+    for got, expected in zip(quant_routing, routing, strict=True):
+        assert torch.equal(got, expected)
+    kept_R = routing[0] >= 0
+    # Bytes: float8 has no indexing or equality on the CPU.
+    got_q = q_RH.view(torch.uint8)[kept_R]
+    got_scale = x_scale[kept_R]
+    expected_q, expected_scale = quant.quantize_activations(x_RH[kept_R], spec)
+    expected_q = expected_q.view(torch.uint8)
+    if not one_fp8_step:
+        assert torch.equal(got_q, expected_q) and torch.equal(got_scale, expected_scale)
+        return
+    torch.testing.assert_close(got_scale, expected_scale, rtol=2.4e-7, atol=0)
+    theirs = quant.dequantize_activations(got_q.view(quant.FP8_DTYPE), got_scale, spec)
+    ours = quant.dequantize_activations(expected_q.view(quant.FP8_DTYPE), expected_scale, spec)
+    num_rows, hidden = theirs.shape
+    group = quant.activation_group(spec, hidden)
+    scale_RH = expected_scale.reshape(num_rows, -1).repeat_interleave(group, dim=1)
+    # One e4m3 step: at most 1/8 of the value (3 mantissa bits), 2**-9 of the scale
+    # among the subnormals.
+    step_RH = 0.125 * x_RH[kept_R].float().abs() + 2.0 ** -9 * scale_RH
+    assert ((theirs - ours).abs() <= step_RH * 1.001).all()
+    assert (got_q != expected_q).float().mean().item() < 0.01

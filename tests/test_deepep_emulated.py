@@ -2,7 +2,10 @@
 replaced by tests/deepep_emulator.py: every rank's outputs and gradients equal the
 single-process reference (bf16 bounds), in normal and low-latency mode, with an idle
 rank, skipped slots, every slot on one rank, a capacity below the worst case, and
-low-latency messages arriving in a random order.
+low-latency messages arriving in a random order. Quantized layers: fp8 rows and their
+scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``, in the lowered
+graph) against the single-process quantized layer, and bf16 rows to experts that
+quantize inside.
 
 What this cannot tell is whether DeepEP's kernels behave as the emulator does:
 tests/test_deepep_gpu.py runs the real one on GPUs.
@@ -27,6 +30,7 @@ import deepep_emulator
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import (
+    assert_quantized_dispatch,
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
@@ -34,6 +38,10 @@ from ep_problems import (
     leaves,
     token_slice,
 )
+from torch_moe_ops.backends.deepep import fp8_transport_reason
+from torch_moe_ops.backends.registry import REGISTRY
+from torch_moe_ops.config import QuantSpec
+from torch_moe_ops.lowering.rewrite import moe_op_sequence
 
 # A hidden size DeepEP's low-latency kernels are compiled for.
 H, I = 2048, 16
@@ -48,7 +56,6 @@ def _use_emulator():
     """In this worker: DeepEP is the emulator, and CPU tensors are let through."""
     sys.modules["deep_ep"] = deepep_emulator
     from torch_moe_ops.backends import deepep
-    from torch_moe_ops.backends.registry import REGISTRY
 
     def check_tensor(name, t):
         if t.dtype != torch.bfloat16:
@@ -123,10 +130,11 @@ def _ops_cases(rank, world_size):
     assert not deepep.open_communicators()
 
 
-def _moe_config(world_size, ep_size, max_tokens):
-    return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4 * world_size,
-                         top_k=2, renormalize=True, expert_bias=True, ep_size=ep_size,
-                         max_tokens_per_rank=max_tokens if ep_size > 1 else None)
+def _moe_config(world_size, ep_size, max_tokens, intermediate_size=I, quant=None):
+    return tmo.MoEConfig(hidden_size=H, intermediate_size=intermediate_size,
+                         num_experts=4 * world_size, top_k=2, renormalize=True,
+                         expert_bias=True, ep_size=ep_size,
+                         max_tokens_per_rank=max_tokens if ep_size > 1 else None, quant=quant)
 
 
 class TwoLayers(nn.Module):
@@ -187,3 +195,135 @@ def test_compiled_layers_match_single_process():
 @pytest.mark.slow
 def test_idle_rank_keeps_its_collectives_under_inductor():
     run_on_ranks(2, _compiled_cases, "inductor")
+
+
+# Quantized layers: fp8 rows through DeepEP.
+
+# 128 x 128 weight blocks need I to be a multiple of 128.
+QUANT_I = 128
+QUANT_SPECS = {
+    # Normal mode: one scale beside each row; low-latency: bf16, quantized on arrival.
+    "fp8_token": QuantSpec("fp8_channel"),
+    # 1 x 128 groups: low-latency mode sends them through DeepEP's own cast.
+    "fp8_group": QuantSpec("fp8_block"),
+    # Normal mode: 32 scales beside each row; low-latency: bf16, quantized on arrival.
+    "fp8_group64": QuantSpec("fp8_block", block_size=(128, 64)),
+}
+MODES = {"normal": M_NORMAL, "low_latency": M_LOW_LATENCY}
+
+
+def _check_dispatch_quant(rank, world_size, mode, spec):
+    """``moe_deepep::dispatch_quant`` against ``moe_deepep::dispatch`` then the oracle's
+    quantizer (DeepEP's low-latency cast: within one e4m3 step), every rank, the idle
+    one too; and the op's fake against its outputs (opcheck)."""
+    num_experts, top_k = 4 * world_size, 2
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(world_size, num_experts, top_k, "random")
+    mine = _my_tokens(rank, world_size)
+    max_tokens = MODES[mode]
+    ep_args = (world_size, dist.group.WORLD.group_name, max_tokens, max_tokens * top_k)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts)
+    static = (spec.weights, spec.activations, spec.block_list)
+    deepep_cast = mode == "low_latency" and fp8_transport_reason(mode, spec, H) is None
+    assert_quantized_dispatch(torch.ops.moe_deepep.dispatch(*args, *ep_args),
+                              torch.ops.moe_deepep.dispatch_quant(*args, *static, *ep_args),
+                              spec, one_fp8_step=deepep_cast)
+    if spec is QUANT_SPECS["fp8_group"]:
+        torch.library.opcheck(torch.ops.moe_deepep.dispatch_quant.default,
+                              (*args, *static, *ep_args))
+
+
+def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True):
+    """A quantized `MoE` sharded over the group, compiled with ``a2a="deepep"``
+    (aot_eager), against the same layer in one process. ``reads_fp8``: the experts
+    read fp8 rows (the lowered graph dispatches with ``dispatch_quant``, through
+    DeepEP's fp8 path where `fp8_transport_reason` says so); else they quantize
+    inside and get bf16 rows."""
+    torch._dynamo.reset()
+    max_tokens = MODES[mode]
+    comm = deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
+                               torch.bfloat16, mode=mode, device="cpu")
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, max_tokens, QUANT_I, spec), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, max_tokens, QUANT_I, spec),
+                      dtype=torch.bfloat16, ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                       generator=torch.Generator().manual_seed(9)).bfloat16()
+    mine = _my_tokens(rank, world_size)
+    graphs = []
+    lowering = tmo.backend(a2a="deepep", experts="reference", inner="aot_eager")
+
+    def recording(gm, example_inputs):
+        # The lowering rewrites gm in place: what it holds after the call is the lowered graph.
+        graphs.append(gm)
+        return lowering(gm, example_inputs)
+
+    compiled = torch.compile(sharded, backend=recording, fullgraph=True, dynamic=False)
+    comm.buffer.calls.clear()
+    with torch.no_grad():
+        expected_TH = single(x_NH)[mine]
+        out_TH = compiled(x_NH[mine])
+    assert out_TH.dtype == torch.bfloat16 and out_TH.shape == expected_TH.shape
+    check_bf16_out(out_TH, expected_TH)
+    dispatch = "dispatch_quant" if reads_fp8 else "dispatch"
+    assert moe_op_sequence(graphs[0]) == (f"moe_reference::route\nmoe_deepep::{dispatch}\n"
+                                          "moe_reference::experts_rows_quant\n"
+                                          "moe_deepep::combine")
+    fp8_transport = reads_fp8 and fp8_transport_reason(mode, spec, H) is None
+    transport = "dispatch" if mode == "normal" else "low_latency_dispatch"
+    assert comm.buffer.calls[f"fp8_{transport}"] == int(fp8_transport)
+    assert comm.buffer.calls[transport] == int(not fp8_transport)
+
+
+def _quantized_cases(rank, world_size):
+    deepep = _use_emulator()
+    for mode, max_tokens in MODES.items():
+        deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
+                            torch.bfloat16, mode=mode, device="cpu")
+        for spec in QUANT_SPECS.values():
+            _check_dispatch_quant(rank, world_size, mode, spec)
+        # DeepEP's fp8 path, and (low-latency fp8_token) bf16 quantized on arrival.
+        names = ("fp8_group",) if mode == "normal" else ("fp8_group", "fp8_token")
+        for name in names:
+            _check_quantized_layer(rank, world_size, deepep, mode, QUANT_SPECS[name])
+        if mode == "normal":
+            # The dispatch dtype rule: experts that quantize inside get bf16 rows.
+            reference = REGISTRY.experts["reference"]
+            REGISTRY.experts["reference"] = dataclasses.replace(reference, quantized_rows=())
+            try:
+                _check_quantized_layer(rank, world_size, deepep, mode, QUANT_SPECS["fp8_token"],
+                                       reads_fp8=False)
+            finally:
+                REGISTRY.experts["reference"] = reference
+        gc.collect()
+        deepep.close_all()
+    torch._dynamo.reset()
+
+
+def test_quantized_layers_dispatch_fp8_through_deepep():
+    run_on_ranks(2, _quantized_cases)
+
+
+LOW_LATENCY_CAST = ("DeepEP's low-latency kernels quantize to fp8 themselves, with one scale "
+                    "per 128 columns only, and the experts read ")
+
+
+@pytest.mark.parametrize("mode, name, reason", [
+    ("normal", "fp8_token", None),
+    ("normal", "fp8_group", None),
+    ("normal", "fp8_group64", None),
+    ("low_latency", "fp8_group", None),
+    ("low_latency", "fp8_token", LOW_LATENCY_CAST + "fp8_token rows"),
+    ("low_latency", "fp8_group64", LOW_LATENCY_CAST + "fp8_group rows of 64 columns per scale"),
+])
+def test_fp8_transport_where_deepep_takes_the_format(mode, name, reason):
+    assert fp8_transport_reason(mode, QUANT_SPECS[name], H) == reason
+
+
+def test_fp8_transport_reasons_of_shapes_deepep_does_not_take():
+    many_scales = QuantSpec("fp8_block", block_size=(128, 8))
+    assert fp8_transport_reason("normal", many_scales, H) == (
+        "DeepEP's normal-mode buffers hold <= 128 scales per token, fp8_group with "
+        "block_size (128, 8) at hidden size 2048 has 256")
+    assert fp8_transport_reason("low_latency", QUANT_SPECS["fp8_group"], 2560 + 128) == (
+        "DeepEP's low-latency fp8 cast needs a hidden size that is a multiple of 512, got 2688")

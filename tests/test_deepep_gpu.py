@@ -2,7 +2,10 @@
 equal the single-process reference on the same tokens and weights (bf16 bounds), in
 DeepEP's normal and low-latency modes, with one rank idle, in a captured CUDA graph
 replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
-backward; and forward under ``mode="reduce-overhead"``).
+backward; and forward under ``mode="reduce-overhead"``). Quantized layers: fp8 rows and
+their scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``) against
+dispatch then quantize, and quantized `MoE` layers compiled with ``a2a="deepep"``
+against one GPU holding every expert.
 
 Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
 I expert intermediate size, E experts, E_l = E / P, K experts per token, M
@@ -26,6 +29,8 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import (
+    assert_close_scaled,
+    assert_quantized_dispatch,
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
@@ -35,7 +40,8 @@ from ep_problems import (
 )
 from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.registry import Problem
-from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.config import BackendSpec, QuantSpec
+from torch_moe_ops.lowering.rewrite import moe_op_sequence
 
 WORLD = 2
 # One rank full, one idle.
@@ -44,8 +50,23 @@ TOKENS_PER_RANK = (5, 0)
 H, I, E, K = 2048, 64, 8, 2
 M_NORMAL, M_LOW_LATENCY = 8, 6
 STATIC = ("silu", 1.702, 7.0)
+# Quantized layers: 128 x 128 weight blocks need I to be a multiple of 128.
+QUANT_I = 128
+QUANT_SPECS = {
+    # Normal mode: one scale beside each row; low-latency: bf16, quantized on arrival.
+    "fp8_token": QuantSpec("fp8_channel"),
+    # 1 x 128 groups: low-latency mode sends them through DeepEP's own cast.
+    "fp8_group": QuantSpec("fp8_block"),
+    # Normal mode: 32 scales beside each row; low-latency: bf16, quantized on arrival.
+    "fp8_group64": QuantSpec("fp8_block", block_size=(128, 64)),
+}
+# (spec, experts backend, compile mode) of the compiled quantized layers.
+QUANT_MODULES = (("fp8_group", "triton", None), ("fp8_group", "triton", "reduce-overhead"),
+                 ("fp8_token", "triton", None), ("fp8_group64", "reference", None))
 TIMEOUT = datetime.timedelta(seconds=120)
 DEADLINE_S = 480
+# Four Inductor compiles of quantized layers besides: more time.
+QUANT_DEADLINE_S = 590
 
 REASON = deepep.supports(BackendSpec(a2a="deepep"),
                          Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K),
@@ -150,22 +171,24 @@ def _check_graph(rank, max_tokens):
     torch.cuda.synchronize()
 
 
-def _moe_config(ep_size: int, max_tokens: int) -> tmo.MoEConfig:
-    return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
-                         renormalize=True, expert_bias=True, ep_size=ep_size,
-                         max_tokens_per_rank=max_tokens if ep_size > 1 else None)
+def _moe_config(ep_size: int, max_tokens: int, quant: QuantSpec | None = None
+                ) -> tmo.MoEConfig:
+    return tmo.MoEConfig(hidden_size=H, intermediate_size=I if quant is None else QUANT_I,
+                         num_experts=E, top_k=K, renormalize=True, expert_bias=True,
+                         ep_size=ep_size, max_tokens_per_rank=max_tokens if ep_size > 1 else None,
+                         quant=quant)
 
 
-def _single_and_sharded(max_tokens, seed):
+def _single_and_sharded(max_tokens, seed, quant=None):
     """The single-process `MoE` (bf16, this rank's GPU) and this rank's shard of it,
-    with the same full weights; Dynamo's caches reset."""
+    with the same full weights (quantized as ``quant`` says); Dynamo's caches reset."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device())
     # Built on the CPU so that every rank draws the same weights.
-    single = tmo.MoE(_moe_config(1, max_tokens)).to(device, torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(WORLD, max_tokens), device=device, dtype=torch.bfloat16,
-                      ep_group=dist.group.WORLD)
+    single = tmo.MoE(_moe_config(1, max_tokens, quant)).to(device, torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(WORLD, max_tokens, quant), device=device,
+                      dtype=torch.bfloat16, ep_group=dist.group.WORLD)
     sharded.load_full_weights(single.state_dict())
     return single, sharded
 
@@ -262,3 +285,71 @@ def test_normal_mode_matches_single_process():
 def test_low_latency_mode_matches_single_process():
     run_on_ranks(WORLD, _run_low_latency, backend="nccl", timeout=TIMEOUT,
                  deadline_s=DEADLINE_S)
+
+
+def _check_dispatch_quant(rank, mode, max_tokens):
+    """``moe_deepep::dispatch_quant`` on DeepEP against ``moe_deepep::dispatch`` then the
+    oracle's quantizer, in every format: bit for bit, or within one e4m3 step where
+    DeepEP's low-latency kernels cast (`deepep.fp8_transport_reason`)."""
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(7, "random")
+    mine = _mine(rank)
+    ep_args = (WORLD, dist.group.WORLD.group_name, max_tokens, max_tokens * min(K, E // WORLD))
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], E)
+    for spec in QUANT_SPECS.values():
+        deepep_cast = mode == "low_latency" and deepep.fp8_transport_reason(mode, spec, H) is None
+        assert_quantized_dispatch(
+            torch.ops.moe_deepep.dispatch(*args, *ep_args),
+            torch.ops.moe_deepep.dispatch_quant(*args, spec.weights, spec.activations,
+                                                spec.block_list, *ep_args),
+            spec, one_fp8_step=deepep_cast)
+
+
+def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
+    """A quantized `MoE` sharded over the group and compiled by Inductor with
+    ``a2a="deepep"`` (under ``"reduce-overhead"``: CUDA graphs replaying new tokens),
+    against one GPU holding every expert; the lowered graph dispatches fp8 rows."""
+    single, sharded = _single_and_sharded(max_tokens, seed=5, quant=QUANT_SPECS[name])
+    device = single.w13.device
+    graphs = []
+    lowering = tmo.backend(a2a="deepep", experts=experts, mode=compile_mode)
+
+    def recording(gm, example_inputs):
+        # The lowering rewrites gm in place: what it holds after the call is the lowered graph.
+        graphs.append(gm)
+        return lowering(gm, example_inputs)
+
+    compiled = torch.compile(sharded, backend=recording, fullgraph=True, dynamic=False)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(30 + seed)
+            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(device,
+                                                                          torch.bfloat16)
+            out_TH = compiled(x_NH[_mine(rank)]).clone()
+            assert_close_scaled(out_TH, single(x_NH)[_mine(rank)], 2e-2, 2e-2)
+    assert moe_op_sequence(graphs[0]) == (f"moe_reference::route\nmoe_deepep::dispatch_quant\n"
+                                          f"moe_{experts}::experts_rows_quant\n"
+                                          "moe_deepep::combine")
+    if compile_mode == "reduce-overhead":
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    torch._dynamo.reset()
+
+
+def _run_quantized(rank, world_size, mode):
+    max_tokens = M_NORMAL if mode == "normal" else M_LOW_LATENCY
+    # max_tokens_per_rank this small would take the low-latency kernels: fix the mode.
+    comm = deepep.communicator(dist.group.WORLD.group_name, H, E, K, max_tokens,
+                               torch.bfloat16, mode=mode)
+    assert comm.mode == mode
+    _check_dispatch_quant(rank, mode, max_tokens)
+    for case in QUANT_MODULES:
+        _check_quantized_module(rank, max_tokens, *case)
+    _no_handles_left()
+    deepep.close_all()
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_quantized_layers_dispatch_fp8_through_deepep(mode):
+    run_on_ranks(WORLD, _run_quantized, mode, backend="nccl", timeout=TIMEOUT,
+                 deadline_s=QUANT_DEADLINE_S)

@@ -128,8 +128,8 @@ def test_registered_backends_declare_their_sides():
     assert reference.sends_quantized
     assert reference.experts_quantized_rows == ("fp8_token", "fp8_group")
     assert REGISTRY.a2a["allgather"].sends_quantized
-    # DeepEP's own fp8 dispatch is not wired: quantized layers do not run on it.
-    assert not REGISTRY.a2a["deepep"].sends_quantized
+    # DeepEP's own fp8 dispatch (tests/test_deepep_emulated.py).
+    assert REGISTRY.a2a["deepep"].sends_quantized
     assert REGISTRY.experts["cpu"].quantized_rows == ()
 
 

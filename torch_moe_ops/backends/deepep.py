@@ -1,12 +1,14 @@
 """The ``deepep`` a2a backend: DeepEP's expert-parallel kernels (NVLink, RDMA) behind
-``moe::dispatch``, ``moe::combine`` and their gradients, on its public ``deep_ep.Buffer`` API.
+``moe::dispatch``, ``moe::dispatch_quant``, ``moe::combine`` and their gradients, on its
+public ``deep_ep.Buffer`` API.
 
 Legend: T tokens on this rank, T1 = max(T, 1) tokens handed to DeepEP, M =
 max_tokens_per_rank, H hidden size, K experts per token, E experts, E_l = E / P
 experts per rank, P ranks, C rows one rank may send another (the capacity), R = P * C
 rows, N = P * M tokens one rank can receive (normal mode), Q = P * M positions per
 expert and L = E_l * Q (low-latency mode), G = P * M tokens of all ranks, token ``t``
-of rank ``p`` having the key ``p * M + t``.
+of rank ``p`` having the key ``p * M + t``; A fp8 scales per row (1 for ``fp8_token``,
+H / block_size[1] for ``fp8_group``).
 
 The mode is fixed per layer by its static arguments (the op schema has no mode):
 low-latency when ``M <= LOW_LATENCY_MAX_TOKENS`` (decode batches) and DeepEP's
@@ -70,11 +72,34 @@ the same calls run DeepEP's internode kernels (``num_rdma_bytes > 0``, RDMA thro
 NVSHMEM/IBGDA); that path is written against DeepEP's API but has not been run here.
 Routing must give each token distinct experts (as top-k does) in low-latency mode.
 
-Quantized layers (``MoEConfig.quant``) are refused (`supports`): DeepEP's fp8
-dispatch (normal mode: an ``(fp8 x, [T, G] fp32 scales)`` tuple; low-latency:
-``use_fp8`` with its own 1 x 128 quantizer) is not connected to
-``moe::dispatch_quant``, and whether a layer's rows could travel in fp8 would
-depend on its mode, which the registry's ``dispatch_quant`` rule cannot express.
+fp8 dispatch (``moe::dispatch_quant``, where the dispatch dtype rule picks fp8: a
+quantized layer's fp8 activations, experts that read fp8 rows): the rows reach the
+experts in float8_e4m3fn with their fp32 scales (``x_scale``: ``[R]`` for
+``fp8_token``, ``[R, A]`` for ``fp8_group``); combine and the gradients stay bf16
+(quantized layers have none: ``moe::dispatch_quant`` raises when asked).
+
+- Normal mode: each token is quantized once, before it leaves
+  (`quant.quantize_activations`, the oracle's formula, in the format the experts
+  read), and ``Buffer.dispatch`` moves DeepEP's fp8 pair ``(x [T, H] e4m3, scales
+  [T, A] fp32)``: DeepEP copies ``scales.size(1)`` floats per token beside its row,
+  so each received row keeps its scales. The rows are bit for bit those of dispatch
+  then quantize.
+- Low-latency mode: DeepEP quantizes inside ``low_latency_dispatch(use_fp8=True)``,
+  with one scale per 128 columns only, so ``fp8_group`` with ``block_size[1] == 128``
+  travels in fp8 there. Its cast, ``fp8(x * (448 / amax))`` with amax at least 1e-4 and
+  scale ``amax * fp32(1 / 448)``, is ours (``fp8(x / (amax / 448))``, amax at least
+  1e-12) up to fp32 rounding, not bit for bit: an element lands one e4m3 step away
+  where ``x / scale`` falls within an fp32 ulp of a rounding boundary, a scale one ulp
+  away, and a group whose largest magnitude is below 1e-4 gets a coarser scale. Its
+  scales come column-major (``[E_l, Q, A]`` over ``[E_l, A, Q]`` storage) and are
+  gathered with their rows.
+- Where DeepEP's fp8 path does not take the format (`fp8_transport_reason`:
+  ``fp8_token`` or another group width in low-latency mode; more than
+  `NORMAL_MAX_SCALES` scales per token in normal mode, which DeepEP's buffer hints do
+  not reserve), rows travel in bf16 and are quantized on arrival: a row is a copy of
+  its token, so they get the values quantizing before would give, in twice the bytes.
+
+A communicator sized for bf16 rows holds an fp8 row and its scales: one serves both.
 """
 
 from __future__ import annotations
@@ -88,6 +113,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from torch_moe_ops import quant
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.common.rows import (
     block_of,
@@ -101,7 +127,7 @@ from torch_moe_ops.backends.common.rows import (
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
-from torch_moe_ops.config import worst_case_capacity
+from torch_moe_ops.config import QuantSpec, worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_deepep"
@@ -125,6 +151,12 @@ NORMAL_MAX_HIDDEN = 8176
 LOW_LATENCY_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 LOW_LATENCY_MAX_TOP_K = 11
 DTYPE = torch.bfloat16
+# fp8 dispatch. DeepEP's buffer-size hints reserve this many fp32 scales per token
+# (kNumMaxScales) in normal mode; its low-latency cast gives one scale per this many
+# columns and needs the hidden size to be a multiple of LOW_LATENCY_FP8_HIDDEN_MULTIPLE.
+NORMAL_MAX_SCALES = 128
+LOW_LATENCY_FP8_GROUP = 128
+LOW_LATENCY_FP8_HIDDEN_MULTIPLE = 512
 
 
 def _import_deep_ep():
@@ -204,6 +236,30 @@ def choose_mode(ep_size: int | None, hidden_size: int | None, top_k: int | None,
             is None):
         return LOW_LATENCY
     return NORMAL
+
+
+def fp8_transport_reason(mode: str, spec: QuantSpec, hidden_size: int) -> str | None:
+    """Why the rows of ``moe::dispatch_quant`` (fp8 activations ``spec.activations``)
+    travel in bf16 and are quantized on arrival in ``mode``; None where DeepEP's own fp8
+    dispatch carries them (normal mode: the pair of values and scales; low-latency:
+    DeepEP's cast). Either way the experts get fp8 rows and their scales."""
+    if mode == NORMAL:
+        num_scales = hidden_size // quant.activation_group(spec, hidden_size)
+        if num_scales > NORMAL_MAX_SCALES:
+            return (f"DeepEP's normal-mode buffers hold <= {NORMAL_MAX_SCALES} scales per "
+                    f"token, {spec.activations} with block_size {spec.block_size} at hidden "
+                    f"size {hidden_size} has {num_scales}")
+        return None
+    if spec.activations != "fp8_group" or spec.block_size[1] != LOW_LATENCY_FP8_GROUP:
+        return (f"DeepEP's low-latency kernels quantize to fp8 themselves, with one scale per "
+                f"{LOW_LATENCY_FP8_GROUP} columns only, and the experts read "
+                f"{spec.activations} rows"
+                + (f" of {spec.block_size[1]} columns per scale"
+                   if spec.activations == "fp8_group" else ""))
+    if hidden_size % LOW_LATENCY_FP8_HIDDEN_MULTIPLE:
+        return (f"DeepEP's low-latency fp8 cast needs a hidden size that is a multiple of "
+                f"{LOW_LATENCY_FP8_HIDDEN_MULTIPLE}, got {hidden_size}")
+    return None
 
 
 def _mode_reason(mode, ep_size, hidden_size, top_k, num_local_experts, max_tokens_per_rank):
@@ -430,17 +486,22 @@ def _sum_received(rows_RH: torch.Tensor, src_R: torch.Tensor, num_received: int,
     return sum_slots(rows_RH.to(DTYPE), row_of_slot_S.view(num_received, top_k))
 
 
-def _normal_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
+def _normal_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows, spec=None):
+    """``Buffer.dispatch`` into rows: dispatch's six outputs, then with ``spec`` (rows
+    quantized before they leave, `fp8_transport_reason` None) ``x_scale``."""
     num_tokens, top_k = topk_ids_TK.shape
     padded = max(num_tokens, 1)
-    x_TH = _pad_tokens(hidden_TH, padded, 0)
+    x = _pad_tokens(hidden_TH, padded, 0)
+    if spec is not None:
+        q_TH, scale = quant.quantize_activations(x, spec)
+        x = (q_TH, scale.reshape(padded, -1))
     ids_TK = _pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
     weights_TK = _pad_tokens(topk_weights_TK.float(), padded, 0)
     buffer = comm.buffer
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
         ids_TK, comm.num_experts)
-    recv_x_NH, recv_ids_NK, recv_weights_NK, _, handle, _ = buffer.dispatch(
-        x_TH, topk_idx=ids_TK, topk_weights=weights_TK, num_tokens_per_rank=per_rank,
+    recv_x, recv_ids_NK, recv_weights_NK, _, handle, _ = buffer.dispatch(
+        x, topk_idx=ids_TK, topk_weights=weights_TK, num_tokens_per_rank=per_rank,
         num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert,
         num_worst_tokens=comm.ep_size * comm.max_tokens_per_rank, config=comm.dispatch_config)
@@ -448,12 +509,31 @@ def _normal_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
     order_S, sorted_ids_S, count_E = sort_rows(recv_ids_NK, comm.num_local_experts)
     order_R, expert_R = order_S[:num_rows], sorted_ids_S[:num_rows]
     src_R = order_R.masked_fill(expert_R < 0, -1).to(torch.int32)
-    x_RH = gather_rows(recv_x_NH, block_of(src_R, top_k))
+    x_RH, *scale = _received_rows(recv_x, block_of(src_R, top_k), spec)
     weight_R = gather_rows(recv_weights_NK.reshape(-1, 1).float(), src_R)[:, 0]
     comm.remember(src_R, handle)
     slot_map_TK = torch.full((num_tokens, top_k), -1, dtype=torch.int32,
                              device=topk_ids_TK.device)
-    return x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), slot_map_TK
+    return (x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), slot_map_TK,
+            *scale)
+
+
+def _received_rows(recv_x, index_R: torch.Tensor, spec: QuantSpec | None) -> tuple:
+    """Rows ``index_R`` (-1: zeros) of what a DeepEP dispatch delivered (``[..., H]``
+    bf16; with ``spec``, DeepEP's fp8 pair ``(values [..., H], scales [..., A])``):
+    ``(x_RH,)``, or ``(x_RH fp8, x_scale)`` as ``moe::dispatch_quant`` returns them."""
+    if spec is None:
+        return (gather_rows(_flat(recv_x), index_R),)
+    recv_x, recv_scale = recv_x
+    # As bytes: float8 has no gather or fill on the CPU.
+    x_RH = gather_rows(_flat(recv_x).view(torch.uint8), index_R).view(quant.FP8_DTYPE)
+    scale_RA = gather_rows(_flat(recv_scale), index_R)
+    return x_RH, scale_RA[:, 0] if spec.activations == "fp8_token" else scale_RA
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[..., X]`` as ``[rows, X]`` (a copy where the layout asks for one)."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def _normal_combine(comm, handle, rows_RH, src_R, num_tokens, top_k, grad_weight_R=None):
@@ -515,16 +595,18 @@ def _ll_position_of_cell(key_L: torch.Tensor, num_positions: int) -> torch.Tenso
     return scatter_index(cells % num_positions, cell_L, key_L.shape[0])
 
 
-def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
+def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows, spec=None):
+    """``Buffer.low_latency_dispatch`` into rows: dispatch's six outputs, then with
+    ``spec`` (DeepEP's fp8 cast, `fp8_transport_reason` None) ``x_scale``."""
     num_tokens, top_k = topk_ids_TK.shape
     ep_size, max_tokens, num_local = comm.ep_size, comm.max_tokens_per_rank, comm.num_local_experts
     num_positions = ep_size * max_tokens
     padded = max(num_tokens, 1)
     x_TH = _pad_tokens(hidden_TH, padded, 0)
     ids_TK = _pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
-    recv_x_EQH, _, handle, _, _ = comm.buffer.low_latency_dispatch(
-        x_TH, ids_TK, max_tokens, comm.num_experts, use_fp8=False, async_finish=False,
-        return_recv_hook=False)
+    recv_x, _, handle, _, _ = comm.buffer.low_latency_dispatch(
+        x_TH, ids_TK, max_tokens, comm.num_experts, use_fp8=spec is not None,
+        async_finish=False, return_recv_hook=False)
     key_L = _ll_keys(handle[0], handle[1], max_tokens)
     position_L = _ll_position_of_cell(key_L, num_positions)
     # Rows in cell order (expert, then key): rows of expert e from its first row on.
@@ -539,8 +621,8 @@ def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
     src_R = scatter_index(cells, row_L, num_rows)
     expert_R = block_of(src_R, num_positions)
     position_R = gather_index(position_L, src_R)
-    x_RH = gather_rows(recv_x_EQH.view(-1, comm.hidden_size),
-                       torch.where(src_R < 0, -1, expert_R * num_positions + position_R))
+    x_RH, *scale = _received_rows(
+        recv_x, torch.where(src_R < 0, -1, expert_R * num_positions + position_R), spec)
     # DeepEP does not move the routing weights: read each row's in every rank's routing.
     ids_MK = _pad_tokens(topk_ids_TK.to(torch.int32), max_tokens, -1)
     weights_MK = _pad_tokens(topk_weights_TK.float(), max_tokens, 0).view(torch.int32)
@@ -552,7 +634,8 @@ def _ll_dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows):
     chosen_RK = row_ids_RK == (comm.rank * num_local + expert_R).unsqueeze(1)
     weight_R = (row_weights_RK * chosen_RK).sum(1).masked_fill(src_R < 0, 0.0)
     slot_map_TK = topk_ids_TK.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
-    return x_RH, expert_R.to(torch.int32), weight_R, src_R.to(torch.int32), count_E, slot_map_TK
+    return (x_RH, expert_R.to(torch.int32), weight_R, src_R.to(torch.int32), count_E,
+            slot_map_TK, *scale)
 
 
 def _ll_handle(comm, src_R: torch.Tensor):
@@ -659,8 +742,9 @@ def _transport(src_R, group_name, ep_size, max_tokens_per_rank, hidden_size, top
                        f"(H={hidden_size}, K={top_k}, max_tokens_per_rank={max_tokens_per_rank})")
 
 
-def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
-             max_tokens_per_rank, capacity):
+def _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+              max_tokens_per_rank, capacity, spec=None):
+    """Dispatch's six outputs, and with ``spec`` the rows in fp8 and ``x_scale``."""
     _check_tensor("hidden", hidden_TH)
     num_tokens, top_k = topk_ids_TK.shape
     num_local = num_experts // ep_size
@@ -674,7 +758,28 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
                                        group_name,
                                        "a rank sends another more rows than the capacity")
         run = _ll_dispatch if comm.mode == LOW_LATENCY else _normal_dispatch
-        return run(comm, hidden_TH, topk_weights_TK, topk_ids_TK, ep_size * capacity)
+        args = (comm, hidden_TH, topk_weights_TK, topk_ids_TK, ep_size * capacity)
+        if spec is None or fp8_transport_reason(comm.mode, spec, hidden_TH.shape[1]) is None:
+            return run(*args, spec)
+        # A row is a copy of its token: quantized here, it gets the values quantizing
+        # the token before it left would have given.
+        x_RH, *routing = run(*args)
+        q_RH, x_scale = quant.quantize_activations(x_RH, spec)
+        return (q_RH, *routing, x_scale)
+
+
+def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+             max_tokens_per_rank, capacity):
+    return _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, capacity)
+
+
+def dispatch_quant(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, weight_format,
+                   activation_format, block_size, ep_size, group_name, max_tokens_per_rank,
+                   capacity):
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    return _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, capacity, spec)
 
 
 def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
@@ -731,11 +836,8 @@ def supports(spec, problem, device) -> str | None:
     if problem.ep_size is not None and problem.ep_size < 2:
         return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
     if problem.dtype != DTYPE:
-        return f"DeepEP moves bfloat16 activations (its normal mode's bf16), got {problem.dtype}"
-    if problem.quant is not None:
-        return (f"quantized layers (quant={problem.quant.name}) do not run on DeepEP here: "
-                "its fp8 dispatch is not wired to moe::dispatch_quant; a2a 'all_to_all' "
-                "sends their rows in fp8")
+        return (f"DeepEP moves bfloat16 activations (bf16, or fp8 quantized from bf16), got "
+                f"{problem.dtype}")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if deep_ep.Buffer.is_sm90_compiled() and torch.cuda.get_device_capability(index) < (9, 0):
         return (f"this DeepEP build targets sm90 and GPU {index} is "
@@ -756,7 +858,8 @@ def supports(spec, problem, device) -> str | None:
 
 define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_backward": dispatch_backward,
-                               "combine_backward": combine_backward})
+                               "combine_backward": combine_backward,
+                               "dispatch_quant": dispatch_quant})
 
 REGISTRY.register_a2a(A2ABackend(
     name="deepep", namespace=NAMESPACE, layout="rows", supports=supports,
