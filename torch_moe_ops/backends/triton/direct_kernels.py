@@ -267,27 +267,29 @@ def moe_direct_down_sum_kernel(
     elif ACT_FORMAT != 0:
         ks = tl.arange(0, BLOCK_K)
         acc_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
-        for k in range(tl.cdiv(inter_size, BLOCK_K)):
-            for j in tl.static_range(TOP_K):
-                slot = token * TOP_K + j
-                expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-                # A skipped slot's inter row was never written: no column of it is read.
-                k_ok = ks < tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
+        # Slots outside, K inside: the pipeliner buffers each load of the loop
+        # it pipelines num_stages times, and K unrolled slots' tiles in flight
+        # passed the shared memory of an H200 (T=4, DeepSeek-V3 widths: 240 KB).
+        for j in range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+            # A skipped slot's inter row was never written: no column of it is read.
+            for k in range(tl.cdiv(tl.where(expert >= 0, inter_size, 0), BLOCK_K)):
+                k_ok = ks < inter_size - k * BLOCK_K
                 a_MK = _row_tile(inter_ptr + slot * stride_inter_s
                                  + (k * BLOCK_K + ks) * stride_inter_i, k_ok)
-                w_KN = tl.load(w2_ptr + tl.maximum(expert, 0) * stride_w2_e
-                               + cols[None, :] * stride_w2_h
+                w_KN = tl.load(w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
                                + (k * BLOCK_K + ks)[:, None] * stride_w2_i,
                                mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 # Each slot has scales and a weight of its own: all of them scale
                 # its tile's product before it joins the token's sum.
-                scale = _activation_scales(x_scale_ptr, slot, expert >= 0, k * BLOCK_K,
+                scale = _activation_scales(x_scale_ptr, slot, True, k * BLOCK_K,
                                            stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
                 if HAS_WEIGHTS:
                     scale *= tl.load(weights_ptr + slot).to(tl.float32)
-                col_scale = _fp8_weight_scales(w2_scale_ptr, tl.maximum(expert, 0), cols,
-                                               col_ok, k * BLOCK_K, stride_ws_e, stride_ws_h,
-                                               stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
+                col_scale = _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
+                                               stride_ws_e, stride_ws_h, stride_ws_i,
+                                               WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
                 # fp8_tensor's scale is one scalar: as wide as the others' [BN].
                 col_scale += tl.zeros((BLOCK_N,), dtype=tl.float32)
                 acc_MN += tl.dot(a_MK, w_KN) * (scale * col_scale[None, :])
