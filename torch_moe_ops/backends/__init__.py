@@ -20,7 +20,9 @@ reference backend; the ``backward`` column of `available_backends()` says which.
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
 them over torch.distributed, ``deepep`` (`deepep`) over DeepEP (eagerly
-``all_to_all`` runs). What several
+``all_to_all`` runs). Routing runs on the highest-priority route backend that
+runs the layer's routing: ``flashinfer`` (`flashinfer.route`, FlashInfer's fused
+DeepSeek-V3 kernel) where its ``supports`` allows, else ``reference``. What several
 backends run (the sort by expert, activations, Triton epilogues, the grouped-GEMM
 path) lives in `common`; backends never import each other.
 """
@@ -47,7 +49,6 @@ from torch_moe_ops.backends.registry import (
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
-    ROUTE_NAMESPACE,
     BackendTable,
     Problem,
 )
@@ -84,7 +85,7 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
                                                  if b.sends_quantized))
         return a2a.namespace
     if op_name == "route":
-        return ROUTE_NAMESPACE
+        return REGISTRY.choose_route(spec, problem, device).namespace
     raise ValueError(f"op_name must name a generic op ({', '.join(CONTRACTS)}), got {op_name!r}")
 
 
