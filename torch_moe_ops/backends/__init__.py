@@ -42,6 +42,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     reference,
     triton,
 )
+from torch_moe_ops.backends.flashinfer import route as flashinfer_route  # noqa: F401
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
