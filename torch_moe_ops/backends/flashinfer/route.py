@@ -38,6 +38,8 @@ backend is asked for by name.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from torch_moe_ops.backends.flashinfer.library import device_reason
@@ -88,7 +90,9 @@ def limits(problem: Problem) -> str | None:
     return None
 
 
+@functools.cache
 def _device_reason(device: torch.device) -> str | None:
+    # Cached: the op asks on every call, and the answer is the machine's.
     reason = device_reason(device, min(CAPABILITIES))
     if reason is not None:
         return reason
