@@ -49,7 +49,8 @@ LIMIT_CASES = {
     "no_renormalize": (dict(renormalize=False),
                        "always renormalizes the chosen weights, got renormalize=False"),
     "fp64_logits": (dict(dtype=torch.float64),
-                    "reads float32, bfloat16 or float16 logits, got torch.float64"),
+                    ("computes in fp32 from float32, bfloat16 or float16 logits, got "
+                     "torch.float64")),
     "top_k_9": (dict(top_k=9), "needs top_k <= 8, got 9"),
     "ungrouped_385_experts": (dict(num_experts=385, groups=1, topk_groups=1),
                               "needs num_experts <= 384 without expert groups, got 385"),

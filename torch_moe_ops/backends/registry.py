@@ -265,8 +265,8 @@ class Registry:
         return self._choose("route", self.route, spec.route, lambda backend: -backend.priority,
                             spec, problem, device)
 
-    def _choose(self, kind: str, backends: dict, name: str, rank, spec: BackendSpec,
-                problem: Problem, device: torch.device):
+    def _choose(self, kind: str, backends: dict, name: str, rank: Callable | None,
+                spec: BackendSpec, problem: Problem, device: torch.device):
         """The backend of ``kind`` called ``name``, or for ``"auto"`` the first in
         ``rank`` order that runs ``problem`` on ``device``."""
         if name == "auto":

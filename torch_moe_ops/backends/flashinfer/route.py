@@ -49,8 +49,8 @@ from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_flashinfer_route"
 # The kernel's bounds (flashinfer-python 0.7.2, csrc/fused_moe/noAuxTcKernels.cu).
-MAX_TOP_K = 8  # MaxNumTopExperts: one lane per chosen expert, 8 registers
-MAX_EXPERTS_UNGROUPED = 384  # NumKimiK2Experts: 3 warps of 128
+MAX_TOP_K = 8  # MaxNumTopExperts: each lane keeps its top-k in 8 registers
+MAX_EXPERTS_UNGROUPED = 384  # NumKimiK2Experts: 3 warps of 128 experts each
 # With groups: one warp per group in a block of 256 threads, one lane per expert,
 # and the final choice reads 4 kept groups (MaxNumTopGroups). Its other two bounds,
 # E <= 256 and experts per group * topk_groups <= 128, follow from these.
@@ -71,7 +71,7 @@ def limits(problem: Problem) -> str | None:
     if problem.renormalize is False:
         return "always renormalizes the chosen weights, got renormalize=False"
     if problem.dtype not in LOGITS_DTYPES:
-        return f"reads float32, bfloat16 or float16 logits, got {problem.dtype}"
+        return f"computes in fp32 from float32, bfloat16 or float16 logits, got {problem.dtype}"
     if problem.top_k is not None and problem.top_k > MAX_TOP_K:
         return f"needs top_k <= {MAX_TOP_K}, got {problem.top_k}"
     groups, num_experts = problem.num_expert_groups, problem.num_experts
