@@ -55,24 +55,26 @@ class MoECompileBackend:
 
     def __repr__(self) -> str:
         return (f"MoECompileBackend(experts={self.spec.experts!r}, a2a={self.spec.a2a!r}, "
-                f"inner={self.inner!r}, mode={self.mode!r})")
+                f"route={self.spec.route!r}, inner={self.inner!r}, mode={self.mode!r})")
 
 
 def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
             mode: str | None = None, options: dict[str, Any] | None = None,
-            dispatch_dtype: torch.dtype | None = None) -> MoECompileBackend:
+            dispatch_dtype: torch.dtype | None = None, route: str = "auto"
+            ) -> MoECompileBackend:
     """A ``torch.compile`` backend that runs the MoE ops on the named backends.
 
     ``experts``: ``"auto"`` (best available for the device and dtype), or a
     registered name (`available_backends()` lists them); ``a2a``: ``"none"`` on one
     device, ``"all_to_all"`` or ``"allgather"`` for layers built with
     ``ep_size > 1``; ``dispatch_dtype``: what tokens travel in (resolved per
-    layer, `torch_moe_ops.backends.dispatch_dtype`). An unregistered or
+    layer, `torch_moe_ops.backends.dispatch_dtype`); ``route``: ``"auto"`` (the
+    fastest that runs each layer's routing), or a registered name. An unregistered or
     unavailable choice raises ValueError when the model is compiled, naming what
     is available and why the choice cannot run the layer.
     """
-    return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a,
-                                         dispatch_dtype=dispatch_dtype), inner, mode, options)
+    return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype,
+                                         route=route), inner, mode, options)
 
 
 def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,

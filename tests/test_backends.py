@@ -114,6 +114,9 @@ def test_available_backends_for_cuda_without_cuda_says_why():
     assert reasons["grouped_mm"] == "needs a CUDA GPU of sm90 or newer, this torch sees none"
     if reasons["triton"] != "triton is not installed (pip install triton)":
         assert reasons["triton"] == "needs a CUDA GPU, this torch sees none"
+    routes = {status.name: status for status in table if status.kind == "route"}
+    assert routes["reference"].available
+    assert routes["flashinfer"].reason == "needs a CUDA device, this torch sees none"
     assert all(status.available or status.reason for status in table)
 
 

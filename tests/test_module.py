@@ -179,6 +179,10 @@ def test_available_backends_lists_reference_and_none():
                for line in lines)
     assert any(re.fullmatch(r"a2a\s+none\s+yes\s+-\s+-\s+single device.*", line)
                for line in lines)
+    assert any(re.fullmatch(r"route\s+reference\s+yes\s+-\s+-\s+plain PyTorch, every "
+                            r"scoring.*", line) for line in lines)
+    assert any(re.fullmatch(r"route\s+flashinfer\s+(yes\s+-\s+-\s+FlashInfer's fused"
+                            r"|no\s+-\s+-\s+\S).*", line) for line in lines)
     assert unsupported.startswith("quantized formats not supported by any backend: nvfp4")
     # Columns line up: every row starts its "available" cell at the header's column.
     column = lines[0].index("available")
@@ -187,5 +191,6 @@ def test_available_backends_lists_reference_and_none():
 
 def test_available_backends_cpu_explicit():
     table = tmo.available_backends("cpu")
-    assert {("experts", "reference"), ("a2a", "none")} <= {
+    assert {("experts", "reference"), ("a2a", "none"), ("route", "reference")} <= {
         (s.kind, s.name) for s in table if s.available}
+    assert {("route", "flashinfer")} <= {(s.kind, s.name) for s in table if not s.available}

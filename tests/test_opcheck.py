@@ -21,7 +21,6 @@ from torch_moe_ops.backends.registry import (
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
-    ROUTE_NAMESPACE,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec, QuantSpec
@@ -81,7 +80,9 @@ def implementations(dtype: torch.dtype, spec: QuantSpec = None
     ``dtype`` (and quantized weights of ``spec``) here, or the reason it does not
     (what the backend's `supports` says)."""
     found = {(GENERIC_NAMESPACE, name): None for name in CONTRACTS}
-    found[(ROUTE_NAMESPACE, "route")] = None
+    found.update({(backend.namespace, "route"):
+                  backend.supports(BackendSpec(route=name), Problem(dtype), CPU)
+                  for name, backend in REGISTRY.route.items()})
     found[(BACKWARD_NAMESPACE, "experts_backward")] = None
     experts_reasons = {name: backend.supports(BackendSpec(experts=name), Problem(dtype), CPU)
                        for name, backend in REGISTRY.experts.items()}

@@ -16,6 +16,7 @@ SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "flashinfer")
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
+ROUTE_BACKEND_NAMES = ("auto", "reference", "flashinfer")
 FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")
 # What a layer may ask its tokens to travel in (`backends.dispatch_dtype` resolves
 # the choice per layer).
@@ -311,7 +312,9 @@ class BackendSpec:
     """Which kernels run the MoE ops, chosen when the model is compiled.
 
     ``experts="auto"`` picks the fastest available experts backend for the
-    device and dtype. ``dispatch_dtype`` asks the tokens to travel in that dtype
+    device and dtype; ``route="auto"`` the fastest routing backend that runs the
+    layer's routing (scoring, groups, top_k, logits' dtype) there, the reference
+    routing where none other does. ``dispatch_dtype`` asks the tokens to travel in that dtype
     (resolved per layer, `torch_moe_ops.backends.dispatch_dtype`; ``None`` leaves
     it to the rule). How weights are quantized is the layer's (`MoEConfig.quant`):
     the experts backend chosen here must have kernels for it.
@@ -320,8 +323,10 @@ class BackendSpec:
     experts: str = "auto"
     a2a: str = "none"
     dispatch_dtype: torch.dtype | None = None
+    route: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES)
         _check_choice("a2a", self.a2a, A2A_BACKEND_NAMES)
+        _check_choice("route", self.route, ROUTE_BACKEND_NAMES)
         _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)

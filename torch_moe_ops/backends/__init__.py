@@ -22,7 +22,9 @@ reference backend; the ``backward`` column of `available_backends()` says which.
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
 them over torch.distributed, ``deepep`` (`deepep`) over DeepEP (eagerly
-``all_to_all`` runs). What several
+``all_to_all`` runs). Routing runs on the highest-priority route backend that
+runs the layer's routing: ``flashinfer`` (`flashinfer.route`, FlashInfer's fused
+DeepSeek-V3 kernel) where its ``supports`` allows, else ``reference``. What several
 backends run (the sort by expert, activations, Triton epilogues, the grouped-GEMM
 path) lives in `common`; backends never import each other.
 """
@@ -43,6 +45,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     triton,
 )
 from torch_moe_ops.backends.flashinfer import experts as flashinfer_experts  # noqa: F401
+from torch_moe_ops.backends.flashinfer import route as flashinfer_route  # noqa: F401
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
@@ -50,7 +53,6 @@ from torch_moe_ops.backends.registry import (
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
-    ROUTE_NAMESPACE,
     BackendTable,
     Problem,
 )
@@ -87,7 +89,7 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
                                                  if b.sends_quantized))
         return a2a.namespace
     if op_name == "route":
-        return ROUTE_NAMESPACE
+        return REGISTRY.choose_route(spec, problem, device).namespace
     raise ValueError(f"op_name must name a generic op ({', '.join(CONTRACTS)}), got {op_name!r}")
 
 

@@ -71,4 +71,12 @@ def problem_of(op_name: str, args: tuple) -> Problem:
     if op_name == "combine_backward":
         grad_out, _, _, _, slot_map, ep_size, _, max_tokens = args
         return _ep_problem(grad_out, slot_map.shape[1], ep_size, max_tokens)
+    if op_name == "route":
+        logits, correction_bias, top_k, scoring, renormalize, groups, topk_groups, _ = args
+        # Read before the op checks its arguments: logits that are not 2-D get the
+        # op's own error there.
+        num_experts = logits.shape[1] if logits.dim() == 2 else None
+        return Problem(dtype=logits.dtype, num_experts=num_experts, top_k=top_k,
+                       scoring=scoring, renormalize=renormalize, num_expert_groups=groups,
+                       topk_groups=topk_groups, correction_bias=correction_bias is not None)
     return Problem(dtype=args[0].dtype)

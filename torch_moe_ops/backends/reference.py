@@ -28,7 +28,7 @@ import torch
 
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common.activation import activation, activation_backward
-from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, RouteBackend
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype
@@ -233,3 +233,6 @@ REGISTRY.register_experts(ExpertsBackend(
     name="reference", namespace=NAMESPACE, layout="rows", supports=supports, priority=0,
     description="plain PyTorch, dense over experts; the correctness oracle",
     backward=supports, quantized_rows=("fp8_token", "fp8_group")))
+REGISTRY.register_route(RouteBackend(
+    name="reference", namespace=NAMESPACE, supports=supports, priority=0,
+    description="plain PyTorch, every scoring and grouping; compiled, Inductor fuses it"))

@@ -6,8 +6,9 @@ where it computes the gradient itself); the gradient of the others runs on the
 reference backend's ``experts_backward``. A2A
 backends implement ``dispatch`` and ``combine`` and the gradients of both
 (``dispatch_backward``, ``combine_backward``: the same transport, reversed), and
-those that send rows quantized to fp8 ``dispatch_quant``. Routing
-runs on the reference ``route`` until a routing backend is registered. A fused
+those that send rows quantized to fp8 ``dispatch_quant``. Route backends
+implement ``route``; its gradient is the op contract's formula on the selection
+the backend made (`torch_moe_ops.ops.route`), whichever backend ran it. A fused
 ``(a2a, experts)`` pair names one namespace that implements all of them in one go.
 
 ``supports(spec, problem, device)`` returns ``None`` when the backend can run the
@@ -35,7 +36,6 @@ QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
 QUANT_A2A_OPS = ("dispatch_quant",)
-ROUTE_NAMESPACE = REFERENCE_NAMESPACE
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -50,7 +50,10 @@ class Problem:
     experts of all ranks, ``num_local_experts`` those of one; ``capacity`` is
     the rows one rank receives from each rank with expert parallelism;
     ``training``: gradients flow through the layer (in a compiled graph, the
-    experts op's output requires grad).
+    experts op's output requires grad). ``scoring``, ``renormalize``,
+    ``num_expert_groups``, ``topk_groups`` and ``correction_bias`` (whether one
+    is given) are the layer's routing, as ``moe::route`` receives it; the
+    problem of a ``moe::route`` call has the router logits' dtype as ``dtype``.
     """
 
     dtype: torch.dtype
@@ -65,6 +68,11 @@ class Problem:
     max_tokens_per_rank: int | None = None
     quant: QuantSpec | None = None
     training: bool | None = None
+    scoring: str | None = None
+    renormalize: bool | None = None
+    num_expert_groups: int | None = None
+    topk_groups: int | None = None
+    correction_bias: bool | None = None
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dtype: torch.dtype) -> Problem:
@@ -74,7 +82,10 @@ class Problem:
                    intermediate_size=cfg.intermediate_size, top_k=cfg.top_k,
                    activation=cfg.activation, ep_size=cfg.ep_size,
                    capacity=cfg.rows_per_rank if cfg.ep_size > 1 else None,
-                   max_tokens_per_rank=cfg.max_tokens_per_rank, quant=cfg.quant)
+                   max_tokens_per_rank=cfg.max_tokens_per_rank, quant=cfg.quant,
+                   scoring=cfg.scoring, renormalize=cfg.renormalize,
+                   num_expert_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
+                   correction_bias=cfg.correction_bias)
 
     def merged(self, other: Problem) -> Problem:
         """The fields either knows (this one's where both do): one layer's ops
@@ -149,10 +160,30 @@ class A2ABackend:
 
 
 @dataclasses.dataclass(frozen=True)
+class RouteBackend:
+    """A routing backend: its ``route`` lives in ``torch.ops.<namespace>``.
+
+    ``priority`` orders the candidates of ``route="auto"`` (highest first);
+    ``supports`` reads the routing from the `Problem` (a field it needs that is
+    ``None`` rules nothing out: `available_backends` knows only the dtype).
+    """
+
+    name: str
+    namespace: str
+    supports: SupportsFn
+    priority: int
+    description: str
+
+    def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
+        return self.supports(spec, problem, device)
+
+
+@dataclasses.dataclass(frozen=True)
 class BackendStatus:
     """One row of `BackendTable`. ``backward``: where an available experts
     backend's gradient runs (``"own"`` or ``"reference"``); ``"-"`` for an
-    unavailable one and for a2a backends (whose gradients are their transport, reversed).
+    unavailable one, for a2a backends (whose gradients are their transport,
+    reversed) and for route backends (the op contract's formula, on any of them).
     ``quantized``: the weight formats (`QuantSpec.weights`) an available experts
     backend runs with their default activations, ``"-"`` for none."""
 
@@ -184,6 +215,7 @@ class Registry:
     def __init__(self) -> None:
         self.experts: dict[str, ExpertsBackend] = {}
         self.a2a: dict[str, A2ABackend] = {}
+        self.route: dict[str, RouteBackend] = {}
         self.fused: dict[tuple[str, str], str] = {}
         self.adapters: dict[tuple[str, str], str] = {}
 
@@ -200,6 +232,9 @@ class Registry:
     def register_a2a(self, backend: A2ABackend) -> None:
         self.a2a[backend.name] = backend
 
+    def register_route(self, backend: RouteBackend) -> None:
+        self.route[backend.name] = backend
+
     def register_fused(self, a2a: str, experts: str, namespace: str) -> None:
         self.fused[(a2a, experts)] = namespace
 
@@ -212,38 +247,47 @@ class Registry:
 
         Raises ValueError naming what is registered and why the choice is out.
         """
-        if spec.experts == "auto":
-            def rank(backend: ExpertsBackend) -> int:
-                if problem.training and backend.training_priority is not None:
-                    return -backend.training_priority
-                return -backend.priority
+        def rank(backend: ExpertsBackend) -> int:
+            if problem.training and backend.training_priority is not None:
+                return -backend.training_priority
+            return -backend.priority
 
-            candidates = sorted(self.experts.values(), key=rank)
-            for backend in candidates:
-                if backend.why_not(spec, problem, device) is None:
-                    return backend
-            raise ValueError(f"no experts backend runs on {device} with {problem.dtype}: "
-                             + self._why_not(self.experts, spec, problem, device))
-        backend = self._lookup("experts", self.experts, spec.experts)
-        reason = backend.why_not(spec, problem, device)
-        if reason is not None:
-            raise ValueError(f"experts backend {spec.experts!r} is not available: {reason}; "
-                             + self._available("experts", self.experts, spec, problem, device))
-        return backend
+        return self._choose("experts", self.experts, spec.experts, rank, spec, problem, device)
 
     def choose_a2a(self, spec: BackendSpec, problem: Problem, device: torch.device) -> A2ABackend:
-        backend = self._lookup("a2a", self.a2a, spec.a2a)
+        return self._choose("a2a", self.a2a, spec.a2a, None, spec, problem, device)
+
+    def choose_route(self, spec: BackendSpec, problem: Problem,
+                     device: torch.device) -> RouteBackend:
+        """The routing backend ``spec.route`` names, or for ``"auto"`` the
+        highest-priority one that runs ``problem``'s routing here (the reference
+        runs every routing). Raises ValueError as `choose_experts` does."""
+        return self._choose("route", self.route, spec.route, lambda backend: -backend.priority,
+                            spec, problem, device)
+
+    def _choose(self, kind: str, backends: dict, name: str, rank: Callable | None,
+                spec: BackendSpec, problem: Problem, device: torch.device):
+        """The backend of ``kind`` called ``name``, or for ``"auto"`` the first in
+        ``rank`` order that runs ``problem`` on ``device``."""
+        if name == "auto":
+            for backend in sorted(backends.values(), key=rank):
+                if backend.why_not(spec, problem, device) is None:
+                    return backend
+            raise ValueError(f"no {kind} backend runs on {device} with {problem.dtype}: "
+                             + self._why_not(backends, spec, problem, device))
+        backend = self._lookup(kind, backends, name)
         reason = backend.why_not(spec, problem, device)
         if reason is not None:
-            raise ValueError(f"a2a backend {spec.a2a!r} is not available: {reason}; "
-                             + self._available("a2a", self.a2a, spec, problem, device))
+            raise ValueError(f"{kind} backend {name!r} is not available: {reason}; "
+                             + self._available(kind, backends, spec, problem, device))
         return backend
 
     def status(self, device: torch.device, dtype: torch.dtype) -> BackendTable:
         table = BackendTable()
-        for kind, backends in (("experts", self.experts), ("a2a", self.a2a)):
+        for kind, backends in (("experts", self.experts), ("a2a", self.a2a),
+                               ("route", self.route)):
             for backend in backends.values():
-                spec = BackendSpec(a2a=backend.name) if kind == "a2a" else BackendSpec()
+                spec = BackendSpec() if kind == "experts" else BackendSpec(**{kind: backend.name})
                 problem = Problem(dtype)
                 reason = backend.supports(spec, problem, device)
                 backward = quantized = "-"
