@@ -291,7 +291,7 @@ def test_supports_without_flashinfer(gpu, monkeypatch):
 
 
 def test_supports_off_a_gpu():
-    table = {s.name: s for s in tmo.available_backends("cpu")}
+    table = {s.name: s for s in tmo.available_backends("cpu") if s.kind == "experts"}
     assert not table["flashinfer"].available
     assert table["flashinfer"].reason == "needs a CUDA device, got cpu"
 
@@ -359,7 +359,7 @@ def test_supports_says_which_formats_run(built, gpu, spec):
 
 
 def test_available_backends_lists_it_with_its_formats(built, gpu):
-    row = {s.name: s for s in tmo.available_backends("cuda")}["flashinfer"]
+    row = {(s.kind, s.name): s for s in tmo.available_backends("cuda")}[("experts", "flashinfer")]
     assert row.available and row.quantized == "fp8_block" and row.backward == "reference"
 
 
@@ -378,7 +378,7 @@ torch.cuda.is_available = lambda: True
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.registry import REGISTRY, Problem
-rows = {{s.name: s for s in tmo.available_backends("cuda")}}
+rows = {{s.name: s for s in tmo.available_backends("cuda") if s.kind == "experts"}}
 assert not rows["flashinfer"].available and "is not built" in rows["flashinfer"].reason
 try:
     REGISTRY.choose_experts(tmo.BackendSpec(experts="flashinfer"), Problem(torch.bfloat16),

@@ -38,8 +38,6 @@ backend is asked for by name.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from torch_moe_ops.backends.flashinfer.library import device_reason
@@ -90,9 +88,7 @@ def limits(problem: Problem) -> str | None:
     return None
 
 
-@functools.cache
 def _device_reason(device: torch.device) -> str | None:
-    # Cached: the op asks on every call, and the answer is the machine's.
     reason = device_reason(device, min(CAPABILITIES))
     if reason is not None:
         return reason
