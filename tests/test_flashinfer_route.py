@@ -343,10 +343,12 @@ def decision_margins(logits_TE, bias_E, top_k, groups, topk_groups) -> torch.Ten
     return margin_T
 
 
-def assert_matches_reference(args, weights_TK, ids_TK, tie=1e-6):
+def assert_matches_reference(args, weights_TK, ids_TK, tie=1e-5):
     """Same expert set per token as the reference, weights within fp32 rounding;
-    a token whose choice is tied to within ``tie`` (fp32 rounding of the scores,
-    or bf16 logits that are equal) may choose otherwise, and is not compared."""
+    a token whose choice is tied to within ``tie`` (bf16 logits that are equal, or
+    scores closer than the kernel's and torch's sigmoids agree: with 1e-6, one of
+    4096 fp32 tokens chose otherwise on an H200) may choose otherwise, and is not
+    compared."""
     ref_weights_TK, ref_ids_TK = torch.ops.moe_reference.route(*args)
     assert weights_TK.dtype == torch.float32 and ids_TK.dtype == torch.int32
     ids_TK, order_TK = ids_TK.sort(dim=-1)
