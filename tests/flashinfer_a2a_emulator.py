@@ -21,7 +21,8 @@ tests/test_flashinfer_a2a_gpu.py runs the real ones.
 - ``moe_a2a_sanitize_expert_ids``: the given id in every column of the positions no token
   came to in the last dispatch.
 - ``moe_a2a_combine``: the payload is staged into the combine region; each token's rows at
-  its positions on the ranks it went to are summed in fp32, returned in the payload's dtype.
+  its positions on the ranks it went to are summed in fp32, returned in the payload's dtype
+  (or written into ``output``).
 - Dispatch and combine alternate on a workspace (the kernels' completion flags assume it):
   a second dispatch before the combine, or a combine without a dispatch, raises.
 """
@@ -303,7 +304,11 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
     _check(tuple(payload.shape[:2]) == (ep_size, max_tokens), "payload shape")
     _check(payload.dtype in COMBINE_DTYPES, "Unsupported dtype for MoE combine")
     _check(top_k in TOP_K_VALUES, f"Unsupported top_k {top_k}")
-    assert output_dtype is None and output_scales is None and output is None
+    assert output_dtype is None and output_scales is None
+    if output is not None:
+        _check(output.is_contiguous() and output.dtype == payload.dtype
+               and tuple(output.shape) == (local_num_tokens, payload.shape[2]),
+               "output must be a contiguous [local_num_tokens, hidden] tensor of payload's dtype")
     assert not use_low_precision and not enable_rank_mask
     _check(state.phase == "dispatched", "combine without a dispatch before it")
     _check(local_num_tokens == state.num_tokens, "local_num_tokens is not the dispatch's")
@@ -327,4 +332,6 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
                 target, position = slot
                 out[t] += back[target][position].float()
     state.phase = "idle"
-    return out.to(payload.dtype)
+    if output is None:
+        return out.to(payload.dtype)
+    return output.copy_(out)

@@ -216,9 +216,11 @@ class FlashInferCommunicator:
             raise RuntimeError(f"a2a backend 'flashinfer': combine before any dispatch on "
                                f"{self!r}")
         payload_PMX = payload_NX.contiguous().view(self.ep_size, self.max_tokens_per_rank, -1)
+        # Allocated here, by torch's allocator: what a CUDA graph being captured can hold.
+        out_TX = payload_NX.new_empty((num_tokens, payload_PMX.shape[2]))
         return api().moe_a2a_combine(payload_PMX, num_tokens, self.workspace, self.metainfo,
                                      self.max_tokens_per_rank, self.rank, self.ep_size,
-                                     self.top_k, self.received.combine_offset)
+                                     self.top_k, self.received.combine_offset, output=out_TX)
 
     def alias(self, view: torch.Tensor) -> torch.Tensor:
         """A tensor over ``view``'s memory with storage offset 0, as the op's fake has it

@@ -60,7 +60,11 @@ def largest_max_tokens(free_bytes: int, ep_size: int, hidden_size: int, top_k: i
     """The largest ``max_tokens_per_rank`` whose payload regions fit in ``free_bytes``."""
     per_position = (dispatch_bytes_per_token(hidden_size, top_k, dtype)
                     + combine_bytes_per_token(hidden_size, dtype))
-    return max(0, free_bytes // (ep_size * per_position))
+    tokens = free_bytes // (ep_size * per_position)
+    # The regions' padding may take the last one back.
+    while tokens > 0 and payload_bytes(ep_size, tokens, hidden_size, top_k, dtype) > free_bytes:
+        tokens -= 1
+    return tokens
 
 
 def why_not_fits(workspace_bytes: int, available_bytes: int, ep_size: int,
