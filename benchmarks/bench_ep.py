@@ -27,8 +27,9 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    flashinfer-python runs): its rows ops as a captured dispatch + combine pair, eager only
    (they stay whole in a compiled graph); then its fused pairs' transport, ``dispatch_tokens``
    + ``combine_tokens`` with the receive buffers sent back untouched (mode ``tokens``), and
-   FlashInfer's own round trip, ``MoeAlltoAll.dispatch`` + ``.combine`` of the same payloads
-   called directly, captured alike: its yardstick (target: tokens within 1.1x of it).
+   FlashInfer's own round trip, ``MoeAlltoAll.dispatch`` (with its id sanitizer) +
+   ``.combine`` of the same payloads called directly, captured alike: its yardstick (target:
+   tokens within 1.1x of it; rows sort and gather on top and are judged against it too).
 2. raw NCCL, captured alike: ``dist.all_to_all_single`` of the same padded
    ``[P * C, H]`` buffers, forward and back (the bytes dispatch and combine move),
    the same at the even share (what an exactly sized exchange would move), and
@@ -391,16 +392,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
     """FlashInfer's own round trip, the yardstick of the flashinfer backend:
-    ``MoeAlltoAll.dispatch`` of the payloads the backend sends (activations, fp32 weights,
-    int32 ids with the token index) and ``MoeAlltoAll.combine`` of the received activations,
-    called directly on a workspace of its own, captured as a pair; checked once."""
+    ``MoeAlltoAll.dispatch`` of the payloads the fused pairs send (activations, fp32 weights,
+    int32 ids, which its sanitizer marks at padding, as SGLang runs it) and
+    ``MoeAlltoAll.combine`` of the received activations, called directly on a workspace of
+    its own, captured as a pair; checked once."""
     from flashinfer.comm import MoeAlltoAll
 
     num_experts, tokens = case
     lib = flashinfer_a2a.api()
     hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
-    index_T1 = torch.arange(tokens, dtype=torch.int32, device=run.device).unsqueeze(1)
-    meta_TX = torch.cat([ids_TK, index_T1], 1)
     mapping = lib.Mapping(world_size=run.world, rank=run.rank, gpus_per_node=run.world,
                           tp_size=run.world, moe_ep_size=run.world)
     workspace_bytes = lib.moe_a2a_get_workspace_size_per_rank(
@@ -416,7 +416,8 @@ def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
     out_TH = torch.empty_like(hidden_TH)
 
     def pair():
-        received = alltoall.dispatch(ids_TK, [hidden_TH, weights_TK, meta_TX], tokens)
+        received = alltoall.dispatch(ids_TK, [hidden_TH, weights_TK, ids_TK], tokens,
+                                     invalid_token_expert_id=-1, expert_id_payload_index=2)
         return alltoall.combine(received[0], tokens, output=out_TH)
 
     error = relative_error(pair(), round_trip_expected(hidden_TH, ids_TK, num_experts,

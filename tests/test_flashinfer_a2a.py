@@ -201,8 +201,12 @@ def test_receive_positions_become_keys_and_local_ids():
     assert key_N.tolist() == [1, -1, 2, 3]
     assert a2a._positions(key_N).tolist() == [-1, 0, 2, 3]
     ids_NK = torch.tensor([[2, 0], [3, -1], [1, 2]], dtype=torch.int32)
-    assert a2a._local_ids(ids_NK, rank=1, num_local=2).tolist() == [[0, -1], [1, -1], [-1, 0]]
     assert a2a._ranks_of(ids_NK, num_local=2).tolist() == [[1, 0], [1, -1], [0, 1]]
+    # Rank 1 of 2 with 4 experts: one lookup, -1 (padding, skipped) reads the last entry.
+    rank_one = a2a.FlashInferCommunicator.__new__(a2a.FlashInferCommunicator)
+    rank_one.rank, rank_one.ep_size, rank_one.local_tables = 1, 2, {}
+    local_NK = rank_one.local_ids(ids_NK, num_experts=4)
+    assert local_NK.tolist() == [[0, -1], [1, -1], [-1, 0]] and local_NK.dtype == torch.int32
 
 
 def test_rows_are_summed_into_the_position_of_their_token():

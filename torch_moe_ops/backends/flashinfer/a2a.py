@@ -15,10 +15,10 @@ call to call; the rest of a block is padding, left as earlier calls wrote it, wh
 payload ``moe_a2a_sanitize_expert_ids`` sets to -1. ``moe_a2a_combine`` reads, for each
 token, the ``[H]`` row at its position on each rank it went to and sums them in fp32: a
 receiving rank hands back one row per position, already weighted and summed over its own
-experts. The payloads are the activations ``[T, H]``, the expert ids with the token's index
-``[T, K + 1]`` int32 (-1 kept for skipped slots) and the routing weights ``[T, K]`` fp32.
-The kernels route by the rank of each slot's expert (as ids of ``P`` one-expert ranks; a
-skipped slot goes to this rank, which it costs nothing: it has no expert there).
+experts. The payloads are the activations ``[T, H]``, the routing weights ``[T, K]`` fp32,
+the expert ids ``[T, K]`` int32 (-1 kept for skipped slots) and, for rows, each token's
+index ``[T, 1]`` int32. The kernels route by expert id; a skipped slot is routed as
+expert 0 (they have no "nowhere"), and the token finds none of its experts there.
 
 Dispatch and combine must alternate on a workspace: dispatch writes into its peers' memory
 without waiting for them, and only combine's completion flags tell a rank that its peers are
@@ -30,17 +30,20 @@ Rows (``moe::dispatch``): the received (position, slot) pairs whose expert is lo
 out by key, ``key * K + k`` (the allgather backend's gathered slot), and sorted by expert:
 rows of expert e in key order, whatever order the tokens arrived in. ``src_R`` is that slot
 and ``slot_map_TK`` the rank of each of this rank's slots (-1: skipped), what the gradients
-route by. Combine sums each received token's weighted rows in slot order (fp32) into its
-position and hands ``[N, H]`` to ``moe_a2a_combine``. The gradient of combine sends
-``grad_out`` with each token's index and gathers each row's token gradient by key; the
-gradient of dispatch sends the token indices, sums the rows' gradients into their positions
-and combines them; the routing weights' gradients go home by one ``all_to_all`` of ``[G, K]``
-fp32 over the group (each slot is nonzero on the rank of its expert only).
+route by (as ids of ``P`` one-expert ranks). Combine sums each received token's weighted
+rows in slot order (fp32) into its position and hands ``[N, H]`` to ``moe_a2a_combine``.
+The gradient of combine sends ``grad_out`` with each token's index and gathers each row's
+token gradient by key; the gradient of dispatch sends the token indices, sums the rows'
+gradients into their positions and combines them; the routing weights' gradients go home
+by one ``all_to_all`` of ``[G, K]`` fp32 over the group (each slot is nonzero on the rank of
+its expert only).
 
-Tokens (`ops.tokens`, for fused pairs): the same dispatch, the receive buffers handed over as
-they are (``[N, H]`` and ``[N, K]`` tensors over the workspace, no copy) with the ids
-translated to local experts, and ``combine_tokens`` hands the experts' ``[N, H]`` to
-``moe_a2a_combine``. The buffers are the next dispatch's: inference only.
+Tokens (`ops.tokens`, for fused pairs): the same dispatch without the token index, the
+receive buffers handed over as they are (``[N, H]`` and ``[N, K]`` tensors over the
+workspace, no copy) with the ids translated to local experts by one lookup, and
+``combine_tokens`` hands the experts' ``[N, H]`` to ``moe_a2a_combine``: beside FlashInfer's
+own round trip (dispatch with its id sanitizer, combine), two small kernels (the routing's
+-1 made 0, the lookup). The buffers are the next dispatch's: inference only.
 
 State: one `FlashInferCommunicator` per (group, H, K, M, dtype) holds the workspace, sized
 once from the shape (`a2a_sizes`: ``moe_a2a_get_workspace_size_per_rank``), checked against
@@ -138,10 +141,10 @@ def _free_bytes(device: torch.device) -> int | None:
 @dataclasses.dataclass
 class _Received:
     """What the last dispatch left for its combine: where its combine payload goes, and
-    the ids and token indices it delivered (``[N, K + 1]``, -1 at padding)."""
+    (rows) the token index at each receive position (``[N, 1]``, -1 at padding)."""
 
     combine_offset: int
-    meta_NX: torch.Tensor | None
+    token_N1: torch.Tensor | None = None
 
 
 class FlashInferCommunicator:
@@ -188,6 +191,7 @@ class FlashInferCommunicator:
         self.received: _Received | None = None
         self.recv_views: dict = {}
         self.aliases: dict = {}
+        self.local_tables: dict = {}
 
     def __repr__(self) -> str:
         state = "closed" if self.memory is None else "open"
@@ -196,19 +200,30 @@ class FlashInferCommunicator:
                 f"{self.dtype}, workspace {self.workspace_bytes / sizes.GIB:.3f} GiB per rank, "
                 f"{state})")
 
-    def dispatch(self, ranks_TK: torch.Tensor, payloads: list[torch.Tensor]
+    def dispatch(self, ids_TK: torch.Tensor, num_experts: int, payloads: list[torch.Tensor]
                  ) -> list[torch.Tensor]:
-        """``payloads`` (each ``[T, X]``; the last int32, its padding set to -1) to the
-        ranks in ``ranks_TK`` (-1: none): ``[N, X]`` views of the workspace."""
-        routing_TK = torch.where(ranks_TK < 0, self.rank, ranks_TK).to(torch.int32)
+        """``payloads`` (each ``[T, X]``; the last int32, -1 written at its padding) to the
+        ranks that hold the experts ``ids_TK`` (int32 of ``num_experts``; -1 skips):
+        ``[N, X]`` views of the workspace."""
         views, combine_offset, _ = api().moe_a2a_dispatch(
-            routing_TK.contiguous(), [p.contiguous() for p in payloads], self.workspace,
+            ids_TK.clamp(min=0), [p.contiguous() for p in payloads], self.workspace,
             self.metainfo, self.max_tokens_per_rank, self.rank, self.ep_size, self.top_k,
-            self.ep_size, recv_view_cache=self.recv_views)
+            num_experts, recv_view_cache=self.recv_views)
         api().moe_a2a_sanitize_expert_ids(views[-1], self.workspace, self.metainfo,
                                           self.rank, -1)
-        self.received = _Received(combine_offset, None)
+        self.received = _Received(combine_offset)
         return [view.view(self.num_positions, -1) for view in views]
+
+    def local_ids(self, ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """``[N, K]`` int32: ids of this rank's experts made local, -1 for all others (one
+        lookup in a table of ``num_experts + 1`` entries whose last, index -1, is -1)."""
+        if num_experts not in self.local_tables:
+            num_local = num_experts // self.ep_size
+            table = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=ids_NK.device)
+            table[self.rank * num_local:(self.rank + 1) * num_local] = torch.arange(
+                num_local, dtype=torch.int32, device=ids_NK.device)
+            self.local_tables[num_experts] = table
+        return self.local_tables[num_experts][ids_NK]
 
     def combine(self, payload_NX: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[T, X]``: each token's rows at its positions on the ranks it went to, summed."""
@@ -240,7 +255,7 @@ class FlashInferCommunicator:
                 torch.cuda.synchronize(self.device)
             # No rank frees its part while a peer may still read it.
             self.comm.barrier()
-            self.received, self.recv_views, self.aliases = None, {}, {}
+            self.received, self.recv_views, self.aliases, self.local_tables = None, {}, {}, {}
             self.workspace = self.metainfo = self.memory = None
         key = _key(self.group_name, self.hidden_size, self.top_k, self.max_tokens_per_rank,
                    self.dtype)
@@ -327,13 +342,6 @@ def _ranks_of(topk_ids_TK: torch.Tensor, num_local: int) -> torch.Tensor:
     return torch.where(ids_TK < 0, -1, ids_TK // num_local).to(torch.int32)
 
 
-def _local_ids(ids_NK: torch.Tensor, rank: int, num_local: int) -> torch.Tensor:
-    """``[N, K]`` int32: ids of this rank's experts made local, -1 for all others."""
-    first = rank * num_local
-    mine_NK = (ids_NK >= first) & (ids_NK < first + num_local)
-    return torch.where(mine_NK, ids_NK - first, -1).to(torch.int32)
-
-
 def _keys(token_N: torch.Tensor, max_tokens: int) -> torch.Tensor:
     """``[N]`` int64: the key of the token at each receive position, -1 at padding."""
     source_N = torch.arange(token_N.shape[0], device=token_N.device) // max_tokens
@@ -344,16 +352,12 @@ def _token_index(num_tokens: int, device: torch.device) -> torch.Tensor:
     return torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
 
 
-def _send_tokens(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts):
-    """The forward dispatch of both formats: ``(x [N, H], ids and token index [N, K + 1]
-    int32, -1 at padding, weights [N, K] fp32)``, views of the workspace."""
+def _send_tokens(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *extra):
+    """The forward dispatch of both formats: ``[x [N, H], weights [N, K] fp32, ids [N, K]
+    int32, *extra]``, views of the workspace (the last one with -1 at padding)."""
     ids_TK = topk_ids_TK.to(torch.int32)
-    meta_TX = torch.cat([ids_TK, _token_index(ids_TK.shape[0], ids_TK.device)], 1)
-    x_NH, weights_NK, meta_NX = comm.dispatch(
-        _ranks_of(ids_TK, num_experts // comm.ep_size),
-        [hidden_TH, topk_weights_TK.float(), meta_TX])
-    comm.received.meta_NX = meta_NX
-    return x_NH, meta_NX, weights_NK
+    return comm.dispatch(ids_TK, num_experts, [hidden_TH, topk_weights_TK.float(), ids_TK,
+                                               *extra])
 
 
 def _sum_received(rows_RH, src_R, key_N, top_k) -> torch.Tensor:
@@ -377,14 +381,17 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     _check_activations("hidden", hidden_TH)
     top_k = topk_ids_TK.shape[1]
     num_local = num_experts // ep_size
-    rank = collectives.rank_in(group_name, ep_size)
+    collectives.rank_in(group_name, ep_size)
     with _on(hidden_TH.device):
         comm = communicator(group_name, hidden_TH.shape[1], top_k, max_tokens_per_rank,
                             hidden_TH.dtype, hidden_TH.device)
-        x_NH, meta_NX, weights_NK = _send_tokens(comm, hidden_TH, topk_weights_TK,
-                                                 topk_ids_TK, num_experts)
-        position_G = _positions(_keys(meta_NX[:, -1], max_tokens_per_rank))
-        local_GK = gather_rows(_local_ids(meta_NX[:, :-1], rank, num_local) + 1, position_G) - 1
+        index_T1 = _token_index(topk_ids_TK.shape[0], topk_ids_TK.device)
+        x_NH, weights_NK, ids_NK, token_N1 = _send_tokens(
+            comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, index_T1)
+        comm.received.token_N1 = token_N1
+        position_G = _positions(_keys(token_N1[:, 0], max_tokens_per_rank))
+        # Ids in key order first: those at padding positions (not sanitized here) are garbage.
+        local_GK = comm.local_ids(gather_rows(ids_NK + 1, position_G) - 1, num_experts)
         if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
             collectives.check_capacity((local_GK >= 0).view(ep_size, -1).sum(1), capacity,
                                        group_name, "a rank holds the experts of more of "
@@ -407,11 +414,11 @@ def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_
     with _on(y_RH.device):
         comm = _opened(group_name, ep_size, y_RH.shape[1], top_k, max_tokens_per_rank,
                        y_RH.dtype)
-        meta_NX = comm.received.meta_NX if comm.received is not None else None
-        if meta_NX is None:
+        token_N1 = comm.received.token_N1 if comm.received is not None else None
+        if token_N1 is None:
             raise RuntimeError(f"a2a backend 'flashinfer': combine must follow the dispatch "
                                f"of its layer on {comm!r}")
-        key_N = _keys(meta_NX[:, -1], max_tokens_per_rank)
+        key_N = _keys(token_N1[:, 0], max_tokens_per_rank)
         summed_NH = _sum_received(weighted_rows(y_RH, weight_R, src_R), src_R, key_N, top_k)
         return comm.combine(summed_NH, num_tokens)
 
@@ -420,7 +427,7 @@ def _send_back_keys(comm, slot_map_TK, payloads=()) -> tuple[torch.Tensor, list]
     """A dispatch of each token's index (and ``payloads``) along ``slot_map_TK``: the key
     at each receive position of this round and the received payloads."""
     index_T1 = _token_index(slot_map_TK.shape[0], slot_map_TK.device)
-    *received, token_N1 = comm.dispatch(slot_map_TK, [*payloads, index_T1])
+    *received, token_N1 = comm.dispatch(slot_map_TK, comm.ep_size, [*payloads, index_T1])
     return _keys(token_N1[:, 0], comm.max_tokens_per_rank), received
 
 
@@ -461,14 +468,13 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
                     max_tokens_per_rank):
     _check_activations("hidden", hidden_TH)
-    rank = collectives.rank_in(group_name, ep_size)
+    collectives.rank_in(group_name, ep_size)
     with _on(hidden_TH.device):
         comm = communicator(group_name, hidden_TH.shape[1], topk_ids_TK.shape[1],
                             max_tokens_per_rank, hidden_TH.dtype, hidden_TH.device)
-        x_NH, meta_NX, weights_NK = _send_tokens(comm, hidden_TH, topk_weights_TK,
-                                                 topk_ids_TK, num_experts)
-        local_NK = _local_ids(meta_NX[:, :-1], rank, num_experts // ep_size)
-        return comm.alias(x_NH), comm.alias(weights_NK), local_NK
+        x_NH, weights_NK, ids_NK = _send_tokens(comm, hidden_TH, topk_weights_TK, topk_ids_TK,
+                                                num_experts)
+        return comm.alias(x_NH), comm.alias(weights_NK), comm.local_ids(ids_NK, num_experts)
 
 
 def combine_tokens(y_NH, topk_ids_TK, ep_size, group_name, max_tokens_per_rank):
