@@ -206,7 +206,7 @@ class FlashInferCommunicator:
         ranks that hold the experts ``ids_TK`` (int32 of ``num_experts``; -1 skips):
         ``[N, X]`` views of the workspace."""
         views, combine_offset, _ = api().moe_a2a_dispatch(
-            ids_TK.clamp(min=0), [p.contiguous() for p in payloads], self.workspace,
+            ids_TK.clamp(min=0).contiguous(), [p.contiguous() for p in payloads], self.workspace,
             self.metainfo, self.max_tokens_per_rank, self.rank, self.ep_size, self.top_k,
             num_experts, recv_view_cache=self.recv_views)
         api().moe_a2a_sanitize_expert_ids(views[-1], self.workspace, self.metainfo,
