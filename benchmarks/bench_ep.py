@@ -23,7 +23,13 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    low-latency mode at T=128, normal mode at T=4096, eager only (its ops stay whole
    in a compiled graph); DeepEP's own tests (tests/test_intranode.py,
    tests/test_low_latency.py) run at the same sizes in the same call
-   (`scripts/ep_gpu_check.sh`), and are its yardstick.
+   (`scripts/ep_gpu_check.sh`), and are its yardstick. ``flashinfer`` (where
+   flashinfer-python runs): its rows ops as a captured dispatch + combine pair, eager only
+   (they stay whole in a compiled graph); then its fused pairs' transport, ``dispatch_tokens``
+   + ``combine_tokens`` with the receive buffers sent back untouched (mode ``tokens``), and
+   FlashInfer's own round trip, ``MoeAlltoAll.dispatch`` (with its id sanitizer) +
+   ``.combine`` of the same payloads called directly, captured alike: its yardstick (target:
+   tokens within 1.1x of it; rows sort and gather on top and are judged against it too).
 2. raw NCCL, captured alike: ``dist.all_to_all_single`` of the same padded
    ``[P * C, H]`` buffers, forward and back (the bytes dispatch and combine move),
    the same at the even share (what an exactly sized exchange would move), and
@@ -41,6 +47,7 @@ Bytes one rank sends its peers (GB/s = those bytes / time):
     all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
     allgather   (P-1) * M * (2*H*b + 8*K) all-gather of tokens, ids, weights + reduce-scatter
     deepep      (P-1) * M * 2*H*b         each token to each peer at most once, there and back
+    flashinfer  (P-1) * M * (2*H*b + 8*K + 4)  the same, with ids, weights and token index
     raw a2a     2 * (P-1) * C * H * b     (even share: C = T * K / P)
     raw ag+rs   2 * (P-1) * M * H * b
 
@@ -78,20 +85,26 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.flashinfer import a2a as flashinfer_a2a
+from torch_moe_ops.backends.flashinfer import a2a_sizes as flashinfer_sizes
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import op_overload
 
 # The a2a backends measured, where they run; one registered later joins with its name here.
-A2A_NAMES = ("all_to_all", "allgather", "deepep")
-# Those whose ops stay whole in compiled graphs (DeepEP's kernels): compiled is eager.
-EAGER_ONLY_A2A_NAMES = ("deepep",)
+A2A_NAMES = ("all_to_all", "allgather", "deepep", "flashinfer")
+# Those whose ops stay whole in compiled graphs (DeepEP's and FlashInfer's kernels):
+# compiled is eager.
+EAGER_ONLY_A2A_NAMES = ("deepep", "flashinfer")
 # Those captured and timed as a dispatch + combine pair: DeepEP's low-latency kernels
-# alternate between two buffers call by call, so a replayed graph must hold both.
-PAIRED_A2A_NAMES = ("deepep",)
+# alternate between two buffers call by call, and FlashInfer's dispatch must be answered by
+# its combine before the next dispatch, so a replayed graph must hold both.
+PAIRED_A2A_NAMES = ("deepep", "flashinfer")
 # Those whose transport shrinks with a capacity below the worst case.
 CAPACITY_A2A_NAMES = ("all_to_all",)
 TARGET_TRANSPORT = 1.2
+# The flashinfer fused pairs' transport against FlashInfer's own round trip.
+TARGET_FLASHINFER = 1.1
 TARGET_LAYER = 1.3
 DTYPE_BYTES = 2
 
@@ -239,6 +252,8 @@ def release_communicators(a2a: str) -> None:
     which one process initialises for one communicator at a time)."""
     if a2a == "deepep":
         deepep.close_all()
+    if a2a == "flashinfer":
+        flashinfer_a2a.close_all()
 
 
 def worst_capacity(tokens: int, top_k: int, num_experts: int, world: int) -> int:
@@ -265,6 +280,8 @@ def bytes_sent(a2a: str, run: Run, sizes: Sizes, tokens: int, capacity: int) -> 
         return peers * capacity * (2 * row + 8)
     if a2a == "deepep":
         return peers * tokens * 2 * row
+    if a2a == "flashinfer":
+        return peers * tokens * (2 * row + 8 * sizes.top_k + 4)
     return 0  # a backend whose formula is not written here: no GB/s
 
 
@@ -360,6 +377,84 @@ def time_raw_gather_scatter(run: Run, sizes: Sizes, tokens: int) -> dict:
             "gb_per_s": sent / (there_s + back_s) / 1e9}
 
 
+def round_trip_expected(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int,
+                        world: int) -> torch.Tensor:
+    """Each token sent once to every rank that holds one of its experts and summed back
+    untouched: ``hidden * the ranks it went to`` (fp32)."""
+    ranks_TK = ids_TK.long() // (num_experts // world)
+    went_TP = torch.zeros(ids_TK.shape[0], world, device=ids_TK.device).scatter_(1, ranks_TK, 1.0)
+    return hidden_TH.float() * went_TP.sum(1, keepdim=True)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected).norm() / expected.norm().clamp(min=1e-12)).item()
+
+
+def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
+    """FlashInfer's own round trip, the yardstick of the flashinfer backend:
+    ``MoeAlltoAll.dispatch`` of the payloads the fused pairs send (activations, fp32 weights,
+    int32 ids, which its sanitizer marks at padding, as SGLang runs it) and
+    ``MoeAlltoAll.combine`` of the received activations, called directly on a workspace of
+    its own, captured as a pair; checked once."""
+    from flashinfer.comm import MoeAlltoAll
+
+    num_experts, tokens = case
+    lib = flashinfer_a2a.api()
+    hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
+    mapping = lib.Mapping(world_size=run.world, rank=run.rank, gpus_per_node=run.world,
+                          tp_size=run.world, moe_ep_size=run.world)
+    workspace_bytes = lib.moe_a2a_get_workspace_size_per_rank(
+        run.world, tokens,
+        flashinfer_sizes.dispatch_bytes_per_token(sizes.hidden, sizes.top_k, run.dtype),
+        flashinfer_sizes.combine_bytes_per_token(sizes.hidden, run.dtype))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "MoeAlltoAll is deprecated", DeprecationWarning)
+        alltoall = MoeAlltoAll(mapping, tokens, sizes.top_k, num_experts,
+                               workspace_size_per_rank=workspace_bytes,
+                               mnnvl_config=lib.MnnvlConfig(
+                                   comm_backend=lib.TorchDistBackend(run.group)))
+    out_TH = torch.empty_like(hidden_TH)
+
+    def pair():
+        received = alltoall.dispatch(ids_TK, [hidden_TH, weights_TK, ids_TK], tokens,
+                                     invalid_token_expert_id=-1, expert_id_payload_index=2)
+        return alltoall.combine(received[0], tokens, output=out_TH)
+
+    error = relative_error(pair(), round_trip_expected(hidden_TH, ids_TK, num_experts,
+                                                       run.world))
+    replay, _ = run.capture(pair)
+    (total_s,) = run.time([replay])
+    sent = bytes_sent("flashinfer", run, sizes, tokens, 0)
+    return {"collective": "MoeAlltoAll dispatch + combine", "rows_per_peer": tokens,
+            "there_us": None, "back_us": None, "total_us": total_s * 1e6, "bytes_sent": sent,
+            "gb_per_s": sent / total_s / 1e9, "rel_err": error,
+            "workspace_bytes": workspace_bytes}
+
+
+def time_flashinfer_tokens(run: Run, sizes: Sizes, num_experts: int, tokens: int) -> dict:
+    """The flashinfer fused pairs' transport: ``dispatch_tokens``, then ``combine_tokens`` of
+    the receive buffers untouched, captured as a pair; checked once."""
+    hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
+    ep_args = (run.world, run.group_name, tokens)
+    ops = torch.ops.moe_flashinfer_a2a
+
+    def pair():
+        x_NH, _, _ = ops.dispatch_tokens(hidden_TH, weights_TK, ids_TK, num_experts, *ep_args)
+        return ops.combine_tokens(x_NH, ids_TK, *ep_args)
+
+    error = relative_error(pair(), round_trip_expected(hidden_TH, ids_TK, num_experts,
+                                                       run.world))
+    (comm,) = flashinfer_a2a.open_communicators()
+    replay, _ = run.capture(pair)
+    (total_s,) = run.time([replay])
+    sent = bytes_sent("flashinfer", run, sizes, tokens, 0)
+    return {"a2a": "flashinfer", "mode": "tokens", "experts": num_experts, "tokens": tokens,
+            "capacity": tokens, "worst_capacity": tokens, "even_rows": None, "rel_err": error,
+            "bytes_sent": sent, "check_in_graph": True, "dispatch_us": None,
+            "combine_us": None, "total_us": total_s * 1e6, "gb_per_s": sent / total_s / 1e9,
+            "workspace_bytes": comm.workspace_bytes}
+
+
 @dataclasses.dataclass
 class Results:
     """What the run measured so far; rank 0 writes it after every case, so a run cut
@@ -391,6 +486,15 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
             run.release()
         return raw.get(key)
 
+    def judged(row, base):
+        """``row`` against its yardstick, kept and logged."""
+        if base is not None and "total_us" in row:
+            row["raw_us"] = base["total_us"]
+            row["vs_raw"] = row["total_us"] / base["total_us"]
+        rows.append(row)
+        results.save(run, sizes)
+        run.log(transport_line(row))
+
     for num_experts in sizes.experts:
         for tokens in sizes.tokens:
             worst = worst_capacity(tokens, sizes.top_k, num_experts, run.world)
@@ -411,15 +515,20 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
                     if a2a == "allgather":
                         base = raw_case(("ag+rs", tokens), time_raw_gather_scatter, tokens,
                                         f"allgather, T={tokens}")
+                    elif a2a == "flashinfer":
+                        base = raw_case(("flashinfer", num_experts, tokens),
+                                        time_flashinfer_raw, (num_experts, tokens),
+                                        f"flashinfer, E={num_experts}, T={tokens}")
                     else:
                         base = raw_case(("a2a", capacity), time_raw_all_to_all, capacity,
                                         f"capacity {capacity} (T={tokens})")
-                    if base is not None and "total_us" in row:
-                        row["raw_us"] = base["total_us"]
-                        row["vs_raw"] = row["total_us"] / base["total_us"]
-                    rows.append(row)
-                    results.save(run, sizes)
-                    run.log(transport_line(row))
+                    judged(row, base)
+                    what = f"transport flashinfer tokens E={num_experts} T={tokens}"
+                    if a2a == "flashinfer" and run.within_budget(what):
+                        row = time_flashinfer_tokens(run, sizes, num_experts, tokens)
+                        release_communicators(a2a)
+                        run.release()
+                        judged(row, base)
             raw_case(("a2a", even), time_raw_all_to_all, even, f"even share, T={tokens}")
 
 
@@ -513,7 +622,9 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
             row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens,
                    "capacity": cfg.rows_per_rank, **local,
                    **time_layer(run, sizes, moe, a2a, tokens)}
-            key = ("ag+rs", tokens) if a2a == "allgather" else ("a2a", cfg.rows_per_rank)
+            key = {"allgather": ("ag+rs", tokens),
+                   "flashinfer": ("flashinfer", cfg.num_experts, tokens)}.get(
+                a2a, ("a2a", cfg.rows_per_rank))
             if key in raw:
                 row["raw_us"] = raw[key]["total_us"]
             if "layer_us" in row and "raw_us" in row:
@@ -549,8 +660,9 @@ def layer_line(row: dict) -> str:
 
 def transport_table(rows: list[dict]) -> str:
     lines = [(f"| a2a | mode | E | T/rank | C (worst) | dispatch us | combine us | total us | "
-              f"MB sent | GB/s | raw NCCL us | vs raw (all_to_all target <= "
-              f"{TARGET_TRANSPORT}) | rel err | note |"),
+              f"MB sent | GB/s | raw us | vs raw (all_to_all target <= {TARGET_TRANSPORT} "
+              f"vs NCCL; flashinfer tokens <= {TARGET_FLASHINFER} vs MoeAlltoAll) | rel err | "
+              f"note |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -573,9 +685,9 @@ def raw_table(raw: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in raw.values():
         lines.append(f"| {r['collective']} | {r['for']} | {r['rows_per_peer']} | "
-                     f"{r['there_us']:.1f} | "
-                     f"{r['back_us']:.1f} | {r['total_us']:.1f} | {r['bytes_sent'] / 1e6:.1f} | "
-                     f"{r['gb_per_s']:.1f} |")
+                     f"{_fmt(r['there_us'])} | "
+                     f"{_fmt(r['back_us'])} | {r['total_us']:.1f} | "
+                     f"{r['bytes_sent'] / 1e6:.1f} | {r['gb_per_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -597,6 +709,7 @@ def layer_table(rows: list[dict]) -> str:
 FORMULAS = """Bytes one rank sends its peers (GB/s = bytes / time; P ranks, capacity C, M = T, b=2):
     all_to_all  (P-1) * C * (2*H*b + 8)    allgather  (P-1) * M * (2*H*b + 8*K)
     deepep      (P-1) * M * 2*H*b (each token to each peer at most once, there and back)
+    flashinfer  (P-1) * M * (2*H*b + 8*K + 4) (the same, with ids, weights and token index)
     raw a2a     2 * (P-1) * C * H * b      raw ag+rs  2 * (P-1) * M * H * b"""
 
 
@@ -613,8 +726,9 @@ def short_table(transport: list[dict], layers: list[dict]) -> str:
         lines.append(f"{case:44} {_fmt(r.get('layer_us')):>9} {'':>7} "
                      f"{_fmt(r.get('vs_local_plus_raw'), '.2f'):>8}")
     lines.append(f"vs base: transport / raw NCCL same bytes (all_to_all target <= "
-                 f"{TARGET_TRANSPORT}); layer / (local experts + raw transport) (target <= "
-                 f"{TARGET_LAYER})")
+                 f"{TARGET_TRANSPORT}); flashinfer / MoeAlltoAll's own round trip, same "
+                 f"payloads (tokens target <= {TARGET_FLASHINFER}); layer / (local experts + "
+                 f"raw transport) (target <= {TARGET_LAYER})")
     return "\n".join(lines)
 
 
@@ -641,6 +755,7 @@ def write_results(run: Run, sizes: Sizes, transport: list, raw: dict, layers: li
     with open(os.path.join(run.args.out, "ep.json"), "w") as f:
         json.dump({"meta": info, "formulas": FORMULAS,
                    "targets": {"all_to_all_vs_raw": TARGET_TRANSPORT,
+                               "flashinfer_tokens_vs_moe_alltoall": TARGET_FLASHINFER,
                                "layer_vs_local_plus_raw": TARGET_LAYER},
                    "transport": transport, "raw": list(raw.values()), "layer": layers,
                    "skipped": run.skipped}, f, indent=1)

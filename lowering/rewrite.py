@@ -7,6 +7,12 @@ travel in fp8, ``moe::dispatch -> moe::experts_rows_quant(x_rows, None, ...)``
 becomes the a2a backend's ``dispatch_quant`` (quantize each token, send fp8
 rows and their scales) feeding ``experts_rows_quant(x_rows, x_scale, ...,
 out_dtype=<activation dtype>)``: the conversion is in the lowered graph, by name.
+
+A layer without gradients whose a2a and experts backends form a fused pair
+(`Registry.register_fused`) is lowered whole: ``moe::dispatch -> moe::experts_rows ->
+moe::combine`` becomes the pair's ``dispatch_tokens``, the experts backend's ``experts`` on
+the receive buffers (tokens with local expert ids, `torch_moe_ops.ops.tokens`) and the
+pair's ``combine_tokens``: no rows, no copy into them, and every op in the graph by name.
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ def _value(arg: object) -> object:
     if isinstance(arg, fx.Node):
         return arg.meta.get("val", arg.meta.get("example_value"))
     return arg
+
+
+def _meta_key(node: fx.Node) -> str:
+    """Where ``node`` keeps its fake value (`_value`): Dynamo and make_fx differ."""
+    return "val" if "val" in node.meta else "example_value"
 
 
 def _example_args(node: fx.Node) -> tuple:
@@ -141,9 +152,12 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
 
 def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     """`lower` on the nodes of ``gm``'s own graph (not those of its submodules)."""
-    changed = False
     problems = layer_problems(gm)
+    fused = _lower_fused_pairs(gm, spec, problems)
+    changed = bool(fused)
     for node, problem in problems.items():
+        if node in fused:
+            continue
         op = (GENERIC_NAMESPACE, _generic_op(node))
         # layer_problems checked that the first argument carries a tensor.
         device = _value(node.args[0]).device
@@ -170,6 +184,84 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     if changed:
         gm.graph.lint()
         gm.recompile()
+
+
+def _fused_pair(spec: BackendSpec, problem: Problem, device: torch.device
+                ) -> tuple[str, ExpertsBackend] | None:
+    """The namespace of the fused pair that runs a layer of ``problem`` and its experts
+    backend; None where the layer takes rows (a registered pair serves layers without
+    gradients, on unquantized weights)."""
+    if problem.training or problem.quant is not None or (problem.ep_size or 1) < 2:
+        return None
+    a2a = REGISTRY.choose_a2a(spec, problem, device)
+    experts = REGISTRY.choose_experts(spec, problem, device)
+    namespace = REGISTRY.fused.get((a2a.name, experts.name))
+    return None if namespace is None else (namespace, experts)
+
+
+def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(experts_rows, combine)`` where ``dispatch``'s outputs feed one ``moe::experts_rows``
+    and the ``moe::combine`` of its output and nothing else (as a layer emits them)."""
+    items = list(dispatch.users)
+    if any(item.target is not operator.getitem for item in items):
+        return None
+    readers = {reader for item in items for reader in item.users}
+    experts = [r for r in readers if _generic_op(r) == "experts_rows"]
+    combine = [r for r in readers if _generic_op(r) == "combine"]
+    if len(experts) != 1 or len(combine) != 1 or len(readers) != 2:
+        return None
+    (experts,), (combine,) = experts, combine
+    output = {item: item.args[1] for item in items}
+    x_rows, expert_rows, count = _schema_args(experts)[:3]
+    y_rows, weight_rows, src_rows, slot_map = _schema_args(combine)[:4]
+    if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, slot_map)]
+            != [0, 1, 4, 2, 3, 5] or y_rows is not experts or set(experts.users) != {combine}):
+        return None
+    return experts, combine
+
+
+def _retarget(node: fx.Node, op: torch._ops.OpOverload, args: tuple) -> None:
+    """``node`` calls ``op`` on ``args``, its fake value recomputed in the graph's fake mode."""
+    node.target, node.args, node.kwargs = op, args, {}
+    values = [_value(a) for a in args]
+    with values[0].fake_mode:
+        node.meta[_meta_key(node)] = op(*values)
+
+
+def _lower_fused_pairs(gm: fx.GraphModule, spec: BackendSpec,
+                       problems: dict[fx.Node, Problem]) -> set[fx.Node]:
+    """Lower each layer that a fused pair runs (`_fused_pair`) as its tokens chain; returns
+    the generic nodes that took the pair's ops."""
+    lowered: set[fx.Node] = set()
+    for dispatch, problem in problems.items():
+        if _generic_op(dispatch) != "dispatch":
+            continue
+        device = _value(dispatch.args[0]).device
+        pair, chain = _fused_pair(spec, problem, device), _rows_chain(dispatch)
+        if pair is None or chain is None:
+            continue
+        (namespace, experts_backend), (experts, combine) = pair, chain
+        hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
+        expert_args = _schema_args(experts)[3:]
+        items = list(dispatch.users)
+        sides = DispatchSides.of(REGISTRY.choose_a2a(spec, problem, device), experts_backend)
+        chosen = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, None, sides)
+        # The dispatch node becomes dispatch_tokens; its three outputs, new getitems.
+        _retarget(dispatch, op_overload(namespace, "dispatch_tokens"),
+                  (hidden, topk_weights, topk_ids, num_experts, *ep_args))
+        dispatch.meta["moe_dispatch_dtype"] = chosen
+        with gm.graph.inserting_after(dispatch):
+            sent = [gm.graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
+        for item, value in zip(sent, _value(dispatch)):
+            item.meta[_meta_key(dispatch)] = value
+        _retarget(experts, op_overload(experts_backend.namespace, "experts"),
+                  (*sent, *expert_args))
+        _retarget(combine, op_overload(namespace, "combine_tokens"),
+                  (experts, topk_ids, *ep_args))
+        for item in items:
+            gm.graph.erase_node(item)
+        lowered |= {dispatch, experts, combine}
+    return lowered
 
 
 def _schema_args(node: fx.Node) -> list:
@@ -215,8 +307,7 @@ def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node
     # The mode of the graph's own fake values (the backend may run inside another).
     with _value(hidden).fake_mode:
         outputs = op(*values)
-    # Fake values where the tracer keeps them (`_value`): Dynamo and make_fx differ.
-    key = "val" if "val" in dispatch.meta else "example_value"
+    key = _meta_key(dispatch)
     dispatch.meta[key] = outputs
     for item in dispatch.users:
         item.meta[key] = outputs[item.args[1]]

@@ -21,10 +21,12 @@ that backend has one (``triton`` where the ``grouped_mm`` path runs, ``grouped_m
 reference backend; the ``backward`` column of `available_backends()` says which. The a2a
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
-them over torch.distributed, ``deepep`` (`deepep`) over DeepEP (eagerly
-``all_to_all`` runs). Routing runs on the highest-priority route backend that
-runs the layer's routing: ``flashinfer`` (`flashinfer.route`, FlashInfer's fused
-DeepSeek-V3 kernel) where its ``supports`` allows, else ``reference``. What several
+them over torch.distributed, ``deepep`` (`deepep`) over DeepEP and ``flashinfer``
+(`flashinfer.a2a`) over FlashInfer's MoE all-to-all (eagerly ``all_to_all`` runs);
+``(flashinfer, triton)`` and ``(flashinfer, grouped_mm)`` are fused pairs. Routing runs
+on the highest-priority route backend that runs the layer's routing: ``flashinfer``
+(`flashinfer.route`, FlashInfer's fused DeepSeek-V3 kernel) where its ``supports``
+allows, else ``reference``. What several
 backends run (the sort by expert, activations, Triton epilogues, the grouped-GEMM
 path) lives in `common`; backends never import each other.
 """
@@ -44,6 +46,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     reference,
     triton,
 )
+from torch_moe_ops.backends.flashinfer import a2a as flashinfer_a2a  # noqa: F401
 from torch_moe_ops.backends.flashinfer import experts as flashinfer_experts  # noqa: F401
 from torch_moe_ops.backends.flashinfer import route as flashinfer_route  # noqa: F401
 from torch_moe_ops.backends.problems import problem_of

@@ -9,7 +9,9 @@ backends implement ``dispatch`` and ``combine`` and the gradients of both
 those that send rows quantized to fp8 ``dispatch_quant``. Route backends
 implement ``route``; its gradient is the op contract's formula on the selection
 the backend made (`torch_moe_ops.ops.route`), whichever backend ran it. A fused
-``(a2a, experts)`` pair names one namespace that implements all of them in one go.
+``(a2a, experts)`` pair names the namespace of the a2a's `FUSED_OPS`: its transport in the
+tokens format (`ops.tokens`), whose receive buffers the experts backend's ``experts`` op
+reads with no copy into rows; the lowering runs a layer without gradients that way.
 
 ``supports(spec, problem, device)`` returns ``None`` when the backend can run the
 `Problem` there, otherwise the reason it cannot. The compile backend reads the
@@ -36,6 +38,8 @@ QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
 QUANT_A2A_OPS = ("dispatch_quant",)
+# What the namespace of a fused pair defines (`ops.tokens`).
+FUSED_OPS = ("dispatch_tokens", "combine_tokens")
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -236,6 +240,11 @@ class Registry:
         self.route[backend.name] = backend
 
     def register_fused(self, a2a: str, experts: str, namespace: str) -> None:
+        """Register the fused pair ``(a2a, experts)``: ``namespace`` defines `FUSED_OPS`."""
+        missing = [op for op in FUSED_OPS if not defines(namespace, op)]
+        if missing:
+            raise ValueError(f"fused pair ({a2a!r}, {experts!r}): namespace {namespace!r} must "
+                             f"define {', '.join(FUSED_OPS)}, missing {', '.join(missing)}")
         self.fused[(a2a, experts)] = namespace
 
     def register_adapter(self, producer_layout: str, consumer_layout: str, op: str) -> None:

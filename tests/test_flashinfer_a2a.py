@@ -1,0 +1,219 @@
+"""The ``flashinfer`` a2a backend without GPUs or flashinfer: the workspace arithmetic and
+its refusal, the shapes the kernels take, `supports` reasons, the fused pairs in the
+registry and the lowering's choice between them and rows, the tokens format's contract,
+and the bookkeeping that turns receive positions into rows.
+
+Multi-rank behaviour (on a CPU stand-in of flashinfer) is tests/test_flashinfer_a2a_emulated.py,
+the real kernels tests/test_flashinfer_a2a_gpu.py.
+
+Legend: P ranks, M max_tokens_per_rank, N = P * M receive positions, H hidden size,
+K experts per token, E_l experts per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import pytest
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_moe_ops as tmo
+from torch_moe_ops.backends.flashinfer import a2a
+from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec, QuantSpec
+from torch_moe_ops.lowering import rewrite
+
+BF16 = torch.bfloat16
+GIB = 1 << 30
+SPEC = BackendSpec(a2a="flashinfer")
+
+
+def test_bytes_per_token_and_payload_regions():
+    # DeepSeek-V3 widths: activations, ids with the token index, fp32 weights.
+    assert sizes.dispatch_bytes_per_token(7168, 8, BF16) == 7168 * 2 + 4 * 9 + 4 * 8
+    assert sizes.combine_bytes_per_token(7168, BF16) == 7168 * 2
+    assert sizes.combine_bytes_per_token(7168, torch.float32) == 7168 * 4
+    assert sizes.payload_bytes(2, 128, 7168, 8, BF16) == 256 * 14404 + 256 * 14336
+    # Each region is padded to 128 bytes.
+    assert sizes.payload_bytes(2, 1, 6, 1, BF16) == 128 + 128
+
+
+def test_a_workspace_too_large_is_refused_saying_how_to_lower_it():
+    # A large capacity times a large group: about 241 GB per rank.
+    needed = sizes.payload_bytes(64, 131072, 7168, 8, BF16)
+    assert needed > 200e9
+    reason = sizes.why_not_fits(needed, 80 * GIB, 64, 131072, 7168, 8, BF16)
+    fits = sizes.largest_max_tokens(80 * GIB, 64, 7168, 8, BF16)
+    assert sizes.payload_bytes(64, fits, 7168, 8, BF16) <= 80 * GIB
+    assert sizes.payload_bytes(64, fits + 1, 7168, 8, BF16) > 80 * GIB
+    assert f"{needed / GIB:.2f} GiB per rank (64 ranks x max_tokens_per_rank 131072" in reason
+    assert "80.00 GiB free" in reason
+    assert f"lower MoEConfig.max_tokens_per_rank (at most about {fits} fits)" in reason
+    assert sizes.why_not_fits(needed, needed, 64, 131072, 7168, 8, BF16) is None
+
+
+@pytest.mark.parametrize("shape, reason", [
+    ((65, 8, BF16, None, None), "at most 64 ranks, got ep_size=65"),
+    ((2, 3, BF16, None, None), ("compiled for top_k in (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, "
+                                "22), got 3")),
+    ((2, 8, torch.float64, None, None), "got torch.float64"),
+    ((4, 2, BF16, 2, None), "at least one expert per rank, got 2 experts on 4 ranks"),
+    ((2, 2, BF16, None, 7), ("multiple of 4 (the payloads after the activations hold 4-byte "
+                             "values), got H=7 in torch.bfloat16")),
+], ids=["ranks", "top_k", "dtype", "experts", "hidden"])
+def test_shapes_the_kernels_do_not_take(shape, reason):
+    assert reason in sizes.why_not_shape(*shape)
+    assert reason in a2a.supports(SPEC, Problem(shape[2], ep_size=shape[0], top_k=shape[1],
+                                                num_experts=shape[3], hidden_size=shape[4]),
+                                  torch.device("cuda"))
+
+
+def test_shapes_the_kernels_take():
+    assert sizes.why_not_shape(2, 8, BF16, 256, 7168) is None
+    assert sizes.why_not_shape(None, None, None) is None
+    assert sizes.why_not_shape(2, 1, torch.float16, hidden_size=2) is None
+
+
+def test_supports_explains_every_no_here():
+    one_device = a2a.supports(SPEC, Problem(BF16, ep_size=1), torch.device("cpu"))
+    assert one_device == "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
+    assert a2a.supports(SPEC, Problem(BF16, ep_size=2), torch.device("cpu")) == (
+        "needs a CUDA device, got cpu")
+    if not torch.cuda.is_available():
+        assert "this torch sees none" in a2a.supports(SPEC, Problem(BF16, ep_size=2),
+                                                      torch.device("cuda"))
+    row = next(r for r in tmo.available_backends("cpu") if r.name == "flashinfer")
+    assert row.kind == "a2a" and not row.available and row.reason == "needs a CUDA device, got cpu"
+
+
+def test_the_fused_pairs_are_registered():
+    assert REGISTRY.fused[("flashinfer", "triton")] == a2a.NAMESPACE
+    assert REGISTRY.fused[("flashinfer", "grouped_mm")] == a2a.NAMESPACE
+    assert REGISTRY.a2a["flashinfer"].layout == "rows"
+    with pytest.raises(ValueError, match="namespace 'moe_all_to_all' must define "
+                                         "dispatch_tokens, combine_tokens, missing "
+                                         "dispatch_tokens, combine_tokens"):
+        REGISTRY.register_fused("all_to_all", "triton", "moe_all_to_all")
+    assert ("all_to_all", "triton") not in REGISTRY.fused
+
+
+def test_an_unavailable_choice_fails_naming_why_and_what_runs():
+    with pytest.raises(ValueError, match="a2a backend 'flashinfer' is not available: needs a "
+                                         "CUDA device, got cpu; available a2a backends on cpu"):
+        REGISTRY.choose_a2a(SPEC, Problem(BF16, ep_size=2), torch.device("cpu"))
+
+
+@pytest.fixture
+def runs_here(monkeypatch):
+    """The flashinfer a2a and the triton experts run on this CPU, as far as the registry knows."""
+    for table, name in ((REGISTRY.a2a, "flashinfer"), (REGISTRY.experts, "triton")):
+        monkeypatch.setitem(table, name, dataclasses.replace(table[name],
+                                                             supports=lambda *_: None))
+
+
+@pytest.mark.parametrize("experts, problem, fused", [
+    ("triton", Problem(BF16, ep_size=2, training=False), True),
+    ("triton", Problem(BF16, ep_size=2, training=True), False),
+    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), False),
+    ("cpu", Problem(BF16, ep_size=2), False),
+], ids=["inference", "training", "quantized", "not_a_pair"])
+def test_the_lowering_takes_a_fused_pair_for_layers_without_gradients(runs_here, experts,
+                                                                      problem, fused):
+    pair = rewrite._fused_pair(BackendSpec(experts=experts, a2a="flashinfer"), problem,
+                               torch.device("cpu"))
+    assert (pair is not None) == fused
+    if fused:
+        assert pair[0] == a2a.NAMESPACE and pair[1].name == "triton"
+
+
+def _layer_graph(extra_reader: bool) -> tuple[fx.Graph, fx.Node, fx.Node, fx.Node]:
+    """A layer's ``moe::dispatch -> moe::experts_rows -> moe::combine`` as the module emits
+    it; ``extra_reader``: something else reads ``x_rows`` too."""
+    graph = fx.Graph()
+    hidden, weights, ids, w13, w2 = (graph.placeholder(n) for n in ("h", "w", "i", "a", "b"))
+    ep_args = (2, "group", 4)
+    dispatch = graph.call_function(torch.ops.moe.dispatch.default,
+                                   (hidden, weights, ids, 4, *ep_args, 8))
+    out = [graph.call_function(operator.getitem, (dispatch, i)) for i in range(6)]
+    experts = graph.call_function(torch.ops.moe.experts_rows.default,
+                                  (out[0], out[1], out[4], w13, w2, None, None, "silu", 1.7, 7.0))
+    combine = graph.call_function(torch.ops.moe.combine.default,
+                                  (experts, out[2], out[3], out[5], *ep_args))
+    result = [combine]
+    if extra_reader:
+        result.append(graph.call_function(torch.ops.aten.sum.default, (out[0],)))
+    graph.output(tuple(result))
+    return graph, dispatch, experts, combine
+
+
+def test_a_layer_chain_is_found_only_where_nothing_else_reads_its_rows():
+    _, dispatch, experts, combine = _layer_graph(extra_reader=False)
+    assert rewrite._rows_chain(dispatch) == (experts, combine)
+    _, dispatch, _, _ = _layer_graph(extra_reader=True)
+    assert rewrite._rows_chain(dispatch) is None
+
+
+def test_the_tokens_contract_gives_receive_buffers_of_static_size():
+    mode = FakeTensorMode()
+    with mode:
+        hidden_TH = torch.empty(3, 16, dtype=BF16)
+        weights_TK = torch.empty(3, 2)
+        ids_TK = torch.empty(3, 2, dtype=torch.int32)
+        x_NH, weights_NK, local_NK = torch.ops.moe_flashinfer_a2a.dispatch_tokens(
+            hidden_TH, weights_TK, ids_TK, 8, 2, "group", 4)
+        y_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(x_NH, ids_TK, 2, "group", 4)
+    assert (x_NH.shape, x_NH.dtype, x_NH.stride()) == ((8, 16), BF16, (16, 1))
+    assert (weights_NK.shape, weights_NK.dtype) == ((8, 2), torch.float32)
+    assert (local_NK.shape, local_NK.dtype) == ((8, 2), torch.int32)
+    assert y_TH.shape == (3, 16) and y_TH.dtype == BF16
+
+
+@pytest.mark.parametrize("args, message", [
+    (((5, 16), 8, 2, 4), (r"hidden.shape\[0\] \(tokens on this rank\) must be <= "
+                          r"max_tokens_per_rank \(4\), got 5")),
+    (((3, 16), 8, 1, 4), "ep_size must be >= 2 .* got 1"),
+    (((3, 16), 7, 2, 4), r"num_experts must be divisible by ep_size \(2\), got 7"),
+], ids=["over_capacity", "one_rank", "experts"])
+def test_bad_dispatch_fails_before_any_kernel(args, message):
+    (tokens, hidden), num_experts, ep_size, max_tokens = args
+    with FakeTensorMode(), pytest.raises(ValueError, match=message):
+        torch.ops.moe_flashinfer_a2a.dispatch_tokens(
+            torch.empty(tokens, hidden, dtype=BF16), torch.empty(tokens, 2),
+            torch.empty(tokens, 2, dtype=torch.int32), num_experts, ep_size, "group", max_tokens)
+
+
+def test_combine_tokens_takes_one_row_per_receive_position():
+    with FakeTensorMode(), pytest.raises(ValueError, match=r"y_tokens.shape\[0\] must equal "
+                                                           r"ep_size \* max_tokens_per_rank"):
+        torch.ops.moe_flashinfer_a2a.combine_tokens(torch.empty(7, 16, dtype=BF16),
+                                                    torch.empty(3, 2, dtype=torch.int32), 2,
+                                                    "group", 4)
+
+
+def test_receive_positions_become_keys_and_local_ids():
+    # M = 2: positions 0, 1 came from rank 0, positions 2, 3 from rank 1; -1 is padding.
+    token_N = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
+    key_N = a2a._keys(token_N, 2)
+    assert key_N.tolist() == [1, -1, 2, 3]
+    assert a2a._positions(key_N).tolist() == [-1, 0, 2, 3]
+    ids_NK = torch.tensor([[2, 0], [3, -1], [1, 2]], dtype=torch.int32)
+    assert a2a._ranks_of(ids_NK, num_local=2).tolist() == [[1, 0], [1, -1], [0, 1]]
+    # Rank 1 of 2 with 4 experts: one lookup, -1 (padding, skipped) reads the last entry.
+    rank_one = a2a.FlashInferCommunicator.__new__(a2a.FlashInferCommunicator)
+    rank_one.rank, rank_one.ep_size, rank_one.local_tables = 1, 2, {}
+    local_NK = rank_one.local_ids(ids_NK, num_experts=4)
+    assert local_NK.tolist() == [[0, -1], [1, -1], [-1, 0]] and local_NK.dtype == torch.int32
+
+
+def test_rows_are_summed_into_the_position_of_their_token():
+    # K = 2, keys 0..3; rows hold slots key * K + k.
+    rows_RH = torch.tensor([[1.0], [2.0], [4.0], [8.0]])
+    src_R = torch.tensor([1, 6, 7, -1], dtype=torch.int32)
+    # Position 0 holds key 3, position 1 key 0, position 2 padding, position 3 key 1.
+    key_N = torch.tensor([3, 0, -1, 1])
+    summed_NH = a2a._sum_received(rows_RH, src_R, key_N, top_k=2)
+    assert summed_NH[:, 0].tolist() == [2.0 + 4.0, 1.0, 0.0, 0.0]

@@ -1,0 +1,228 @@
+"""The ``flashinfer`` a2a backend's bookkeeping on CPU processes (gloo), with
+``flashinfer.comm`` replaced by tests/flashinfer_a2a_emulator.py: every rank's outputs
+and gradients equal the single-process reference (bf16 bounds) in the rows format and the
+tokens format of the fused pairs, with an idle rank, skipped slots, every slot on one rank,
+a capacity below the worst case and tokens arriving in a random order; a workspace that
+does not fit is refused on every rank; compiled layers train through rows and serve
+through the fused tokens chain; every workspace is freed.
+
+What this cannot tell is whether FlashInfer's kernels behave as the emulator does:
+tests/test_flashinfer_a2a_gpu.py runs the real ones on GPUs.
+
+Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
+I expert intermediate size, E experts, E_l = E / P, K experts per token, M
+max_tokens_per_rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flashinfer_a2a_emulator
+import torch_moe_ops as tmo
+from distributed import run_on_ranks
+from ep_problems import (
+    assert_rank_matches,
+    check_bf16_grad,
+    check_bf16_out,
+    draw_problem,
+    leaves,
+    token_slice,
+)
+from torch_moe_ops.lowering import moe_op_sequence
+
+H, I, M = 16, 8, 6
+# One rank full, one idle.
+TOKENS_PER_RANK = (5, 0)
+WORLD = 2
+# (K, E_l): K above, at and below E_l, each a top_k FlashInfer's kernels are built for.
+SHAPES = ((2, 3), (4, 2), (1, 4))
+STATIC = ("silu", 1.702, 7.0)
+FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_cpu::experts",
+             "moe_flashinfer_a2a::combine_tokens")
+
+
+def _use_emulator():
+    """In this worker: flashinfer.comm is the emulator, CPU tensors are let through, the
+    backend runs here, and (flashinfer, cpu) is a fused pair as (flashinfer, triton) is."""
+    from torch_moe_ops.backends.flashinfer import a2a
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    a2a.api = lambda: flashinfer_a2a_emulator
+    a2a.DEVICE_TYPE = "cpu"
+    REGISTRY.a2a["flashinfer"] = dataclasses.replace(REGISTRY.a2a["flashinfer"],
+                                                     supports=lambda *_: None)
+    REGISTRY.register_fused("flashinfer", "cpu", a2a.NAMESPACE)
+    return a2a
+
+
+def _mine(rank):
+    return token_slice(TOKENS_PER_RANK, rank)
+
+
+def _full_problem(num_experts, top_k, route, seed=7):
+    """Every rank's tokens and routing and every expert's weights, alike on all ranks."""
+    hidden_NH, weights_NK, ids_NK, experts = draw_problem(
+        seed, route, sum(TOKENS_PER_RANK), num_experts, WORLD, H, I, top_k)
+    return hidden_NH.bfloat16(), weights_NK, ids_NK, [w.bfloat16() for w in experts.values()]
+
+
+def _check_fake(op, args, outputs) -> None:
+    """``op``'s fake kernel gives the real outputs' sizes, strides, dtypes and storage
+    offsets (what opcheck compares; opcheck itself would call dispatch twice in a row)."""
+    mode = FakeTensorMode()
+    fakes = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    for real, fake in zip(outputs if isinstance(outputs, tuple) else (outputs,),
+                          fakes if isinstance(fakes, tuple) else (fakes,)):
+        assert (real.shape, real.stride(), real.dtype, real.storage_offset()) == (
+            fake.shape, fake.stride(), fake.dtype, fake.storage_offset())
+
+
+def _check_rows(rank, top_k, num_local, route, capacity_drop):
+    """dispatch -> experts_rows -> combine and their gradients against the reference."""
+    num_experts = num_local * WORLD
+    group = dist.group.WORLD.group_name
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(num_experts, top_k, route)
+    mine, local = _mine(rank), slice(rank * num_local, (rank + 1) * num_local)
+    ref_leaves = leaves(hidden_NH, weights_NK, *full)
+    ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
+                                             *ref_leaves[2:], *STATIC)
+    grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref_NH.backward(grad_NH)
+
+    hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
+                                              *(w[local] for w in full))
+    capacity = M * min(top_k, num_local) - capacity_drop
+    ep_args = (WORLD, group, M)
+    args = (hidden_TH, weights_TK, ids_NK[mine], num_experts, *ep_args, capacity)
+    dispatched = torch.ops.moe_flashinfer_a2a.dispatch(*args)
+    _check_fake(torch.ops.moe_flashinfer_a2a.dispatch.default, args, dispatched)
+    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = dispatched
+    assert x_RH.shape == (WORLD * capacity, H)
+    offset = 0
+    for e, count in enumerate(count_E.tolist()):
+        assert (expert_R[offset:offset + count] == e).all()
+        # Rows of one expert in key order, whatever order the tokens arrived in.
+        assert (src_R[offset:offset + count].diff() > 0).all()
+        offset += count
+    assert (expert_R[offset:] == -1).all() and (src_R[offset:] == -1).all()
+    y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
+    out_TH = torch.ops.moe_flashinfer_a2a.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH.backward(grad_NH[mine])
+    assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
+                        local, check_bf16_out, check_bf16_grad)
+
+
+def _check_tokens(rank, top_k, num_local, route):
+    """dispatch_tokens -> the experts' own ``experts`` op -> combine_tokens against the
+    reference: the receive buffers as they are, padding and other ranks' experts skipped."""
+    num_experts = num_local * WORLD
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(num_experts, top_k, route, seed=8)
+    mine, local = _mine(rank), slice(rank * num_local, (rank + 1) * num_local)
+    ep_args = (WORLD, dist.group.WORLD.group_name, M)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *ep_args)
+    sent = torch.ops.moe_flashinfer_a2a.dispatch_tokens(*args)
+    _check_fake(torch.ops.moe_flashinfer_a2a.dispatch_tokens.default, args, sent)
+    x_NH, weights_NK_recv, local_NK = sent
+    assert local_NK.dtype == torch.int32 and local_NK.max() < num_local
+    y_NH = torch.ops.moe_cpu.experts(x_NH, weights_NK_recv, local_NK,
+                                     *(w[local] for w in full), *STATIC)
+    out_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_NK[mine], *ep_args)
+    _check_fake(torch.ops.moe_flashinfer_a2a.combine_tokens.default,
+                (y_NH, ids_NK[mine], *ep_args), out_TH)
+    ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _check_refusal(rank, a2a):
+    """A workspace that does not fit on one rank is refused on every rank, before any
+    rank allocates, with what to lower."""
+    free = a2a._free_bytes
+    a2a._free_bytes = lambda device: 1000 if rank == 1 else 1 << 40
+    live = flashinfer_a2a_emulator.MnnvlMemory.live
+    try:
+        with pytest.raises(RuntimeError, match="lower MoEConfig.max_tokens_per_rank"):
+            a2a.communicator(dist.group.WORLD.group_name, H, 2, M, torch.bfloat16, device="cpu")
+    finally:
+        a2a._free_bytes = free
+    assert flashinfer_a2a_emulator.MnnvlMemory.live == live and not a2a.open_communicators()
+
+
+def _moe_config(ep_size):
+    return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4 * WORLD, top_k=2,
+                         renormalize=True, expert_bias=True, ep_size=ep_size,
+                         max_tokens_per_rank=M if ep_size > 1 else None)
+
+
+def _recording(sequences):
+    """``tmo.backend(a2a="flashinfer", experts="cpu")`` on aot_eager, keeping each lowered
+    graph's op sequence."""
+    inner = tmo.backend(experts="cpu", a2a="flashinfer", inner="aot_eager")
+
+    def backend(gm, example_inputs):
+        compiled = inner(gm, example_inputs)
+        sequences.append(moe_op_sequence(gm))
+        return compiled
+
+    return backend
+
+
+def _check_compiled(rank):
+    """A `MoE` sharded over the group and compiled with ``a2a="flashinfer"`` against the
+    same layer in one process: with gradients through rows (output and input gradient),
+    without through the fused pair's tokens chain."""
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(1), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(WORLD), dtype=torch.bfloat16, ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    x_NH = torch.randn(sum(TOKENS_PER_RANK), H,
+                       generator=torch.Generator().manual_seed(9)).bfloat16()
+    mine = _mine(rank)
+    x_ref = x_NH.clone().requires_grad_()
+    ref_NH = single(x_ref)
+    ref_NH.float().square().sum().backward()
+
+    sequences = []
+    compiled = torch.compile(sharded, backend=_recording(sequences), fullgraph=True,
+                             dynamic=False)
+    x_TH = x_NH[mine].clone().requires_grad_()
+    out_TH = compiled(x_TH)
+    out_TH.float().square().sum().backward()
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
+    assert "moe_flashinfer_a2a::dispatch\n" in sequences[-1], sequences[-1]
+    assert "dispatch_tokens" not in sequences[-1]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_TH = compiled(x_NH[mine])
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    assert all(op in sequences[-1] for op in FUSED_OPS), sequences[-1]
+    assert "moe::" not in sequences[-1] and "experts_rows" not in sequences[-1]
+
+
+def _cases(rank, world_size):
+    a2a = _use_emulator()
+    _check_refusal(rank, a2a)
+    for top_k, num_local in SHAPES:
+        for route, drop in (("random", 0), ("one_rank", 0), ("random", 1)):
+            _check_rows(rank, top_k, num_local, route, drop)
+        for route in ("random", "one_rank"):
+            _check_tokens(rank, top_k, num_local, route)
+    # One communicator per (group, H, K, M, dtype), whatever E.
+    assert len(a2a.open_communicators()) == len({k for k, _ in SHAPES})
+    _check_compiled(rank)
+    a2a.close_all()
+    gc.collect()
+    assert not a2a.open_communicators() and flashinfer_a2a_emulator.MnnvlMemory.live == 0
+
+
+def test_matches_single_process():
+    """One set of processes for every case: their start-up is most of the cost."""
+    run_on_ranks(WORLD, _cases)

@@ -1,0 +1,264 @@
+"""The ``flashinfer`` a2a backend on 2 GPUs over NCCL, on flashinfer-python's kernels:
+every rank's outputs and gradients equal the single-process reference on the same tokens
+and weights (bf16 bounds) in the rows format and in the fused pair's tokens format (with
+the triton experts), with one rank idle, in captured CUDA graphs replayed on new inputs,
+and as the a2a of a `MoE` compiled by Inductor (forward and backward through rows; forward
+under ``mode="reduce-overhead"`` through the fused chain); a workspace no GPU holds is
+refused on both ranks before anything is allocated.
+
+Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
+I expert intermediate size, E experts, E_l = E / P, K experts per token, M
+max_tokens_per_rank.
+
+Skipped (with `a2a.supports`' reason) without two NVLink-joined GPUs and flashinfer. The
+first run builds FlashInfer's all-to-all module (about 100 s on 16 cores), inside the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_moe_ops as tmo
+from distributed import run_on_ranks
+from ep_problems import (
+    assert_rank_matches,
+    check_bf16_grad,
+    check_bf16_out,
+    draw_problem,
+    leaves,
+    token_slice,
+)
+from torch_moe_ops.backends.flashinfer import a2a
+from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.lowering import moe_op_sequence
+
+WORLD = 2
+# One rank full, one idle.
+TOKENS_PER_RANK = (5, 0)
+H, I, E, K, M = 1024, 64, 8, 2, 8
+STATIC = ("silu", 1.702, 7.0)
+FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_triton::experts",
+             "moe_flashinfer_a2a::combine_tokens")
+# Generous: the first run builds flashinfer's module while the peer waits in a collective.
+TIMEOUT = datetime.timedelta(seconds=300)
+DEADLINE_S = 580
+
+REASON = a2a.supports(BackendSpec(a2a="flashinfer"),
+                      Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K,
+                              max_tokens_per_rank=M), torch.device("cuda"))
+pytestmark = [pytest.mark.multigpu,
+              pytest.mark.skipif(REASON is not None, reason=f"a2a 'flashinfer': {REASON}")]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _full_problem(seed: int, route: str):
+    """Every rank's tokens and routing, and every expert's weights, drawn alike on all
+    ranks, on this rank's GPU: activations and experts in bf16, routing weights fp32."""
+    hidden_NH, weights_NK, ids_NK, experts = draw_problem(
+        seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K)
+    experts = [w.to(_device(), torch.bfloat16) for w in experts.values()]
+    return (hidden_NH.to(_device(), torch.bfloat16), weights_NK.to(_device()),
+            ids_NK.to(_device()), experts)
+
+
+def _mine(rank: int) -> slice:
+    return token_slice(TOKENS_PER_RANK, rank)
+
+
+def _local(rank: int) -> slice:
+    return slice(rank * (E // WORLD), (rank + 1) * (E // WORLD))
+
+
+def _ep_args():
+    return WORLD, dist.group.WORLD.group_name, M
+
+
+def _rows(hidden_TH, weights_TK, ids_TK, experts, capacity):
+    """``moe_flashinfer_a2a::dispatch -> moe_reference::experts_rows -> ::combine``."""
+    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_flashinfer_a2a.dispatch(
+        hidden_TH, weights_TK, ids_TK, E, *_ep_args(), capacity)
+    y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
+    return torch.ops.moe_flashinfer_a2a.combine(y_RH, weight_R, src_R, slot_map_TK, *_ep_args())
+
+
+def _tokens(hidden_TH, weights_TK, ids_TK, experts):
+    """The fused pair's chain: ``dispatch_tokens -> moe_triton::experts -> combine_tokens``."""
+    x_NH, weights_NK, local_NK = torch.ops.moe_flashinfer_a2a.dispatch_tokens(
+        hidden_TH, weights_TK, ids_TK, E, *_ep_args())
+    y_NH = torch.ops.moe_triton.experts(x_NH, weights_NK, local_NK, *experts, *STATIC)
+    return torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_TK, *_ep_args())
+
+
+def _check_refusal(rank):
+    """A workspace that does not fit is refused on both ranks, before either allocates."""
+    with pytest.raises(RuntimeError, match="lower MoEConfig.max_tokens_per_rank"):
+        a2a.communicator(dist.group.WORLD.group_name, 7168, 8, 10 ** 7, torch.bfloat16)
+    assert not a2a.open_communicators()
+
+
+def _check_rows(rank, route, capacity):
+    """Outputs and gradients of this rank's tokens and experts against
+    ``moe_reference::experts`` on all tokens."""
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route)
+    mine, local = _mine(rank), _local(rank)
+    ref_leaves = leaves(hidden_NH, weights_NK, *full)
+    ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
+                                             *ref_leaves[2:], *STATIC)
+    grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).to(
+        ref_NH.device, ref_NH.dtype)
+    ref_NH.backward(grad_NH)
+    hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
+                                              *(w[local] for w in full))
+    out_TH = _rows(hidden_TH, weights_TK, ids_NK[mine], experts, capacity)
+    out_TH.backward(grad_NH[mine])
+    assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
+                        local, check_bf16_out, check_bf16_grad)
+
+
+def _check_tokens(rank, route):
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(8, route)
+    mine = _mine(rank)
+    with torch.no_grad():
+        out_TH = _tokens(hidden_NH[mine], weights_NK[mine], ids_NK[mine],
+                         [w[_local(rank)] for w in full])
+        ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _check_graph(rank, pipeline):
+    """``pipeline`` captured once in a CUDA graph (static input buffers, warm-up on a side
+    stream) and replayed on new inputs: the reference's output."""
+    mine = _mine(rank)
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(11, "random")
+    experts = [w[_local(rank)] for w in full]
+    static = [hidden_NH[mine].clone(), weights_NK[mine].clone(), ids_NK[mine].clone()]
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                pipeline(*static, experts)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread may query events while this thread captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out_TH = pipeline(*static, experts)
+        for seed, route in ((12, "random"), (13, "one_rank"), (14, "random")):
+            hidden_NH, weights_NK, ids_NK, _ = _full_problem(seed, route)
+            for target, source in zip(static, (hidden_NH, weights_NK, ids_NK)):
+                target.copy_(source[mine])
+            out_TH.fill_(float("nan"))
+            graph.replay()
+            ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full,
+                                                     *STATIC)
+            check_bf16_out(out_TH, ref_NH[mine])
+        del graph
+    torch.cuda.synchronize()
+
+
+def _moe_config(ep_size: int) -> tmo.MoEConfig:
+    return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
+                         renormalize=True, expert_bias=True, ep_size=ep_size,
+                         max_tokens_per_rank=M if ep_size > 1 else None)
+
+
+def _single_and_sharded(seed):
+    """The single-process `MoE` (bf16, this rank's GPU) and this rank's shard of it,
+    with the same full weights; Dynamo's caches reset."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    # Built on the CPU so that every rank draws the same weights.
+    single = tmo.MoE(_moe_config(1)).to(_device(), torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(WORLD), device=_device(), dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    return single, sharded
+
+
+def _recording(sequences, **options):
+    """``tmo.backend(a2a="flashinfer", **options)``, keeping each lowered graph's op sequence."""
+    inner = tmo.backend(a2a="flashinfer", **options)
+
+    def backend(gm, example_inputs):
+        compiled = inner(gm, example_inputs)
+        sequences.append(moe_op_sequence(gm))
+        return compiled
+
+    return backend
+
+
+def _check_module(rank):
+    """`MoE` sharded over the group and compiled by Inductor with ``a2a="flashinfer"``
+    against the single-process `MoE`: outputs and gradients through rows (the idle rank's
+    empty gradients included: its ops must not be dropped as dead code)."""
+    single, sharded = _single_and_sharded(seed=5)
+    x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
+    x_NH = x_NH.to(_device(), torch.bfloat16)
+    mine, local = _mine(rank), sharded.local_experts
+    x_ref = x_NH.clone().requires_grad_()
+    ref_NH = single(x_ref)
+    ref_NH.float().square().sum().backward()
+    sequences = []
+    compiled = torch.compile(sharded, backend=_recording(sequences), fullgraph=True,
+                             dynamic=False)
+    x_TH = x_NH[mine].clone().requires_grad_()
+    out_TH = compiled(x_TH)
+    out_TH.float().square().sum().backward()
+    assert "moe_flashinfer_a2a::dispatch\n" in sequences[-1], sequences[-1]
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
+    for name in ("w13", "w2", "b13", "b2"):
+        check_bf16_grad(getattr(sharded, name).grad,
+                        getattr(single, name).grad[local.start:local.stop])
+
+
+def _check_reduce_overhead(rank):
+    """`MoE` compiled with ``mode="reduce-overhead"`` (CUDA graphs) for inference: the fused
+    pair's chain, inside the graphs, against the single-process `MoE`."""
+    single, sharded = _single_and_sharded(seed=6)
+    sequences = []
+    compiled = torch.compile(sharded, backend=_recording(sequences, mode="reduce-overhead"),
+                             fullgraph=True, dynamic=False)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        for seed in range(4):
+            gen = torch.Generator().manual_seed(20 + seed)
+            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(_device(),
+                                                                          torch.bfloat16)
+            out_TH = compiled(x_NH[_mine(rank)]).clone()
+            check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
+    assert all(op in sequences[-1] for op in FUSED_OPS), sequences[-1]
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    torch._dynamo.reset()
+
+
+def _run(rank, world_size):
+    _check_refusal(rank)
+    worst = M * min(K, E // WORLD)
+    for route in ("random", "one_rank"):
+        _check_rows(rank, route, worst)
+        _check_tokens(rank, route)
+    # A capacity below the worst case that the routing still fits.
+    _check_rows(rank, "random", worst - 1)
+    (comm,) = a2a.open_communicators()
+    assert comm.workspace_bytes > 0, comm
+    _check_graph(rank, lambda *args: _rows(*args, worst))
+    _check_graph(rank, _tokens)
+    _check_module(rank)
+    _check_reduce_overhead(rank)
+    # Collective: on every rank, and only once every rank got here.
+    a2a.close_all()
+    assert not a2a.open_communicators()
+
+
+def test_matches_single_process():
+    run_on_ranks(WORLD, _run, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
