@@ -5,7 +5,6 @@ the experts read them; an experts backend that quantizes inside gets bf16."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 
@@ -145,10 +144,10 @@ def test_two_layers_resolve_independently_and_touch_no_environment():
     assert dict(os.environ) == environment
 
 
-@pytest.mark.parametrize("a2a, experts", [("deepep", "grouped_mm"), ("flashinfer", "triton")])
+@pytest.mark.parametrize("a2a, experts", [("flashinfer", "triton")])
 def test_registered_pairs_that_cannot_both_take_fp8_dispatch_unquantized(a2a, experts):
-    # DeepEP's and FlashInfer's all-to-alls move bf16 here (no dispatch_quant): experts that
-    # quantize inside (grouped_mm) or read fp8 rows (triton) get bf16 rows, and quantize them.
+    # FlashInfer's all-to-all moves bf16 here (no dispatch_quant): experts that read fp8
+    # rows (triton) get bf16 rows, and quantize them.
     sides = DispatchSides.of(REGISTRY.a2a[a2a], REGISTRY.experts[experts])
     assert not sides.sends_quantized
     assert _no_warning(quant=W8A8_TOKEN, sides=sides) == DispatchDtype(BF16, DEFAULT_RULE)
@@ -158,11 +157,9 @@ def test_registered_pairs_that_cannot_both_take_fp8_dispatch_unquantized(a2a, ex
 
 
 def test_deepep_low_latency_bf16_feeding_experts_that_quantize_inside_gets_bf16():
-    # Even an a2a that could send fp8 rows keeps bf16 for experts that quantize each row
+    # DeepEP can send fp8 rows, but keeps bf16 for experts that quantize each row
     # themselves: fp8 rows there would be read as bf16.
-    sides = dataclasses.replace(DispatchSides.of(REGISTRY.a2a["deepep"],
-                                                 REGISTRY.experts["grouped_mm"]),
-                                sends_quantized=True)
-    assert sides.experts_quantized_rows == ()
+    sides = DispatchSides.of(REGISTRY.a2a["deepep"], REGISTRY.experts["grouped_mm"])
+    assert sides.sends_quantized and sides.experts_quantized_rows == ()
     assert _no_warning(quant=W8A8_TOKEN, sides=sides) == DispatchDtype(BF16, DEFAULT_RULE)
     assert _no_warning(quant=W8A8_GROUP, sides=sides) == DispatchDtype(BF16, DEFAULT_RULE)
