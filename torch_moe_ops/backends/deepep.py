@@ -115,6 +115,7 @@ import torch.distributed as dist
 
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.communicators import Communicators
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
@@ -375,13 +376,12 @@ class DeepEPCommunicator:
         self.buffer = None
         key = _key(self.group_name, self.hidden_size, self.num_experts, self.top_k,
                    self.max_tokens_per_rank, self.dtype)
-        if _COMMUNICATORS.get(key) is self:
-            del _COMMUNICATORS[key]
+        _COMMUNICATORS.forget(key, self)
 
 
 # The one cache of this module: open communicators by (group, H, E, K, M, dtype).
 # `communicator` fills it, `DeepEPCommunicator.close` and `close_all` empty it.
-_COMMUNICATORS: dict[tuple, DeepEPCommunicator] = {}
+_COMMUNICATORS = Communicators()
 
 
 def _key(group_name, hidden_size, num_experts, top_k, max_tokens_per_rank, dtype) -> tuple:
@@ -439,15 +439,8 @@ def communicator(group_name: str, hidden_size: int, num_experts: int, top_k: int
     return created
 
 
-def close_all() -> None:
-    """Close every open communicator, in the same order on every rank (collective)."""
-    for key in sorted(_COMMUNICATORS):
-        _COMMUNICATORS[key].close()
-
-
-def open_communicators() -> list[DeepEPCommunicator]:
-    """The open communicators, in key order."""
-    return [_COMMUNICATORS[key] for key in sorted(_COMMUNICATORS)]
+close_all = _COMMUNICATORS.close_all
+open_communicators = _COMMUNICATORS.in_key_order
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.communicators import Communicators
 from torch_moe_ops.backends.common.rows import (
     block_of,
     combine_grads,
@@ -259,13 +260,12 @@ class FlashInferCommunicator:
             self.workspace = self.metainfo = self.memory = None
         key = _key(self.group_name, self.hidden_size, self.top_k, self.max_tokens_per_rank,
                    self.dtype)
-        if _COMMUNICATORS.get(key) is self:
-            del _COMMUNICATORS[key]
+        _COMMUNICATORS.forget(key, self)
 
 
 # The one cache of this module: open communicators by (group, H, K, M, dtype).
 # `communicator` fills it, `FlashInferCommunicator.close` and `close_all` empty it.
-_COMMUNICATORS: dict[tuple, FlashInferCommunicator] = {}
+_COMMUNICATORS = Communicators()
 
 
 def _key(group_name, hidden_size, top_k, max_tokens_per_rank, dtype) -> tuple:
@@ -303,15 +303,8 @@ def communicator(group_name: str, hidden_size: int, top_k: int, max_tokens_per_r
     return created
 
 
-def close_all() -> None:
-    """Close every open communicator, in the same order on every rank (collective)."""
-    for key in sorted(_COMMUNICATORS):
-        _COMMUNICATORS[key].close()
-
-
-def open_communicators() -> list[FlashInferCommunicator]:
-    """The open communicators, in key order."""
-    return [_COMMUNICATORS[key] for key in sorted(_COMMUNICATORS)]
+close_all = _COMMUNICATORS.close_all
+open_communicators = _COMMUNICATORS.in_key_order
 
 
 def _opened(group_name, ep_size, hidden_size, top_k, max_tokens_per_rank, dtype

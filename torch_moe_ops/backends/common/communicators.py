@@ -1,0 +1,23 @@
+"""Where a transport backend keeps its state: one communicator per key (process
+group and layer shape), the one keyed cache DESIGN.md allows a backend. Closing is
+collective, so every rank closes in the same (key) order."""
+
+from __future__ import annotations
+
+
+class Communicators(dict):
+    """Open communicators by key; each has a collective ``close()`` that calls `forget`."""
+
+    def forget(self, key: tuple, communicator) -> None:
+        """Drop ``communicator`` if it is still the one filed under ``key``."""
+        if self.get(key) is communicator:
+            del self[key]
+
+    def close_all(self) -> None:
+        """Close every open communicator, in the same order on every rank (collective)."""
+        for key in sorted(self):
+            self[key].close()
+
+    def in_key_order(self) -> list:
+        """The open communicators, in key order."""
+        return [self[key] for key in sorted(self)]
