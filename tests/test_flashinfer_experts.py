@@ -89,6 +89,8 @@ def built(emulated):
 def gpu(monkeypatch):
     """``torch.cuda`` claims a GPU of compute capability ``gpu(major, minor)`` (sm90 first)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # Other backends' `supports` ask which GPU is current (the a2a's NVLink check).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     def claim(major: int = 9, minor: int = 0):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major,
@@ -376,6 +378,7 @@ flashinfer_emulator.install({str(tmp_path)!r})
 import torch
 torch.cuda.is_available = lambda: True
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.cuda.current_device = lambda: 0
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 rows = {{s.name: s for s in tmo.available_backends("cuda") if s.kind == "experts"}}
