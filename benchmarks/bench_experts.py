@@ -210,8 +210,11 @@ def floor_seconds(shape: Shape, num_tokens: int, topk_ids_TK: torch.Tensor,
     return max(memory_s, compute_s), weight_bytes, flops, bound
 
 
-def graph_timer(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    """Capture ``fn`` in a CUDA graph; returns its replay and the output it writes."""
+def graph_timer(fn: Callable[[], torch.Tensor], repeat: int = 1
+                ) -> tuple[Callable[[], None], torch.Tensor]:
+    """Capture ``fn``, called ``repeat`` times, in one CUDA graph (after a warm-up
+    call on a side stream: compilation and JIT builds happen there); returns its
+    replay and the output the last call writes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -219,7 +222,8 @@ def graph_timer(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], tor
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fn()
+        for _ in range(repeat):
+            out = fn()
     return graph.replay, out
 
 

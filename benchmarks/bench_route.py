@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_experts import graph_timer
 
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.flashinfer import route as fi_route
@@ -110,21 +111,6 @@ def make_fn(backend: str, num_tokens: int, device: torch.device, smoke: bool) ->
     return route_backend_op("moe_reference")
 
 
-def graph_of(fn: Callable[[], object], repeat: int) -> tuple[Callable[[], None], object]:
-    """``fn`` called ``repeat`` times in one CUDA graph (after a warm-up call on a side
-    stream: compilation and JIT builds happen there); its replay and last output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            out = fn()
-    return graph.replay, out
-
-
 def seconds_per_call(fn: Callable[[], object], device: torch.device, repeat: int
                      ) -> tuple[float, object]:
     """Median seconds of one call and its output: CUDA-graph replays on a GPU, plain
@@ -132,7 +118,7 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, repeat: int
     if device.type == "cuda":
         import triton.testing
 
-        replay, out = graph_of(fn, repeat)
+        replay, out = graph_timer(fn, repeat)
         replay()
         torch.cuda.synchronize()
         return triton.testing.do_bench(replay, return_mode="median") * 1e-3 / repeat, out
