@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --smoke  # CPU, gloo, tiny
+    torchrun --nproc-per-node 1 benchmarks/bench_ep.py --out DIR --one-rank  # one GPU
 
 Legend: P ranks, T tokens per rank (M = max_tokens_per_rank = T here), H hidden
 size, I expert intermediate size, K experts per token, E experts, E_l = E / P,
@@ -54,6 +55,10 @@ Bytes one rank sends its peers (GB/s = those bytes / time):
 Targets: all_to_all dispatch + combine within 1.2x raw NCCL on the same bytes;
 layer step <= 1.3x (local experts + raw transport).
 
+``--one-rank`` (one process, one GPU): only the ``flashinfer`` transport cases, at P = 1,
+where every token stays on its GPU: what the backend adds to FlashInfer's own round trip
+(its own kernels and host work), without the NVLink transfers that P = 2 adds to both.
+
 Every collective is bounded by the process group's timeout (``--timeout-s``), and
 a case starts only while the run is within ``--budget-s`` (decided on all ranks
 alike); the rest are listed as skipped. Rank 0 writes ``ep.json``, ``ep.md`` and
@@ -87,6 +92,7 @@ from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.common import collectives
 from torch_moe_ops.backends.flashinfer import a2a as flashinfer_a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as flashinfer_sizes
+from torch_moe_ops.backends.flashinfer import library as flashinfer_library
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import op_overload
@@ -234,6 +240,12 @@ def capacity_check_skipped():
 
 
 def available_a2a(run: Run, sizes: Sizes) -> list[str]:
+    if run.args.one_rank:
+        # supports() refuses one rank (a layer runs a2a "none" there); its ops do not.
+        reason = flashinfer_library.device_reason(run.device)
+        if reason is not None:
+            run.skipped.append(f"a2a flashinfer: {reason}")
+        return ["flashinfer"] if reason is None else []
     names = []
     problem = Problem(run.dtype, hidden_size=sizes.hidden, top_k=sizes.top_k, ep_size=run.world)
     for name in A2A_NAMES:
@@ -795,6 +807,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="process-group timeout: the longest any collective waits")
     parser.add_argument("--budget-s", type=float, default=210,
                         help="no case starts after this many seconds")
+    parser.add_argument("--one-rank", action="store_true",
+                        help="one process on one GPU: the flashinfer transport cases at P=1 "
+                             "(the backend's cost over FlashInfer's round trip), no layer")
     return parser.parse_args(argv)
 
 
@@ -804,8 +819,13 @@ def check_launch(args: argparse.Namespace) -> None:
                  "`torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR` "
                  "(add --smoke for a CPU check over gloo)")
     world = int(os.environ["WORLD_SIZE"])
-    if world < 2:
-        sys.exit(f"expert parallelism needs >= 2 ranks, got WORLD_SIZE={world}")
+    if args.one_rank and (world != 1 or args.smoke):
+        sys.exit(f"--one-rank runs one process on one GPU: launch it with --nproc-per-node 1 "
+                 f"and without --smoke, got WORLD_SIZE={world}"
+                 f"{' and --smoke' if args.smoke else ''}")
+    if world < 2 and not args.one_rank:
+        sys.exit(f"expert parallelism needs >= 2 ranks, got WORLD_SIZE={world} "
+                 f"(--one-rank times the flashinfer backend's own cost on one GPU)")
     if not args.smoke:
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if found < world:
@@ -830,7 +850,7 @@ def main(argv=None) -> None:
                 f"{'; '.join(run.skipped) or 'none'}")
         results = Results()
         transport_phase(run, sizes, a2a_names, results)
-        if not args.no_layer:
+        if not (args.no_layer or args.one_rank):
             layer_phase(run, sizes, a2a_names, results)
         summary = results.save(run, sizes)
         if run.rank == 0:

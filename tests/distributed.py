@@ -1,8 +1,10 @@
 """Run a function on several processes joined by one process group, bounded in time.
 
-``backend="gloo"`` runs CPU processes; ``backend="nccl"`` runs one process per
-GPU, rank ``r`` on ``cuda:r`` (its current device, also given to the group as
-``device_id`` so the communicator is built at once). Every process group gets a
+``backend="gloo"`` runs CPU processes, or with ``shared_gpu=i`` processes that all
+have ``cuda:i`` as their current device (several ranks on one GPU, which NCCL
+refuses); ``backend="nccl"`` runs one process per GPU, rank ``r`` on ``cuda:r``
+(its current device, also given to the group as ``device_id`` so the
+communicator is built at once). Every process group gets a
 timeout, and the launcher kills the processes when the whole run takes longer
 than its own deadline: a bug fails a test, it never hangs it. A failure in any
 process fails the caller with that process's traceback.
@@ -31,7 +33,7 @@ BACKENDS = ("gloo", "nccl")
 
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str,
-            timeout: datetime.timedelta, fn, args, errors) -> None:
+            shared_gpu: int | None, timeout: datetime.timedelta, fn, args, errors) -> None:
     # One intra-op thread per rank: the ranks share the machine's cores (torch is
     # imported already, so OMP_NUM_THREADS would come too late).
     torch.set_num_threads(1)
@@ -39,6 +41,8 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
     if backend == "nccl":
         torch.cuda.set_device(rank)
         options["device_id"] = torch.device("cuda", rank)
+    elif shared_gpu is not None:
+        torch.cuda.set_device(shared_gpu)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timeout, **options)
     try:
@@ -61,14 +65,19 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
 
 
 def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",
+                 shared_gpu: int | None = None,
                  timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
                  deadline_s: float = RUN_DEADLINE_S) -> None:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes of one process
     group (``dist.group.WORLD``) of ``backend``; ``fn`` must be importable (a
-    module-level function). Each collective waits at most ``timeout``, the whole
-    run at most ``deadline_s`` seconds."""
+    module-level function). With gloo, ``shared_gpu`` (a GPU index) is every
+    process's current CUDA device. Each collective waits at most ``timeout``, the
+    whole run at most ``deadline_s`` seconds."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if shared_gpu is not None and backend != "gloo":
+        raise ValueError(f"shared_gpu puts every rank on one GPU, which only gloo allows: "
+                         f"backend must be 'gloo', got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend 'nccl' runs one rank per GPU: world_size ({world_size}) "
                          f"must be <= the GPUs here ({torch.cuda.device_count()})")
@@ -77,7 +86,7 @@ def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(pathlib.Path(tmp) / "init")
         processes = mp.start_processes(
-            _worker, args=(world_size, init_file, backend, timeout, fn, args, errors),
+            _worker, args=(world_size, init_file, backend, shared_gpu, timeout, fn, args, errors),
             nprocs=world_size, join=False, start_method="spawn")
         try:
             finished = False

@@ -17,7 +17,10 @@ tests/test_flashinfer_a2a_gpu.py runs the real ones.
   (``token_selected_experts // (E / P)``); rank p's tokens land in block p of each
   payload's ``[P, M, X]`` view of the workspace, at positions in a random order (the
   kernel's atomic counters); every other position of a block holds garbage (what earlier
-  calls left there). Returns the views, the offset of the combine region and no EPLB stats.
+  calls left there). The tokens each rank sent go to the receive counters (``[P]`` int32 in
+  the workspace, at the offset the metainfo keeps under the index that
+  ``moe_a2a_get_metainfo_index_pairs`` names). Returns the views, the offset of the combine
+  region and no EPLB stats.
 - ``moe_a2a_sanitize_expert_ids``: the given id in every column of the positions no token
   came to in the last dispatch.
 - ``moe_a2a_combine``: the payload is staged into the combine region; each token's rows at
@@ -43,6 +46,10 @@ MAX_PAYLOADS = 6
 ALIGNMENT = 128
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 METAINFO_FIELDS = 10
+# Where the metainfo keeps the receive counters' offset, and that offset (in the region
+# before the payloads, after room for the flags).
+RECV_COUNTERS_INDEX = 3
+RECV_COUNTERS_AT = 1024
 
 
 def _pad(num_bytes: int) -> int:
@@ -193,8 +200,14 @@ def moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_n
     _WORKSPACES[workspace.data_ptr()] = _Workspace(MnnvlMemory.comm, ep_rank, ep_size,
                                                    max_num_tokens, random.Random(1234 + ep_rank))
     metainfo = torch.zeros(METAINFO_FIELDS, dtype=torch.int64)
+    metainfo[RECV_COUNTERS_INDEX] = RECV_COUNTERS_AT
     metainfo[-1] = _aux_bytes(ep_size, max_num_tokens)
     return metainfo
+
+
+def moe_a2a_get_metainfo_index_pairs():
+    return (["MOE_A2A_RECV_COUNTERS_OFFSET_INDEX", "MOE_A2A_PAYLOAD_DATA_OFFSET_INDEX"],
+            [RECV_COUNTERS_INDEX, METAINFO_FIELDS - 1])
 
 
 def _check_dispatch(state, routing, payloads, workspace, metainfo, max_tokens, ep_rank, ep_size,
@@ -278,6 +291,9 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
         start += num_bytes
     state.phase, state.sends = "dispatched", sends
     state.recv_counts = [positions.shape[0] for positions, _ in received]
+    counters_at = int(metainfo[RECV_COUNTERS_INDEX])
+    workspace[ep_rank, counters_at:counters_at + 4 * ep_size].view(torch.int32).copy_(
+        torch.tensor(state.recv_counts, dtype=torch.int32))
     state.num_tokens, state.combine_offset = token_selected_experts.shape[0], _pad(start)
     return views, state.combine_offset, None
 

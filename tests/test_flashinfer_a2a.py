@@ -176,9 +176,11 @@ def test_the_tokens_contract_gives_receive_buffers_of_static_size():
 @pytest.mark.parametrize("args, message", [
     (((5, 16), 8, 2, 4), (r"hidden.shape\[0\] \(tokens on this rank\) must be <= "
                           r"max_tokens_per_rank \(4\), got 5")),
-    (((3, 16), 8, 1, 4), "ep_size must be >= 2 .* got 1"),
+    (((3, 16), 8, 0, 4), "ep_size must be >= 1, got 0"),
+    (((5, 16), 8, 1, 4), (r"hidden.shape\[0\] \(tokens on this rank\) must be <= "
+                          r"max_tokens_per_rank \(4\), got 5")),
     (((3, 16), 7, 2, 4), r"num_experts must be divisible by ep_size \(2\), got 7"),
-], ids=["over_capacity", "one_rank", "experts"])
+], ids=["over_capacity", "no_rank", "one_rank_over_capacity", "experts"])
 def test_bad_dispatch_fails_before_any_kernel(args, message):
     (tokens, hidden), num_experts, ep_size, max_tokens = args
     with FakeTensorMode(), pytest.raises(ValueError, match=message):
@@ -203,11 +205,23 @@ def test_receive_positions_become_keys_and_local_ids():
     assert a2a._positions(key_N).tolist() == [-1, 0, 2, 3]
     ids_NK = torch.tensor([[2, 0], [3, -1], [1, 2]], dtype=torch.int32)
     assert a2a._ranks_of(ids_NK, num_local=2).tolist() == [[1, 0], [1, -1], [0, 1]]
-    # Rank 1 of 2 with 4 experts: one lookup, -1 (padding, skipped) reads the last entry.
-    rank_one = a2a.FlashInferCommunicator.__new__(a2a.FlashInferCommunicator)
-    rank_one.rank, rank_one.ep_size, rank_one.local_tables = 1, 2, {}
-    local_NK = rank_one.local_ids(ids_NK, num_experts=4)
-    assert local_NK.tolist() == [[0, -1], [1, -1], [-1, 0]] and local_NK.dtype == torch.int32
+
+
+
+@pytest.mark.triton
+def test_received_ids_become_local_with_padding_marked():
+    from torch_moe_ops.backends.flashinfer import received_ids
+
+    # Rank 1 of 2 with 4 experts, M = 2: 2 tokens came from rank 0, 1 from rank 1; the
+    # fourth position is padding with garbage in it, the -1 a skipped slot.
+    # On the GPU where there is one (conftest sets the interpreter only where there is not).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids_NK = torch.tensor([[2, 0], [3, -1], [1, 2], [3, 7]], dtype=torch.int32, device=device)
+    counts_P = torch.tensor([2, 1], dtype=torch.int32, device=device)
+    local_NK = received_ids.local_ids(ids_NK, counts_P, max_tokens_per_rank=2, first_local=2,
+                                      num_local=2)
+    assert local_NK.tolist() == [[0, -1], [1, -1], [-1, 0], [-1, -1]]
+    assert local_NK.dtype == torch.int32
 
 
 def test_rows_are_summed_into_the_position_of_their_token():

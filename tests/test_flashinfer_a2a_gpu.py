@@ -10,13 +10,21 @@ Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
 I expert intermediate size, E experts, E_l = E / P, K experts per token, M
 max_tokens_per_rank.
 
-Skipped (with `a2a.supports`' reason) without two NVLink-joined GPUs and flashinfer. The
-first run builds FlashInfer's all-to-all module (about 100 s on 16 cores), inside the test.
+The same checks also run with both ranks on one GPU (gloo, each rank a process of its
+own): the real kernels, workspaces mapped across processes and ranks waiting on each other,
+where only one GPU is at hand. What that cannot show is the transport between GPUs (NVLink)
+and the ranks' NCCL collectives.
+
+Skipped (with `a2a.supports`' reason) without two NVLink-joined GPUs (or one GPU, for the
+shared test) and flashinfer. The first run builds FlashInfer's all-to-all module (about 100 s
+on 16 cores), inside the test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import unittest.mock
 
 import pytest
 import torch
@@ -48,11 +56,25 @@ FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_triton::experts",
 TIMEOUT = datetime.timedelta(seconds=300)
 DEADLINE_S = 580
 
-REASON = a2a.supports(BackendSpec(a2a="flashinfer"),
-                      Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K,
-                              max_tokens_per_rank=M), torch.device("cuda"))
-pytestmark = [pytest.mark.multigpu,
-              pytest.mark.skipif(REASON is not None, reason=f"a2a 'flashinfer': {REASON}")]
+
+
+def _no_link_needed(index: int) -> None:
+    """`a2a._nvlink_reason` where the ranks share one GPU: no link lies between them (no
+    reason not to run)."""
+
+
+def _reason(shared_gpu: bool) -> str | None:
+    if shared_gpu and torch.cuda.device_count() < 1:
+        return "needs a CUDA GPU"
+    with unittest.mock.patch.object(a2a, "_nvlink_reason", _no_link_needed) if shared_gpu \
+            else contextlib.nullcontext():
+        reason = a2a.supports(BackendSpec(a2a="flashinfer"),
+                              Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K,
+                                      max_tokens_per_rank=M), torch.device("cuda"))
+    return None if reason is None else f"a2a 'flashinfer': {reason}"
+
+
+TWO_GPUS_REASON, SHARED_GPU_REASON = _reason(shared_gpu=False), _reason(shared_gpu=True)
 
 
 def _device() -> torch.device:
@@ -241,7 +263,9 @@ def _check_reduce_overhead(rank):
     torch._dynamo.reset()
 
 
-def _run(rank, world_size):
+def _run(rank, world_size, shared_gpu):
+    if shared_gpu:
+        a2a._nvlink_reason = _no_link_needed
     _check_refusal(rank)
     worst = M * min(K, E // WORLD)
     for route in ("random", "one_rank"):
@@ -260,5 +284,14 @@ def _run(rank, world_size):
     assert not a2a.open_communicators()
 
 
+@pytest.mark.multigpu
+@pytest.mark.skipif(TWO_GPUS_REASON is not None, reason=str(TWO_GPUS_REASON))
 def test_matches_single_process():
-    run_on_ranks(WORLD, _run, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
+    run_on_ranks(WORLD, _run, False, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SHARED_GPU_REASON is not None, reason=str(SHARED_GPU_REASON))
+def test_matches_single_process_ranks_sharing_one_gpu():
+    run_on_ranks(WORLD, _run, True, backend="gloo", shared_gpu=0, timeout=TIMEOUT,
+                 deadline_s=DEADLINE_S)

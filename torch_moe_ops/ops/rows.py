@@ -75,6 +75,14 @@ def num_rows(num_tokens, top_k, ep_size, capacity):
     return num_tokens * top_k if ep_size == 1 else ep_size * capacity
 
 
+def check_tokens_fit(hidden_TH, max_tokens_per_rank) -> None:
+    if hidden_TH.shape[0] > max_tokens_per_rank:
+        raise ValueError(f"hidden.shape[0] (tokens on this rank) must be <= "
+                         f"max_tokens_per_rank ({max_tokens_per_rank}), got "
+                         f"{hidden_TH.shape[0]}: build the layer with a larger "
+                         "max_tokens_per_rank or split the batch")
+
+
 def check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=1,
                    group_name="", max_tokens_per_rank=0, capacity=0) -> None:
     check_routing(hidden_TH, topk_weights_TK, topk_ids_TK)
@@ -86,11 +94,7 @@ def check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size
                          f"{num_experts}")
     if ep_size == 1:
         return
-    if hidden_TH.shape[0] > max_tokens_per_rank:
-        raise ValueError(f"hidden.shape[0] (tokens on this rank) must be <= "
-                         f"max_tokens_per_rank ({max_tokens_per_rank}), got "
-                         f"{hidden_TH.shape[0]}: build the layer with a larger "
-                         "max_tokens_per_rank or split the batch")
+    check_tokens_fit(hidden_TH, max_tokens_per_rank)
     worst = worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1],
                                 num_experts // ep_size)
     if not 1 <= capacity <= worst:

@@ -44,13 +44,14 @@ def num_positions(ep_size: int, max_tokens_per_rank: int) -> int:
 
 def check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=1,
                    group_name="", max_tokens_per_rank=0) -> None:
-    if ep_size < 2:
-        raise ValueError(f"ep_size must be >= 2 (tokens travel between ranks), got {ep_size}")
+    rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
     # The rows format's checks with the largest capacity: the same arguments, the same errors.
     rows.check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
                         group_name, max_tokens_per_rank,
                         worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1],
                                             num_experts // ep_size))
+    # Rows check it only across ranks; the receive buffers have M positions per rank, one too.
+    rows.check_tokens_fit(hidden_TH, max_tokens_per_rank)
 
 
 def fake_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=1,

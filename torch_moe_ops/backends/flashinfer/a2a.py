@@ -11,8 +11,9 @@ rank (the capacity), R = P * C rows.
 Transport. ``moe_a2a_dispatch`` writes each token once into the workspace of every rank
 that holds one of its experts: rank p's tokens land in block p of ``[P, M, ...]`` (one
 buffer per payload), at positions an atomic counter hands out, so their order changes from
-call to call; the rest of a block is padding, left as earlier calls wrote it, whose int32
-payload ``moe_a2a_sanitize_expert_ids`` sets to -1. ``moe_a2a_combine`` reads, for each
+call to call, and the kernel leaves in the receiver's workspace how many came from each
+rank; the rest of a block is padding, left as earlier calls wrote it, whose last int32
+payload ``moe_a2a_sanitize_expert_ids`` sets to -1 (rows). ``moe_a2a_combine`` reads, for each
 token, the ``[H]`` row at its position on each rank it went to and sums them in fp32: a
 receiving rank hands back one row per position, already weighted and summed over its own
 experts. The payloads are the activations ``[T, H]``, the routing weights ``[T, K]`` fp32,
@@ -40,10 +41,11 @@ its expert only).
 
 Tokens (`ops.tokens`, for fused pairs): the same dispatch without the token index, the
 receive buffers handed over as they are (``[N, H]`` and ``[N, K]`` tensors over the
-workspace, no copy) with the ids translated to local experts by one lookup, and
-``combine_tokens`` hands the experts' ``[N, H]`` to ``moe_a2a_combine``: beside FlashInfer's
-own round trip (dispatch with its id sanitizer, combine), two small kernels (the routing's
--1 made 0, the lookup). The buffers are the next dispatch's: inference only.
+workspace, no copy) with the ids made local to this rank's experts (-1 at padding) by one
+kernel (`received_ids`) in place of FlashInfer's id sanitizer, and ``combine_tokens`` hands
+the experts' ``[N, H]`` to ``moe_a2a_combine``: beside FlashInfer's own round trip (dispatch,
+its sanitizer, combine), one small kernel (the routing's -1 made 0). The buffers are the
+next dispatch's: inference only.
 
 State: one `FlashInferCommunicator` per (group, H, K, M, dtype) holds the workspace, sized
 once from the shape (`a2a_sizes`: ``moe_a2a_get_workspace_size_per_rank``), checked against
@@ -70,7 +72,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common import TRITON_INSTALLED, collectives
 from torch_moe_ops.backends.common.communicators import Communicators
 from torch_moe_ops.backends.common.rows import (
     block_of,
@@ -109,7 +111,16 @@ def api() -> types.SimpleNamespace:
         moe_a2a_initialize=alltoall.moe_a2a_initialize,
         moe_a2a_dispatch=alltoall.moe_a2a_dispatch,
         moe_a2a_sanitize_expert_ids=alltoall.moe_a2a_sanitize_expert_ids,
-        moe_a2a_combine=alltoall.moe_a2a_combine)
+        moe_a2a_combine=alltoall.moe_a2a_combine,
+        moe_a2a_get_metainfo_index_pairs=(
+            lambda: alltoall.get_moe_alltoall_module().moe_a2a_get_metainfo_index_pairs()))
+
+
+def _metainfo_index(lib: types.SimpleNamespace, name: str) -> int:
+    """Where the workspace offset ``name`` (``MOE_A2A_`` + name in FlashInfer's C++) is
+    kept in the metainfo that ``moe_a2a_initialize`` returns."""
+    names, values = lib.moe_a2a_get_metainfo_index_pairs()
+    return dict(zip(names, values, strict=True))[f"MOE_A2A_{name}"]
 
 
 def _group_comm(lib: types.SimpleNamespace, group: dist.ProcessGroup):
@@ -186,13 +197,16 @@ class FlashInferCommunicator:
             self.workspace = self.memory.as_torch_strided_tensor(torch.uint8)
             self.metainfo = lib.moe_a2a_initialize(self.workspace, self.rank, self.ep_size,
                                                     max_tokens_per_rank)
+            # The tokens each rank sent here in the last dispatch (its kernel writes them).
+            counts_at = int(self.metainfo[_metainfo_index(lib, "RECV_COUNTERS_OFFSET_INDEX")])
+            self.recv_counts_P = self.workspace[self.rank, counts_at:
+                                                counts_at + 4 * self.ep_size].view(torch.int32)
         # No peer writes into a workspace before its owner has zeroed it.
         comm.barrier()
         self.comm = comm
         self.received: _Received | None = None
         self.recv_views: dict = {}
         self.aliases: dict = {}
-        self.local_tables: dict = {}
 
     def __repr__(self) -> str:
         state = "closed" if self.memory is None else "open"
@@ -201,30 +215,30 @@ class FlashInferCommunicator:
                 f"{self.dtype}, workspace {self.workspace_bytes / sizes.GIB:.3f} GiB per rank, "
                 f"{state})")
 
-    def dispatch(self, ids_TK: torch.Tensor, num_experts: int, payloads: list[torch.Tensor]
-                 ) -> list[torch.Tensor]:
-        """``payloads`` (each ``[T, X]``; the last int32, -1 written at its padding) to the
-        ranks that hold the experts ``ids_TK`` (int32 of ``num_experts``; -1 skips):
-        ``[N, X]`` views of the workspace."""
+    def dispatch(self, ids_TK: torch.Tensor, num_experts: int, payloads: list[torch.Tensor],
+                 mark_padding: bool = True) -> list[torch.Tensor]:
+        """``payloads`` (each ``[T, X]``; with ``mark_padding`` the last int32, -1 written at
+        its padding) to the ranks that hold the experts ``ids_TK`` (int32 of
+        ``num_experts``; -1 skips): ``[N, X]`` views of the workspace."""
         views, combine_offset, _ = api().moe_a2a_dispatch(
             ids_TK.clamp(min=0).contiguous(), [p.contiguous() for p in payloads], self.workspace,
             self.metainfo, self.max_tokens_per_rank, self.rank, self.ep_size, self.top_k,
             num_experts, recv_view_cache=self.recv_views)
-        api().moe_a2a_sanitize_expert_ids(views[-1], self.workspace, self.metainfo,
-                                          self.rank, -1)
+        if mark_padding:
+            api().moe_a2a_sanitize_expert_ids(views[-1], self.workspace, self.metainfo,
+                                              self.rank, -1)
         self.received = _Received(combine_offset)
         return [view.view(self.num_positions, -1) for view in views]
 
     def local_ids(self, ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
-        """``[N, K]`` int32: ids of this rank's experts made local, -1 for all others (one
-        lookup in a table of ``num_experts + 1`` entries whose last, index -1, is -1)."""
-        if num_experts not in self.local_tables:
-            num_local = num_experts // self.ep_size
-            table = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=ids_NK.device)
-            table[self.rank * num_local:(self.rank + 1) * num_local] = torch.arange(
-                num_local, dtype=torch.int32, device=ids_NK.device)
-            self.local_tables[num_experts] = table
-        return self.local_tables[num_experts][ids_NK]
+        """``[N, K]`` int32: the last dispatch's ids (``ids_NK``, received global ids) of
+        this rank's experts made local, -1 for all others and at padding (one kernel)."""
+        # Imported here: it needs triton, which supports() asks for, not the package's import.
+        from torch_moe_ops.backends.flashinfer import received_ids
+
+        num_local = num_experts // self.ep_size
+        return received_ids.local_ids(ids_NK, self.recv_counts_P, self.max_tokens_per_rank,
+                                      self.rank * num_local, num_local)
 
     def combine(self, payload_NX: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[T, X]``: each token's rows at its positions on the ranks it went to, summed."""
@@ -256,7 +270,7 @@ class FlashInferCommunicator:
                 torch.cuda.synchronize(self.device)
             # No rank frees its part while a peer may still read it.
             self.comm.barrier()
-            self.received, self.recv_views, self.aliases, self.local_tables = None, {}, {}, {}
+            self.received, self.recv_views, self.aliases = None, {}, {}
             self.workspace = self.metainfo = self.memory = None
         key = _key(self.group_name, self.hidden_size, self.top_k, self.max_tokens_per_rank,
                    self.dtype)
@@ -347,10 +361,11 @@ def _token_index(num_tokens: int, device: torch.device) -> torch.Tensor:
 
 def _send_tokens(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *extra):
     """The forward dispatch of both formats: ``[x [N, H], weights [N, K] fp32, ids [N, K]
-    int32, *extra]``, views of the workspace (the last one with -1 at padding)."""
+    int32, *extra]``, views of the workspace; with ``extra``, the last one has -1 at
+    padding (`FlashInferCommunicator.local_ids` finds the padding of the ids itself)."""
     ids_TK = topk_ids_TK.to(torch.int32)
     return comm.dispatch(ids_TK, num_experts, [hidden_TH, topk_weights_TK.float(), ids_TK,
-                                               *extra])
+                                               *extra], mark_padding=bool(extra))
 
 
 def _sum_received(rows_RH, src_R, key_N, top_k) -> torch.Tensor:
@@ -383,8 +398,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
             comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, index_T1)
         comm.received.token_N1 = token_N1
         position_G = _positions(_keys(token_N1[:, 0], max_tokens_per_rank))
-        # Ids in key order first: those at padding positions (not sanitized here) are garbage.
-        local_GK = comm.local_ids(gather_rows(ids_NK + 1, position_G) - 1, num_experts)
+        local_GK = gather_rows(comm.local_ids(ids_NK, num_experts) + 1, position_G) - 1
         if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
             collectives.check_capacity((local_GK >= 0).view(ep_size, -1).sum(1), capacity,
                                        group_name, "a rank holds the experts of more of "
@@ -498,6 +512,8 @@ def supports(spec, problem, device) -> str | None:
         return "this torch has no torch.distributed"
     if problem.ep_size is not None and problem.ep_size < 2:
         return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
+    if not TRITON_INSTALLED:
+        return "triton is not installed (pip install triton): it marks the received ids"
     reason = sizes.why_not_shape(problem.ep_size, problem.top_k, problem.dtype,
                                  problem.num_experts, problem.hidden_size)
     if reason is not None:
