@@ -14,7 +14,8 @@ tests/test_flashinfer_a2a_gpu.py runs the real ones.
   configured one returns; this ``TorchDistBackend`` builds no process group, so its own
   ``Split`` raises.
 - ``moe_a2a_dispatch``: each token goes once to each rank that holds one of its experts
-  (``token_selected_experts // (E / P)``); rank p's tokens land in block p of each
+  (``token_selected_experts / (E / P)``, rounded toward zero as C divides: -1 goes to rank 0
+  where E / P > 1); rank p's tokens land in block p of each
   payload's ``[P, M, X]`` view of the workspace, at positions in a random order (the
   kernel's atomic counters); every other position of a block holds garbage (what earlier
   calls left there). The tokens each rank sent go to the receive counters (``[P]`` int32 in
@@ -228,8 +229,11 @@ def _check_dispatch(state, routing, payloads, workspace, metainfo, max_tokens, e
            "the workspace was initialized for another ep_size / max_num_tokens")
     # Past M a block would overflow into the next one (the kernel does not check).
     _check(routing.shape[0] <= max_tokens, "more tokens than runtime_max_tokens_per_rank")
-    _check(bool(((routing >= 0) & (routing < num_experts)).all()),
-           "token_selected_experts must hold expert ids in [0, num_experts)")
+    # The kernel's rank of an expert (compute_target_rank_id): C division, toward zero.
+    ranks = torch.div(routing, num_experts // ep_size, rounding_mode="trunc")
+    _check(bool(((ranks >= 0) & (ranks < ep_size)).all()),
+           "an expert id of token_selected_experts falls on no rank (the kernel would write "
+           "out of bounds)")
     _check(num_experts % ep_size == 0, "the emulator partitions experts evenly only")
     total = 0
     for i, payload in enumerate(payloads):
@@ -255,7 +259,7 @@ def moe_a2a_dispatch(token_selected_experts, input_payloads, workspace, metainfo
     for t, ids in enumerate(token_selected_experts.tolist()):
         seen, slots = set(), []
         for expert in ids:
-            target = expert // num_local
+            target = int(expert / num_local)
             if target in seen:
                 slots.append(None)
                 continue

@@ -41,8 +41,9 @@ H, I, M = 16, 8, 6
 # One rank full, one idle.
 TOKENS_PER_RANK = (5, 0)
 WORLD = 2
-# (K, E_l): K above, at and below E_l, each a top_k FlashInfer's kernels are built for.
-SHAPES = ((2, 3), (4, 2), (1, 4))
+# (K, E_l): K above, at and below E_l, each a top_k FlashInfer's kernels are built for; one
+# expert per rank (a skipped slot's -1 is clamped to be routed).
+SHAPES = ((2, 3), (4, 2), (1, 4), (2, 1))
 STATIC = ("silu", 1.702, 7.0)
 FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_cpu::experts",
              "moe_flashinfer_a2a::combine_tokens")
