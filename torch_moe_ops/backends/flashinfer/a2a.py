@@ -373,6 +373,29 @@ def _send_tokens(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *ex
                                                *extra], mark_padding=bool(extra))
 
 
+def _compiled_on_gpu(body):
+    """``body`` (tensors, then ints fixed per layer shape) compiled by Inductor with static
+    shapes where its first input is on a GPU, as it is elsewhere (the CPU stand-in of the
+    tests). The rows bookkeeping around FlashInfer's kernels is some 150 small torch ops a
+    round trip: eagerly, launch-bound. It stays whole (opaque) in a compiled model, like
+    the kernels, so it is compiled on its own; its sizes are the layer's (N, R), not T's."""
+    compiled = None
+
+    @functools.wraps(body)
+    def run(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return body(*args)
+        if compiled is None:
+            # On first use: importing the package does not load the compiler. Casts to
+            # bf16 rounded where the eager ops round (as `weighted_rows` documents).
+            compiled = torch.compile(body, dynamic=False, fullgraph=True,
+                                     options={"emulate_precision_casts": True})
+        return compiled(*args)
+
+    return run
+
+
 def _sum_received(rows_RH, src_R, key_N, top_k) -> torch.Tensor:
     """``[N, H]``: at each receive position the rows of its token summed in slot order."""
     num_slots = key_N.shape[0] * top_k
@@ -385,6 +408,46 @@ def _positions(key_N: torch.Tensor) -> torch.Tensor:
     """``[G]``: the receive position of each key, -1 where its token did not come."""
     return scatter_index(torch.arange(key_N.shape[0], device=key_N.device), key_N,
                          key_N.shape[0])
+
+
+@_compiled_on_gpu
+def _in_key_order(local_NK, token_N1, max_tokens):
+    """``(position_G, local_GK)``: where each key's token was received, and its local ids
+    (-1 where it did not come)."""
+    position_G = _positions(_keys(token_N1[:, 0], max_tokens))
+    return position_G, gather_rows(local_NK + 1, position_G) - 1
+
+
+@_compiled_on_gpu
+def _received_rows(x_NH, weights_NK, local_GK, position_G, num_local, num_rows, top_k):
+    """The rows format's outputs but the slot map: ``(x_RH, expert_R, weight_R, src_R,
+    count_E)``; the slots of this rank's experts sort first, in key order."""
+    order_S, expert_S, count_E = sort_rows(local_GK, num_local)
+    expert_R = expert_S[:num_rows]
+    src_R = order_S[:num_rows].masked_fill(expert_R < 0, -1).to(torch.int32)
+    position_R = gather_index(position_G, block_of(src_R, top_k))
+    slot_R = torch.where(position_R < 0, -1, position_R * top_k + src_R % top_k)
+    weight_R = gather_rows(weights_NK.reshape(-1, 1), slot_R)[:, 0]
+    return (gather_rows(x_NH, position_R), expert_R.to(torch.int32), weight_R, src_R,
+            count_E.clone())
+
+
+@_compiled_on_gpu
+def _summed_rows(rows_RH, src_R, token_N1, weight_R, max_tokens, top_k):
+    """``[N, H]``: at each receive position its token's rows (times ``weight_R`` where
+    given) summed in slot order."""
+    if weight_R is not None:
+        rows_RH = weighted_rows(rows_RH, weight_R, src_R)
+    return _sum_received(rows_RH, src_R, _keys(token_N1[:, 0], max_tokens), top_k)
+
+
+@_compiled_on_gpu
+def _rows_of_grad(grad_NH, y_RH, weight_R, src_R, token_N1, max_tokens, top_k):
+    """The gradients of the rows (`combine_grads`) from the received gradient of each
+    position, ``grad_NH``."""
+    position_R = gather_index(_positions(_keys(token_N1[:, 0], max_tokens)),
+                              block_of(src_R, top_k))
+    return combine_grads(gather_rows(grad_NH, position_R), y_RH, weight_R, src_R)
 
 
 # The ops of the rows format.
@@ -402,22 +465,15 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
         x_NH, weights_NK, ids_NK, token_N1 = _send_tokens(
             comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, index_T1)
         comm.received.token_N1 = token_N1
-        position_G = _positions(_keys(token_N1[:, 0], max_tokens_per_rank))
-        local_GK = gather_rows(comm.local_ids(ids_NK, num_experts) + 1, position_G) - 1
+        position_G, local_GK = _in_key_order(comm.local_ids(ids_NK, num_experts), token_N1,
+                                             max_tokens_per_rank)
         if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
             collectives.check_capacity((local_GK >= 0).view(ep_size, -1).sum(1), capacity,
                                        group_name, "a rank holds the experts of more of "
                                        "another rank's slots than the capacity")
-        # Slots of this rank's experts sort first, in key order: the first R rows hold them.
-        order_S, expert_S, count_E = sort_rows(local_GK, num_local)
-        num_rows = ep_size * capacity
-        expert_R = expert_S[:num_rows]
-        src_R = order_S[:num_rows].masked_fill(expert_R < 0, -1).to(torch.int32)
-        position_R = gather_index(position_G, block_of(src_R, top_k))
-        slot_R = torch.where(position_R < 0, -1, position_R * top_k + src_R % top_k)
-        weight_R = gather_rows(weights_NK.reshape(-1, 1), slot_R)[:, 0]
-        return (gather_rows(x_NH, position_R), expert_R.to(torch.int32), weight_R, src_R,
-                count_E.clone(), _ranks_of(topk_ids_TK, num_local))
+        return (*_received_rows(x_NH, weights_NK, local_GK, position_G, num_local,
+                                ep_size * capacity, top_k),
+                _ranks_of(topk_ids_TK, num_local))
 
 
 def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
@@ -430,17 +486,17 @@ def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_
         if token_N1 is None:
             raise RuntimeError(f"a2a backend 'flashinfer': combine must follow the dispatch "
                                f"of its layer on {comm!r}")
-        key_N = _keys(token_N1[:, 0], max_tokens_per_rank)
-        summed_NH = _sum_received(weighted_rows(y_RH, weight_R, src_R), src_R, key_N, top_k)
+        summed_NH = _summed_rows(y_RH, src_R, token_N1, weight_R, max_tokens_per_rank, top_k)
         return comm.combine(summed_NH, num_tokens)
 
 
-def _send_back_keys(comm, slot_map_TK, payloads=()) -> tuple[torch.Tensor, list]:
-    """A dispatch of each token's index (and ``payloads``) along ``slot_map_TK``: the key
-    at each receive position of this round and the received payloads."""
+def _send_back_tokens(comm, slot_map_TK, payloads=()) -> tuple[torch.Tensor, list]:
+    """A dispatch of each token's index (and ``payloads``) along ``slot_map_TK``: the token
+    index at each receive position of this round (``[N, 1]``, -1 at padding) and the
+    received payloads."""
     index_T1 = _token_index(slot_map_TK.shape[0], slot_map_TK.device)
     *received, token_N1 = comm.dispatch(slot_map_TK, comm.ep_size, [*payloads, index_T1])
-    return _keys(token_N1[:, 0], comm.max_tokens_per_rank), received
+    return token_N1, received
 
 
 def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
@@ -450,8 +506,10 @@ def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, gro
     with _on(grad_x_RH.device):
         comm = _opened(group_name, ep_size, grad_x_RH.shape[1], top_k, max_tokens_per_rank,
                        grad_x_RH.dtype)
-        key_N, _ = _send_back_keys(comm, slot_map_TK)
-        grad_hidden_TH = comm.combine(_sum_received(grad_x_RH, src_R, key_N, top_k), num_tokens)
+        token_N1, _ = _send_back_tokens(comm, slot_map_TK)
+        grad_hidden_TH = comm.combine(
+            _summed_rows(grad_x_RH, src_R, token_N1, None, max_tokens_per_rank, top_k),
+            num_tokens)
         per_key_GK = scatter_rows(grad_weight_R.float().unsqueeze(1), src_R,
                                   comm.num_positions * top_k).view(-1, top_k)
         # Block p of the keys is rank p's tokens; what comes back from rank q holds q's slots.
@@ -467,12 +525,13 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     with _on(y_RH.device):
         comm = _opened(group_name, ep_size, y_RH.shape[1], top_k, max_tokens_per_rank,
                        y_RH.dtype)
-        key_N, (grad_NH,) = _send_back_keys(comm, slot_map_TK, [grad_out_TH.to(y_RH.dtype)])
-        position_R = gather_index(_positions(key_N), block_of(src_R, top_k))
-        grad_RH = gather_rows(grad_NH, position_R)
+        token_N1, (grad_NH,) = _send_back_tokens(comm, slot_map_TK,
+                                                 [grad_out_TH.to(y_RH.dtype)])
+        grads = _rows_of_grad(grad_NH, y_RH, weight_R, src_R, token_N1, max_tokens_per_rank,
+                              top_k)
         # The round's combine: peers learn this rank is done with what it received.
         comm.combine(y_RH.new_zeros((comm.num_positions, 1)), slot_map_TK.shape[0])
-        return combine_grads(grad_RH, y_RH, weight_R, src_R)
+        return grads
 
 
 # The ops of the tokens format (`ops.tokens`): the fused pairs' transport.
