@@ -37,7 +37,8 @@ The gradient of combine sends ``grad_out`` with each token's index and gathers e
 token gradient by key; the gradient of dispatch sends the token indices, sums the rows'
 gradients into their positions and combines them; the routing weights' gradients go home
 by one ``all_to_all`` of ``[G, K]`` fp32 over the group (each slot is nonzero on the rank of
-its expert only).
+its expert only). What runs between FlashInfer's kernels there is compiled by Inductor on
+the GPU (`_compiled_on_gpu`).
 
 Tokens (`ops.tokens`, for fused pairs): the same dispatch without the token index, the
 receive buffers handed over as they are (``[N, H]`` and ``[N, K]`` tensors over the
