@@ -207,7 +207,6 @@ def test_receive_positions_become_keys_and_local_ids():
     assert a2a._ranks_of(ids_NK, num_local=2).tolist() == [[1, 0], [1, -1], [0, 1]]
 
 
-
 @pytest.mark.triton
 def test_received_ids_become_local_with_padding_marked():
     from torch_moe_ops.backends.flashinfer import received_ids
@@ -222,6 +221,40 @@ def test_received_ids_become_local_with_padding_marked():
                                       num_local=2)
     assert local_NK.tolist() == [[0, -1], [1, -1], [-1, 0], [-1, -1]]
     assert local_NK.dtype == torch.int32
+
+
+def test_compiled_rows_bookkeeping_matches_eager():
+    """What the GPU runs compiled (`a2a._compiled_on_gpu`), compiled here on the CPU: the
+    same outputs as eagerly, bit for bit but the weights' gradient (an fp32 sum over H)."""
+    P, M, K, H, E_l = 2, 6, 2, 16, 3
+    gen = torch.Generator().manual_seed(0)
+    # Rank 0 sent 4 tokens, rank 1 sent 2, in the order they arrived; -1 is padding.
+    token_N1 = torch.full((P * M, 1), -1, dtype=torch.int32)
+    token_N1[:4, 0] = torch.tensor([2, 0, 3, 1])
+    token_N1[M:M + 2, 0] = torch.tensor([1, 0])
+    local_NK = torch.randint(-1, E_l, (P * M, K), generator=gen, dtype=torch.int32)
+    local_NK[token_N1[:, 0] < 0] = -1
+
+    def both(segment, *args):
+        eager, compiled = segment(*args), segment.compiled()(*args)
+        if isinstance(eager, torch.Tensor):
+            eager, compiled = (eager,), (compiled,)
+        for e, c in zip(eager, compiled, strict=True):
+            assert (e.shape, e.dtype) == (c.shape, c.dtype)
+            torch.testing.assert_close(c, e, rtol=1e-5 if e.dtype == torch.float32 else 0,
+                                       atol=1e-5 if e.dtype == torch.float32 else 0)
+        return eager
+
+    position_G, local_GK = both(a2a._in_key_order, local_NK, token_N1, M)
+    x_NH = torch.randn(P * M, H, generator=gen).bfloat16()
+    weights_NK = torch.rand(P * M, K, generator=gen)
+    _, _, weight_R, src_R, _ = both(a2a._received_rows, x_NH, weights_NK, local_GK, position_G,
+                                    E_l, P * M * K, K)
+    y_RH = torch.randn(src_R.shape[0], H, generator=gen).bfloat16()
+    for weights in (weight_R, None):
+        both(a2a._summed_rows, y_RH, src_R, token_N1, weights, M, K)
+    both(a2a._rows_of_grad, torch.randn(P * M, H, generator=gen).bfloat16(), y_RH, weight_R,
+         src_R, token_N1, M, K)
 
 
 def test_rows_are_summed_into_the_position_of_their_token():

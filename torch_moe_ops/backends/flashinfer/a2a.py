@@ -379,21 +379,21 @@ def _compiled_on_gpu(body):
     shapes where its first input is on a GPU, as it is elsewhere (the CPU stand-in of the
     tests). The rows bookkeeping around FlashInfer's kernels is some 150 small torch ops a
     round trip: eagerly, launch-bound. It stays whole (opaque) in a compiled model, like
-    the kernels, so it is compiled on its own; its sizes are the layer's (N, R), not T's."""
-    compiled = None
+    the kernels, so it is compiled on its own; its sizes are the layer's (N, R), not T's.
+    ``run.compiled()`` is the compiled form (whatever the device: tests compare the two)."""
+
+    @functools.cache
+    def compiled():
+        # On first use: importing the package does not load the compiler. Casts to bf16
+        # rounded where the eager ops round (as `weighted_rows` documents).
+        return torch.compile(body, dynamic=False, fullgraph=True,
+                             options={"emulate_precision_casts": True})
 
     @functools.wraps(body)
     def run(*args):
-        nonlocal compiled
-        if not args[0].is_cuda:
-            return body(*args)
-        if compiled is None:
-            # On first use: importing the package does not load the compiler. Casts to
-            # bf16 rounded where the eager ops round (as `weighted_rows` documents).
-            compiled = torch.compile(body, dynamic=False, fullgraph=True,
-                                     options={"emulate_precision_casts": True})
-        return compiled(*args)
+        return (compiled() if args[0].is_cuda else body)(*args)
 
+    run.compiled = compiled
     return run
 
 
