@@ -226,6 +226,9 @@ def _cases(rank, world_size):
     assert not a2a.open_communicators() and flashinfer_a2a_emulator.MnnvlMemory.live == 0
 
 
-def test_matches_single_process():
+def test_matches_single_process(monkeypatch):
     """One set of processes for every case: their start-up is most of the cost."""
+    # The ranks run the backend's Triton kernel on CPU tensors: under the interpreter, also
+    # on a machine with a GPU (where conftest leaves it off). They inherit the variable.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_on_ranks(WORLD, _cases)
