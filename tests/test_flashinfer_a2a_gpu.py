@@ -16,7 +16,7 @@ where only one GPU is at hand. What that cannot show is the transport between GP
 and the ranks' NCCL collectives.
 
 Skipped (with `a2a.supports`' reason) without two NVLink-joined GPUs (or one GPU, for the
-shared test) and flashinfer. The first run builds FlashInfer's all-to-all module (about 100 s
+shared test) and flashinfer. The first run builds FlashInfer's all-to-all module (100-250 s
 on 16 cores), inside the test.
 """
 
