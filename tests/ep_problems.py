@@ -1,5 +1,6 @@
 """Tokens, routing and expert weights that every rank of an expert-parallel test
-draws alike, the slice of them one rank owns, and the checks of what one rank gets.
+draws alike, the slice of them one rank owns, and the checks of what one rank gets: by op
+(outputs, gradients), replayed from a CUDA graph, and through a compiled layer.
 
 Legend: N tokens of all ranks, H hidden size, I expert intermediate size,
 E experts, K experts per token, R rows.
@@ -8,8 +9,11 @@ E experts, K experts per token, R rows.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+import torch_moe_ops as tmo
 from torch_moe_ops import quant
+from torch_moe_ops.lowering import moe_op_sequence
 
 ROUTES = ("random", "one_rank")
 
@@ -38,6 +42,14 @@ def draw_problem(seed: int, route: str, num_tokens: int, num_experts: int, world
         "b2": torch.randn(num_experts, hidden, generator=gen) / 4,
     }
     return hidden_NH, topk_weights_NK, topk_ids_NK, experts
+
+
+def on_current_gpu(hidden_NH, topk_weights_NK, topk_ids_NK, experts):
+    """`draw_problem`'s output on the current CUDA device: activations and experts (a list:
+    w13, w2, b13, b2) in bf16, routing weights fp32."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return (hidden_NH.to(device, torch.bfloat16), topk_weights_NK.to(device),
+            topk_ids_NK.to(device), [w.to(device, torch.bfloat16) for w in experts.values()])
 
 
 def token_slice(tokens_per_rank, rank: int) -> slice:
@@ -112,3 +124,64 @@ def assert_quantized_dispatch(dispatched, dispatched_quant, spec, one_fp8_step=F
     step_RH = 0.125 * x_RH[kept_R].float().abs() + 2.0 ** -9 * scale_RH
     assert ((theirs - ours).abs() <= step_RH * 1.001).all()
     assert (got_q != expected_q).float().mean().item() < 0.01
+
+
+def check_graph_replays(pipeline, draw, mine: slice, local: slice, static_args) -> None:
+    """``pipeline(hidden_TH, topk_weights_TK, topk_ids_TK, experts)`` (this rank's tokens and
+    experts; returns its ``[T, H]``) captured once in a CUDA graph (static input buffers,
+    warm-up on a side stream) and replayed on new problems from ``draw(seed, route)`` (in
+    `on_current_gpu`'s form): ``moe_reference::experts``' output (activation arguments
+    ``static_args``) for this rank's tokens."""
+    hidden_NH, weights_NK, ids_NK, full = draw(11, "random")
+    experts = [w[local] for w in full]
+    static = [hidden_NH[mine].clone(), weights_NK[mine].clone(), ids_NK[mine].clone()]
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                pipeline(*static, experts)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread may query events while this thread captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out_TH = pipeline(*static, experts)
+        for seed, route in ((12, "random"), (13, "one_rank"), (14, "random")):
+            hidden_NH, weights_NK, ids_NK, _ = draw(seed, route)
+            for target, source in zip(static, (hidden_NH, weights_NK, ids_NK)):
+                target.copy_(source[mine])
+            out_TH.fill_(float("nan"))
+            graph.replay()
+            ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full,
+                                                     *static_args)
+            check_bf16_out(out_TH, ref_NH[mine])
+        del graph
+    torch.cuda.synchronize()
+
+
+def single_and_sharded(moe_config, seed: int):
+    """The single-process `MoE` of ``moe_config(1)`` (bf16, the current GPU) and this rank's
+    shard of it, ``moe_config(P)`` over the default group of P ranks, with the same full
+    weights; Dynamo's caches reset."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    device = torch.device("cuda", torch.cuda.current_device())
+    # Built on the CPU so that every rank draws the same weights.
+    single = tmo.MoE(moe_config(1)).to(device, torch.bfloat16)
+    sharded = tmo.MoE(moe_config(dist.get_world_size()), device=device, dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    return single, sharded
+
+
+def recording_backend(sequences: list, **options):
+    """``tmo.backend(**options)``, appending each lowered graph's op sequence to
+    ``sequences``."""
+    inner = tmo.backend(**options)
+
+    def backend(gm, example_inputs):
+        compiled = inner(gm, example_inputs)
+        sequences.append(moe_op_sequence(gm))
+        return compiled
+
+    return backend

@@ -34,8 +34,11 @@ from ep_problems import (
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
+    check_graph_replays,
     draw_problem,
     leaves,
+    on_current_gpu,
+    single_and_sharded,
     token_slice,
 )
 from torch_moe_ops.backends import deepep
@@ -77,13 +80,8 @@ pytestmark = [pytest.mark.multigpu,
 
 def _full_problem(seed: int, route: str):
     """Every rank's tokens and routing, and every expert's weights, drawn alike on all
-    ranks, on this rank's GPU: activations and experts in bf16, routing weights fp32."""
-    hidden_NH, weights_NK, ids_NK, experts = draw_problem(
-        seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K)
-    device = torch.device("cuda", torch.cuda.current_device())
-    experts = {name: w.to(device, torch.bfloat16) for name, w in experts.items()}
-    return (hidden_NH.to(device, torch.bfloat16), weights_NK.to(device), ids_NK.to(device),
-            experts)
+    ranks, on this rank's GPU (`on_current_gpu`)."""
+    return on_current_gpu(*draw_problem(seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K))
 
 
 def _mine(rank: int) -> slice:
@@ -121,7 +119,7 @@ def _check_ops(rank, route, max_tokens, capacity):
     ``moe_reference::experts`` on all tokens."""
     hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route)
     mine, local = _mine(rank), _local(rank)
-    ref_leaves = leaves(hidden_NH, weights_NK, *full.values())
+    ref_leaves = leaves(hidden_NH, weights_NK, *full)
     ref_NH = torch.ops.moe_reference.experts(ref_leaves[0], ref_leaves[1], ids_NK,
                                              *ref_leaves[2:], *STATIC)
     grad_NH = torch.randn(ref_NH.shape, generator=torch.Generator().manual_seed(3)).to(
@@ -129,7 +127,7 @@ def _check_ops(rank, route, max_tokens, capacity):
     ref_NH.backward(grad_NH)
 
     hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
-                                              *(w[local] for w in full.values()))
+                                              *(w[local] for w in full))
     out_TH, expert_R, count_E = _rows_pipeline(hidden_TH, weights_TK, ids_NK[mine], experts,
                                                max_tokens, capacity)
     _check_rows_layout(expert_R, count_E)
@@ -140,35 +138,11 @@ def _check_ops(rank, route, max_tokens, capacity):
 
 
 def _check_graph(rank, max_tokens):
-    """dispatch -> experts_rows -> combine captured once in a CUDA graph (static input
-    buffers, warm-up on a side stream) and replayed on new inputs: the reference's output."""
+    """dispatch -> experts_rows -> combine captured once in a CUDA graph and replayed on new
+    inputs (`check_graph_replays`): the reference's output."""
     capacity = max_tokens * min(K, E // WORLD)
-    mine, local = _mine(rank), _local(rank)
-    hidden_NH, weights_NK, ids_NK, full = _full_problem(11, "random")
-    experts = [w[local] for w in full.values()]
-    static = [hidden_NH[mine].clone(), weights_NK[mine].clone(), ids_NK[mine].clone()]
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                _rows_pipeline(*static, experts, max_tokens, capacity)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the NCCL watchdog thread may query events while this thread captures.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out_TH, _, _ = _rows_pipeline(*static, experts, max_tokens, capacity)
-        for seed, route in ((12, "random"), (13, "one_rank"), (14, "random")):
-            hidden_NH, weights_NK, ids_NK, _ = _full_problem(seed, route)
-            for target, source in zip(static, (hidden_NH, weights_NK, ids_NK)):
-                target.copy_(source[mine])
-            out_TH.fill_(float("nan"))
-            graph.replay()
-            ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK,
-                                                     *full.values(), *STATIC)
-            check_bf16_out(out_TH, ref_NH[mine])
-        del graph
-    torch.cuda.synchronize()
+    check_graph_replays(lambda *args: _rows_pipeline(*args, max_tokens, capacity)[0],
+                        _full_problem, _mine(rank), _local(rank), STATIC)
 
 
 def _moe_config(ep_size: int, max_tokens: int, quant: QuantSpec | None = None
@@ -180,17 +154,8 @@ def _moe_config(ep_size: int, max_tokens: int, quant: QuantSpec | None = None
 
 
 def _single_and_sharded(max_tokens, seed, quant=None):
-    """The single-process `MoE` (bf16, this rank's GPU) and this rank's shard of it,
-    with the same full weights (quantized as ``quant`` says); Dynamo's caches reset."""
-    torch._dynamo.reset()
-    torch.manual_seed(seed)
-    device = torch.device("cuda", torch.cuda.current_device())
-    # Built on the CPU so that every rank draws the same weights.
-    single = tmo.MoE(_moe_config(1, max_tokens, quant)).to(device, torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(WORLD, max_tokens, quant), device=device,
-                      dtype=torch.bfloat16, ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
-    return single, sharded
+    """`single_and_sharded` of this file's layer (quantized as ``quant`` says)."""
+    return single_and_sharded(lambda ep_size: _moe_config(ep_size, max_tokens, quant), seed)
 
 
 def _check_module(rank, max_tokens):

@@ -33,9 +33,9 @@ from ep_problems import (
     check_bf16_out,
     draw_problem,
     leaves,
+    recording_backend,
     token_slice,
 )
-from torch_moe_ops.lowering import moe_op_sequence
 
 H, I, M = 16, 8, 6
 # One rank full, one idle.
@@ -163,19 +163,6 @@ def _moe_config(ep_size):
                          max_tokens_per_rank=M if ep_size > 1 else None)
 
 
-def _recording(sequences):
-    """``tmo.backend(a2a="flashinfer", experts="cpu")`` on aot_eager, keeping each lowered
-    graph's op sequence."""
-    inner = tmo.backend(experts="cpu", a2a="flashinfer", inner="aot_eager")
-
-    def backend(gm, example_inputs):
-        compiled = inner(gm, example_inputs)
-        sequences.append(moe_op_sequence(gm))
-        return compiled
-
-    return backend
-
-
 def _check_compiled(rank):
     """A `MoE` sharded over the group and compiled with ``a2a="flashinfer"`` against the
     same layer in one process: with gradients through rows (output and input gradient),
@@ -192,8 +179,8 @@ def _check_compiled(rank):
     ref_NH.float().square().sum().backward()
 
     sequences = []
-    compiled = torch.compile(sharded, backend=_recording(sequences), fullgraph=True,
-                             dynamic=False)
+    backend = recording_backend(sequences, experts="cpu", a2a="flashinfer", inner="aot_eager")
+    compiled = torch.compile(sharded, backend=backend, fullgraph=True, dynamic=False)
     x_TH = x_NH[mine].clone().requires_grad_()
     out_TH = compiled(x_TH)
     out_TH.float().square().sum().backward()

@@ -36,14 +36,17 @@ from ep_problems import (
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
+    check_graph_replays,
     draw_problem,
     leaves,
+    on_current_gpu,
+    recording_backend,
+    single_and_sharded,
     token_slice,
 )
 from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec
-from torch_moe_ops.lowering import moe_op_sequence
 
 WORLD = 2
 # One rank full, one idle.
@@ -77,18 +80,10 @@ def _reason(shared_gpu: bool) -> str | None:
 TWO_GPUS_REASON, SHARED_GPU_REASON = _reason(shared_gpu=False), _reason(shared_gpu=True)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _full_problem(seed: int, route: str):
     """Every rank's tokens and routing, and every expert's weights, drawn alike on all
-    ranks, on this rank's GPU: activations and experts in bf16, routing weights fp32."""
-    hidden_NH, weights_NK, ids_NK, experts = draw_problem(
-        seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K)
-    experts = [w.to(_device(), torch.bfloat16) for w in experts.values()]
-    return (hidden_NH.to(_device(), torch.bfloat16), weights_NK.to(_device()),
-            ids_NK.to(_device()), experts)
+    ranks, on this rank's GPU (`on_current_gpu`)."""
+    return on_current_gpu(*draw_problem(seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K))
 
 
 def _mine(rank: int) -> slice:
@@ -155,82 +150,26 @@ def _check_tokens(rank, route):
     check_bf16_out(out_TH, ref_NH[mine])
 
 
-def _check_graph(rank, pipeline):
-    """``pipeline`` captured once in a CUDA graph (static input buffers, warm-up on a side
-    stream) and replayed on new inputs: the reference's output."""
-    mine = _mine(rank)
-    hidden_NH, weights_NK, ids_NK, full = _full_problem(11, "random")
-    experts = [w[_local(rank)] for w in full]
-    static = [hidden_NH[mine].clone(), weights_NK[mine].clone(), ids_NK[mine].clone()]
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                pipeline(*static, experts)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the NCCL watchdog thread may query events while this thread captures.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out_TH = pipeline(*static, experts)
-        for seed, route in ((12, "random"), (13, "one_rank"), (14, "random")):
-            hidden_NH, weights_NK, ids_NK, _ = _full_problem(seed, route)
-            for target, source in zip(static, (hidden_NH, weights_NK, ids_NK)):
-                target.copy_(source[mine])
-            out_TH.fill_(float("nan"))
-            graph.replay()
-            ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full,
-                                                     *STATIC)
-            check_bf16_out(out_TH, ref_NH[mine])
-        del graph
-    torch.cuda.synchronize()
-
-
 def _moe_config(ep_size: int) -> tmo.MoEConfig:
     return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
                          renormalize=True, expert_bias=True, ep_size=ep_size,
                          max_tokens_per_rank=M if ep_size > 1 else None)
 
 
-def _single_and_sharded(seed):
-    """The single-process `MoE` (bf16, this rank's GPU) and this rank's shard of it,
-    with the same full weights; Dynamo's caches reset."""
-    torch._dynamo.reset()
-    torch.manual_seed(seed)
-    # Built on the CPU so that every rank draws the same weights.
-    single = tmo.MoE(_moe_config(1)).to(_device(), torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(WORLD), device=_device(), dtype=torch.bfloat16,
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
-    return single, sharded
-
-
-def _recording(sequences, **options):
-    """``tmo.backend(a2a="flashinfer", **options)``, keeping each lowered graph's op sequence."""
-    inner = tmo.backend(a2a="flashinfer", **options)
-
-    def backend(gm, example_inputs):
-        compiled = inner(gm, example_inputs)
-        sequences.append(moe_op_sequence(gm))
-        return compiled
-
-    return backend
-
-
 def _check_module(rank):
     """`MoE` sharded over the group and compiled by Inductor with ``a2a="flashinfer"``
     against the single-process `MoE`: outputs and gradients through rows (the idle rank's
     empty gradients included: its ops must not be dropped as dead code)."""
-    single, sharded = _single_and_sharded(seed=5)
+    single, sharded = single_and_sharded(_moe_config, seed=5)
     x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
-    x_NH = x_NH.to(_device(), torch.bfloat16)
+    x_NH = x_NH.to(single.w13.device, torch.bfloat16)
     mine, local = _mine(rank), sharded.local_experts
     x_ref = x_NH.clone().requires_grad_()
     ref_NH = single(x_ref)
     ref_NH.float().square().sum().backward()
     sequences = []
-    compiled = torch.compile(sharded, backend=_recording(sequences), fullgraph=True,
-                             dynamic=False)
+    compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="flashinfer"),
+                             fullgraph=True, dynamic=False)
     x_TH = x_NH[mine].clone().requires_grad_()
     out_TH = compiled(x_TH)
     out_TH.float().square().sum().backward()
@@ -245,16 +184,17 @@ def _check_module(rank):
 def _check_reduce_overhead(rank):
     """`MoE` compiled with ``mode="reduce-overhead"`` (CUDA graphs) for inference: the fused
     pair's chain, inside the graphs, against the single-process `MoE`."""
-    single, sharded = _single_and_sharded(seed=6)
+    single, sharded = single_and_sharded(_moe_config, seed=6)
     sequences = []
-    compiled = torch.compile(sharded, backend=_recording(sequences, mode="reduce-overhead"),
+    compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="flashinfer",
+                                                                mode="reduce-overhead"),
                              fullgraph=True, dynamic=False)
     counters = torch._dynamo.utils.counters
     counters.clear()
     with torch.no_grad():
         for seed in range(4):
             gen = torch.Generator().manual_seed(20 + seed)
-            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(_device(),
+            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(single.w13.device,
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
@@ -275,8 +215,8 @@ def _run(rank, world_size, shared_gpu):
     _check_rows(rank, "random", worst - 1)
     (comm,) = a2a.open_communicators()
     assert comm.workspace_bytes > 0, comm
-    _check_graph(rank, lambda *args: _rows(*args, worst))
-    _check_graph(rank, _tokens)
+    for pipeline in (lambda *args: _rows(*args, worst), _tokens):
+        check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     _check_module(rank)
     _check_reduce_overhead(rank)
     # Collective: on every rank, and only once every rank got here.
