@@ -269,7 +269,7 @@ def release_communicators(a2a: str) -> None:
 
 
 def worst_capacity(tokens: int, top_k: int, num_experts: int, world: int) -> int:
-    return worst_case_capacity(tokens, top_k, num_experts // world)
+    return worst_case_capacity(tokens, top_k)
 
 
 def random_routing(run: Run, sizes: Sizes, num_tokens: int, num_experts: int, seed: int):

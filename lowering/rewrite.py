@@ -8,11 +8,12 @@ becomes the a2a backend's ``dispatch_quant`` (quantize each token, send fp8
 rows and their scales) feeding ``experts_rows_quant(x_rows, x_scale, ...,
 out_dtype=<activation dtype>)``: the conversion is in the lowered graph, by name.
 
-A layer without gradients whose a2a and experts backends form a fused pair
-(`Registry.register_fused`) is lowered whole: ``moe::dispatch -> moe::experts_rows ->
-moe::combine`` becomes the pair's ``dispatch_tokens``, the experts backend's ``experts`` on
-the receive buffers (tokens with local expert ids, `torch_moe_ops.ops.tokens`) and the
-pair's ``combine_tokens``: no rows, no copy into them, and every op in the graph by name.
+Each layer is planned once (`plan.plan_layer`: its backends and the format between
+dispatch and combine). A layer whose plan takes the tokens format is lowered whole:
+``moe::dispatch -> moe::experts_rows -> moe::combine`` becomes the a2a backend's
+``dispatch_tokens``, the experts backend's ``experts`` on the receive buffers (tokens with
+local expert ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_tokens``: no
+rows, no copy into them, and every op in the graph by name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import operator
 import torch
 from torch import fx
 
-from torch_moe_ops.backends import namespace_for
 from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
@@ -31,11 +31,10 @@ from torch_moe_ops.backends.registry import (
     EXPERTS_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
-    REGISTRY,
-    ExpertsBackend,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import full_args, op_overload
 
@@ -76,19 +75,6 @@ def _example_args(node: fx.Node) -> tuple:
     target = node.target
     return full_args(target if isinstance(target, torch._ops.OpOverload) else target.default,
                      args, kwargs)
-
-
-def check_combination(spec: BackendSpec, device: torch.device,
-                      problem: Problem) -> ExpertsBackend:
-    """The a2a backend's output layout must be what the experts backend consumes;
-    returns that experts backend."""
-    a2a = REGISTRY.choose_a2a(spec, problem, device)
-    experts = REGISTRY.choose_experts(spec, problem, device)
-    if a2a.layout != experts.layout:
-        raise ValueError(f"a2a backend {a2a.name!r} produces the {a2a.layout!r} layout but "
-                         f"experts backend {experts.name!r} consumes {experts.layout!r}, and "
-                         "no adapter between them is registered")
-    return experts
 
 
 def _generic_op(node: fx.Node) -> str | None:
@@ -150,53 +136,50 @@ def lower(gm: fx.GraphModule, spec: BackendSpec) -> fx.GraphModule:
     return gm
 
 
+def layer_plans(gm: fx.GraphModule, spec: BackendSpec) -> dict[fx.Node, LayerPlan]:
+    """Each generic op node's `LayerPlan` under ``spec``: one plan per layer (and device),
+    shared by its nodes."""
+    plans, nodes = {}, {}
+    for node, problem in layer_problems(gm).items():
+        device = _value(node.args[0]).device
+        routing = _generic_op(node) not in ACTIVATION_OPS
+        key = (problem, device, routing)
+        if key not in plans:
+            # Routing runs on fp32 logits: only the ops that carry activations decide (and
+            # must agree on) the experts and a2a backends.
+            plans[key] = plan_layer(spec, problem, device, routing)
+        nodes[node] = plans[key]
+    return nodes
+
+
 def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     """`lower` on the nodes of ``gm``'s own graph (not those of its submodules)."""
-    problems = layer_problems(gm)
-    fused = _lower_fused_pairs(gm, spec, problems)
-    changed = bool(fused)
-    for node, problem in problems.items():
-        if node in fused:
+    plans = layer_plans(gm, spec)
+    tokens = _lower_tokens_chains(gm, plans, spec)
+    changed = bool(tokens)
+    for node, plan in plans.items():
+        if node in tokens:
             continue
-        op = (GENERIC_NAMESPACE, _generic_op(node))
-        # layer_problems checked that the first argument carries a tensor.
-        device = _value(node.args[0]).device
-        # Routing runs on fp32 logits: only the ops that carry activations decide
-        # (and must agree on) the experts and a2a backends.
-        if op[1] in ACTIVATION_OPS:
-            experts = check_combination(spec, device, problem)
-        namespace = namespace_for(op[1], spec, device, problem)
+        name = _generic_op(node)
+        namespace = plan.namespace_for(name)
         changed = True
-        if op[1] == "dispatch":
+        if name == "dispatch":
             readers = _quantized_readers(node)
-            sides = DispatchSides.of(REGISTRY.choose_a2a(spec, problem, device), experts)
+            sides = DispatchSides.of(plan.a2a, plan.experts)
             if readers is None:
                 sides = dataclasses.replace(sides, experts_quantized_rows=())
             # Per layer, in the node: no process state, so models may differ.
-            chosen = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, problem.quant,
-                                            sides)
+            chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype,
+                                            plan.problem.quant, sides)
             node.meta["moe_dispatch_dtype"] = chosen
-            if chosen.dtype != problem.dtype:
-                _send_quantized(gm, node, readers, namespace, problem)
+            if chosen.dtype != plan.problem.dtype:
+                _send_quantized(gm, node, readers, namespace, plan.problem)
                 continue
-        packet = getattr(getattr(torch.ops, namespace), op[1])
+        packet = getattr(getattr(torch.ops, namespace), name)
         node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet
     if changed:
         gm.graph.lint()
         gm.recompile()
-
-
-def _fused_pair(spec: BackendSpec, problem: Problem, device: torch.device
-                ) -> tuple[str, ExpertsBackend] | None:
-    """The namespace of the fused pair that runs a layer of ``problem`` and its experts
-    backend; None where the layer takes rows (a registered pair serves layers without
-    gradients, on unquantized weights)."""
-    if problem.training or problem.quant is not None or (problem.ep_size or 1) < 2:
-        return None
-    a2a = REGISTRY.choose_a2a(spec, problem, device)
-    experts = REGISTRY.choose_experts(spec, problem, device)
-    namespace = REGISTRY.fused.get((a2a.name, experts.name))
-    return None if namespace is None else (namespace, experts)
 
 
 def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -228,24 +211,28 @@ def _retarget(node: fx.Node, op: torch._ops.OpOverload, args: tuple) -> None:
         node.meta[_meta_key(node)] = op(*values)
 
 
-def _lower_fused_pairs(gm: fx.GraphModule, spec: BackendSpec,
-                       problems: dict[fx.Node, Problem]) -> set[fx.Node]:
-    """Lower each layer that a fused pair runs (`_fused_pair`) as its tokens chain; returns
-    the generic nodes that took the pair's ops."""
+def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
+                         spec: BackendSpec) -> set[fx.Node]:
+    """Lower each layer whose plan takes the tokens format as its tokens chain; returns the
+    generic nodes that took the chain's ops."""
     lowered: set[fx.Node] = set()
-    for dispatch, problem in problems.items():
-        if _generic_op(dispatch) != "dispatch":
+    for dispatch, plan in plans.items():
+        if _generic_op(dispatch) != "dispatch" or plan.format != "tokens":
             continue
-        device = _value(dispatch.args[0]).device
-        pair, chain = _fused_pair(spec, problem, device), _rows_chain(dispatch)
-        if pair is None or chain is None:
-            continue
-        (namespace, experts_backend), (experts, combine) = pair, chain
+        chain = _rows_chain(dispatch)
+        if chain is None:
+            raise ValueError(f"cannot lower {dispatch.format_node()} to the tokens format: its "
+                             "outputs must feed one moe::experts_rows and the moe::combine of "
+                             "its result, and nothing else (as MoE emits them)")
+        experts, combine = chain
+        namespace = plan.a2a.namespace
         hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
         expert_args = _schema_args(experts)[3:]
         items = list(dispatch.users)
-        sides = DispatchSides.of(REGISTRY.choose_a2a(spec, problem, device), experts_backend)
-        chosen = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, None, sides)
+        # Tokens travel in the activations' dtype: no transport sends them quantized.
+        sides = dataclasses.replace(DispatchSides.of(plan.a2a, plan.experts),
+                                    sends_quantized=False)
+        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, None, sides)
         # The dispatch node becomes dispatch_tokens; its three outputs, new getitems.
         _retarget(dispatch, op_overload(namespace, "dispatch_tokens"),
                   (hidden, topk_weights, topk_ids, num_experts, *ep_args))
@@ -254,10 +241,10 @@ def _lower_fused_pairs(gm: fx.GraphModule, spec: BackendSpec,
             sent = [gm.graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
         for item, value in zip(sent, _value(dispatch)):
             item.meta[_meta_key(dispatch)] = value
-        _retarget(experts, op_overload(experts_backend.namespace, "experts"),
+        _retarget(experts, op_overload(plan.experts.namespace, "experts"),
                   (*sent, *expert_args))
         _retarget(combine, op_overload(namespace, "combine_tokens"),
-                  (experts, topk_ids, *ep_args))
+                  (experts, topk_ids, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)
         lowered |= {dispatch, experts, combine}

@@ -386,7 +386,7 @@ def unavailable_experts_backend(monkeypatch) -> str:
     """A registered experts backend whose `supports` always gives a reason; only it
     and the reference backend are registered while the test runs."""
     stub = ExpertsBackend(name="flashinfer", namespace=REGISTRY.experts["reference"].namespace,
-                          layout="rows", supports=lambda *args: UNAVAILABLE_REASON,
+                          supports=lambda *args: UNAVAILABLE_REASON,
                           priority=100, description="a stub that never runs")
     monkeypatch.setattr(REGISTRY, "experts",
                         {"reference": REGISTRY.experts["reference"], stub.name: stub})

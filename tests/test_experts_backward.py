@@ -288,7 +288,7 @@ def forward_only_backend() -> ExpertsBackend:
         define_backend_ops(FORWARD_ONLY_NAMESPACE, {
             "experts": lambda *args: torch.ops.moe_reference.experts(*args),
             "experts_rows": lambda *args: torch.ops.moe_reference.experts_rows(*args)})
-    return ExpertsBackend(name="forward_only", namespace=FORWARD_ONLY_NAMESPACE, layout="rows",
+    return ExpertsBackend(name="forward_only", namespace=FORWARD_ONLY_NAMESPACE,
                           supports=lambda *_: None, priority=0, description="test")
 
 
@@ -310,6 +310,6 @@ def test_registry_says_where_the_backward_runs(forward_only_backend):
     with pytest.raises(ValueError, match="backward must be given exactly when "
                                          "moe_test_forward_only::experts_backward is defined"):
         registry.register_experts(ExpertsBackend(
-            name="claims_a_backward", namespace=FORWARD_ONLY_NAMESPACE, layout="rows",
+            name="claims_a_backward", namespace=FORWARD_ONLY_NAMESPACE,
             supports=lambda *_: None, priority=0, description="test",
             backward=lambda *_: None))

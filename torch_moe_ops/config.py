@@ -35,10 +35,11 @@ QUANT_ACTIVATION_FORMATS = ("fp8_token", "fp8_group", "none")
 MXFP4_GROUP = 32
 
 
-def worst_case_capacity(max_tokens_per_rank: int, top_k: int, num_local_experts: int) -> int:
+def worst_case_capacity(max_tokens_per_rank: int, top_k: int) -> int:
     """Most rows one expert-parallel rank can send another: each of its tokens sends
-    one row per chosen expert on that rank, at most ``min(top_k, experts per rank)``."""
-    return max_tokens_per_rank * min(top_k, num_local_experts)
+    one row per slot whose expert is on that rank, all ``top_k`` of them where a token
+    chooses one expert in several slots (each slot is a term of its own)."""
+    return max_tokens_per_rank * top_k
 
 
 def _fail(field: str, got: object, expected: str) -> None:
@@ -297,8 +298,7 @@ class MoEConfig:
     @property
     def worst_case_capacity(self) -> int:
         """`worst_case_capacity` of this layer (0 without ``max_tokens_per_rank``)."""
-        return worst_case_capacity(self.max_tokens_per_rank or 0, self.top_k,
-                                   self.num_local_experts)
+        return worst_case_capacity(self.max_tokens_per_rank or 0, self.top_k)
 
     @property
     def rows_per_rank(self) -> int:

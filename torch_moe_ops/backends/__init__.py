@@ -22,8 +22,10 @@ reference backend; the ``backward`` column of `available_backends()` says which.
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
 them over torch.distributed, ``deepep`` (`deepep`) over DeepEP and ``flashinfer``
-(`flashinfer.a2a`) over FlashInfer's MoE all-to-all (eagerly ``all_to_all`` runs);
-``(flashinfer, triton)`` and ``(flashinfer, grouped_mm)`` are fused pairs. Routing runs
+(`flashinfer.a2a`) over FlashInfer's MoE all-to-all (eagerly ``all_to_all`` runs); the
+compiled layer takes the tokens format wherever its a2a backend produces it (every experts
+backend reads it through ``experts``), with gradients where the transport carries them
+(`registry.FORMATS`). Routing runs
 on the highest-priority route backend that runs the layer's routing: ``flashinfer``
 (`flashinfer.route`, FlashInfer's fused DeepSeek-V3 kernel) where its ``supports``
 allows, else ``reference``. What several
@@ -56,6 +58,7 @@ from torch_moe_ops.backends.registry import (
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
+    TOKENS_OPS,
     BackendTable,
     Problem,
 )
@@ -81,7 +84,7 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
         return REGISTRY.choose_experts(spec, problem, device).namespace
     if op_name == "experts_backward":
         return backward_namespace(REGISTRY.choose_experts(spec, problem, device).namespace)
-    if op_name in A2A_OPS:
+    if op_name in A2A_OPS + TOKENS_OPS:
         return REGISTRY.choose_a2a(spec, problem, device).namespace
     if op_name in QUANT_A2A_OPS:
         a2a = REGISTRY.choose_a2a(spec, problem, device)

@@ -1,10 +1,26 @@
 """The ``all_to_all`` a2a backend: static-capacity all-to-all over torch.distributed.
 
 Legend: T tokens on this rank, H hidden size, K experts per token, E experts,
-E_l = E / P experts per rank, P ranks, C rows one rank sends another (the
-capacity), Q = P * C send (and receive) positions, R = Q rows, S = T * K slots.
+E_l = E / P experts per rank, P ranks, M = max_tokens_per_rank, N = P * M token
+positions, C rows one rank sends another (the capacity), Q = P * C send (and
+receive) positions, R = Q rows, S = T * K slots.
 
-Dispatch sorts this rank's slots by global expert, which groups them by the
+Tokens (`ops.tokens`, the format the lowering picks): each token goes once to each rank
+that holds one of its experts, whatever number of its slots chose experts there. This
+rank's tokens for rank ``p`` take send positions ``[p * M, p * M + n_p)`` in token order
+(``send_position_TP``: each token's position in each block, -1 where it does not go), with
+their routing weights and ids made local to ``p`` (-1: another rank's expert), and one
+``all_to_all_single`` of equal static splits moves the rows, a second one ids and weights.
+The receive buffer ``[N, H]`` is the experts' input as it is. Combine sends each
+position's result back the same way and sums each token's over the ranks it went to
+(fp32, in rank order). The gradients are the same two moves reversed: that of combine is
+a dispatch of ``grad_out``, that of dispatch a combine of the activations' and weights'
+gradients. All sizes are static, repeated ids and skipped slots need no special case, and
+positions follow from ``topk_ids`` alone, so the gradients recompute them.
+
+Rows (``moe::dispatch``, kept for quantized layers, whose rows travel in fp8):
+
+dispatch sorts this rank's slots by global expert, which groups them by the
 rank that holds the expert: the slots for rank ``p`` take send positions
 ``[p * C, p * C + n_p)`` in expert order, the rest of each block is padding
 (expert -1). One ``all_to_all_single`` moves the rows, a second one their
@@ -74,7 +90,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     collectives.rank_in(group_name, ep_size)
     slot_map_TK, slot_of_pos_Q, count_P = _send_positions(topk_ids_TK, num_experts, ep_size,
                                                           capacity)
-    if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
+    if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
         collectives.check_capacity(count_P, capacity, group_name,
                                    "a rank sends another more rows than the capacity")
     token_Q = block_of(slot_of_pos_Q, top_k)
@@ -135,13 +151,83 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)
 
 
+def _send_positions_tokens(topk_ids_TK, num_experts, ep_size, max_tokens):
+    """``(send_position_TP, token_of_position_N)``: where each token goes in each rank's
+    block (-1: it does not go there) and the token at each send position (-1: padding)."""
+    num_tokens = topk_ids_TK.shape[0]
+    device = topk_ids_TK.device
+    ranks_TK = torch.where(topk_ids_TK < 0, ep_size, topk_ids_TK // (num_experts // ep_size))
+    goes_TP = torch.zeros((num_tokens, ep_size + 1), dtype=torch.int32, device=device).scatter_(
+        1, ranks_TK.long(), 1)[:, :ep_size]
+    block_P = torch.arange(ep_size, device=device, dtype=torch.int32) * max_tokens
+    send_position_TP = torch.where(goes_TP > 0, torch.cumsum(goes_TP, 0) - 1 + block_P, -1)
+    tokens_TP = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, ep_size)
+    token_of_position_N = scatter_index(tokens_TP.reshape(-1), send_position_TP.reshape(-1),
+                                        ep_size * max_tokens)
+    return send_position_TP.to(torch.int32), token_of_position_N
+
+
+def _to_positions(values_TX, topk_ids_TK, num_experts, ep_size, group_name, max_tokens):
+    """``[N, ...]`` of ``values`` as each token's receivers get them."""
+    _, token_of_position_N = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
+                                                    max_tokens)
+    return collectives.all_to_all(gather_rows(values_TX, token_of_position_N), group_name,
+                                  ep_size)
+
+
+def _home(values_NX, topk_ids_TK, num_experts, ep_size, group_name, max_tokens):
+    """``[T, ...]``: each token's rows of ``values`` from the ranks it went to, summed."""
+    send_position_TP, _ = _send_positions_tokens(topk_ids_TK, num_experts, ep_size, max_tokens)
+    return sum_slots(collectives.all_to_all(values_NX, group_name, ep_size), send_position_TP)
+
+
+def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                    max_tokens_per_rank):
+    rank = collectives.rank_in(group_name, ep_size)
+    num_local = num_experts // ep_size
+    top_k = topk_ids_TK.shape[1]
+    x_NH = _to_positions(hidden_TH, topk_ids_TK, num_experts, ep_size, group_name,
+                         max_tokens_per_rank)
+    # One message for ids and weights (the weight's bits travel as int32 beside the id); ids
+    # travel as id + 1, so the zeros of padding positions arrive as id -1.
+    meta_TX = torch.cat([topk_ids_TK.to(torch.int32) + 1,
+                         topk_weights_TK.float().view(torch.int32)], 1)
+    meta_NX = _to_positions(meta_TX, topk_ids_TK, num_experts, ep_size, group_name,
+                            max_tokens_per_rank)
+    local_NK = meta_NX[:, :top_k] - 1 - rank * num_local
+    local_NK = torch.where((local_NK >= 0) & (local_NK < num_local), local_NK, -1)
+    return x_NH, meta_NX[:, top_k:].contiguous().view(torch.float32), local_NK
+
+
+def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    return _home(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank)
+
+
+def dispatch_tokens_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_experts, ep_size,
+                             group_name, max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    args = (topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank)
+    return _home(grad_x_NH, *args), _home(grad_weights_NK, *args)
+
+
+def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
+                            max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    return _to_positions(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
+                         max_tokens_per_rank)
+
+
 KERNELS = {"dispatch": dispatch, "combine": combine,
            "dispatch_backward": dispatch_backward,
            "combine_backward": combine_backward,
-           "dispatch_quant": quantized_dispatch(dispatch)}
+           "dispatch_quant": quantized_dispatch(dispatch),
+           "dispatch_tokens": dispatch_tokens, "combine_tokens": combine_tokens,
+           "dispatch_tokens_backward": dispatch_tokens_backward,
+           "combine_tokens_backward": combine_tokens_backward}
 define_backend_ops(NAMESPACE, KERNELS)
 collectives.trace_into_graphs(NAMESPACE, KERNELS)
 
 REGISTRY.register_a2a(A2ABackend(
-    name="all_to_all", namespace=NAMESPACE, layout="rows", supports=collectives.supports,
+    name="all_to_all", namespace=NAMESPACE, supports=collectives.supports,
     description="static-capacity all_to_all_single over torch.distributed (NCCL, gloo)"))

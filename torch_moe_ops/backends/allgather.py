@@ -2,10 +2,19 @@
 on the slots that chose them, and a reduce-scatter brings each token's sum home.
 
 Legend: T tokens on this rank, M = max_tokens_per_rank, H hidden size, K experts
-per token, E experts, E_l = E / P experts per rank, P ranks, G = P * M * K
-gathered slots, C rows this rank takes from each rank (the capacity), R = P * C rows.
+per token, E experts, E_l = E / P experts per rank, P ranks, N = P * M token positions,
+G = P * M * K gathered slots, C rows this rank takes from each rank (the capacity),
+R = P * C rows.
 
-Tokens, ids and weights are padded to M and all-gathered (padding slots carry
+Tokens (`ops.tokens`, the format the lowering picks) are what the all-gather makes: the
+gathered ``[N, H]`` (position ``p * M + t``: token t of rank p, zeros past its T) with the
+gathered weights and the ids made local (-1: another rank's expert, a skipped slot,
+padding) is the experts' input as it is, and combine is the reduce-scatter of their
+``[N, H]``. The gradients are the same two collectives swapped.
+
+Rows (``moe::dispatch``, kept for quantized layers, whose rows travel in fp8):
+
+tokens, ids and weights are padded to M and all-gathered (padding slots carry
 id -1); this rank keeps the gathered slots whose expert it holds, sorted by
 local expert (``src_R``: the gathered slot of each row). Combine weights the
 rows, sums each gathered token's rows in slot order and reduce-scatters, so
@@ -74,7 +83,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     local_GK = torch.where(mine_GK, ids_GK - first, -1)
     order_S, expert_S, count_E = sort_rows(local_GK, num_local)
     num_rows = ep_size * capacity
-    if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
+    if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
         collectives.check_capacity(mine_GK.view(ep_size, -1).sum(1), capacity, group_name,
                                    "a rank holds the experts of more of another rank's "
                                    "slots than the capacity")
@@ -123,13 +132,54 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(grad_RH, y_RH, weight_R, src_R)
 
 
+def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                    max_tokens_per_rank):
+    rank = collectives.rank_in(group_name, ep_size)
+    num_local = num_experts // ep_size
+    top_k = topk_ids_TK.shape[1]
+    x_NH = _gather_padded(hidden_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
+    # One message for ids and weights (the weight's bits travel as int32 beside the id);
+    # padding ids are -1.
+    meta_TX = torch.cat([topk_ids_TK.to(torch.int32), topk_weights_TK.float().view(torch.int32)],
+                        1)
+    meta_NX = _gather_padded(meta_TX, max_tokens_per_rank, -1, group_name, ep_size)
+    local_NK = meta_NX[:, :top_k] - rank * num_local
+    local_NK = torch.where((meta_NX[:, :top_k] >= 0) & (local_NK >= 0) & (local_NK < num_local),
+                           local_NK, -1)
+    # A padding weight's bits are -1 (a NaN): its slot is skipped, but a weight must be a number.
+    weights_NK = meta_NX[:, top_k:].contiguous().view(torch.float32)
+    return x_NH, torch.where(local_NK < 0, 0.0, weights_NK), local_NK
+
+
+def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    return _scatter_home(y_NH, topk_ids_TK.shape[0], group_name, ep_size)
+
+
+def dispatch_tokens_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_experts, ep_size,
+                             group_name, max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    num_tokens = topk_ids_TK.shape[0]
+    return (_scatter_home(grad_x_NH, num_tokens, group_name, ep_size),
+            _scatter_home(grad_weights_NK, num_tokens, group_name, ep_size))
+
+
+def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
+                            max_tokens_per_rank):
+    collectives.rank_in(group_name, ep_size)
+    return _gather_padded(grad_out_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
+
+
 KERNELS = {"dispatch": dispatch, "combine": combine,
            "dispatch_backward": dispatch_backward,
            "combine_backward": combine_backward,
-           "dispatch_quant": quantized_dispatch(dispatch)}
+           "dispatch_quant": quantized_dispatch(dispatch),
+           "dispatch_tokens": dispatch_tokens, "combine_tokens": combine_tokens,
+           "dispatch_tokens_backward": dispatch_tokens_backward,
+           "combine_tokens_backward": combine_tokens_backward}
 define_backend_ops(NAMESPACE, KERNELS)
 collectives.trace_into_graphs(NAMESPACE, KERNELS)
 
 REGISTRY.register_a2a(A2ABackend(
-    name="allgather", namespace=NAMESPACE, layout="rows", supports=collectives.supports,
+    name="allgather", namespace=NAMESPACE, supports=collectives.supports,
     description="all-gather tokens, local experts on all of them, reduce-scatter back"))

@@ -255,7 +255,7 @@ define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows,
 decompose_backend_ops(NAMESPACE, {"experts": gathered_experts}, _gathered_applies)
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="cpu", namespace=NAMESPACE, layout="rows", supports=supports, priority=5,
+    name="cpu", namespace=NAMESPACE, supports=supports, priority=5,
     description="only the chosen experts, each on its rows (torch._grouped_mm), "
                 "in the forward and the backward",
     backward=backward_supports))

@@ -746,7 +746,7 @@ def _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, gro
         comm = communicator(group_name, hidden_TH.shape[1], num_experts, top_k,
                             max_tokens_per_rank, hidden_TH.dtype, device=hidden_TH.device)
         comm.check_tokens(num_tokens)
-        if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
+        if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
             collectives.check_capacity(_rows_per_rank(topk_ids_TK, num_local, ep_size), capacity,
                                        group_name,
                                        "a rank sends another more rows than the capacity")
@@ -855,6 +855,6 @@ define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_quant": dispatch_quant})
 
 REGISTRY.register_a2a(A2ABackend(
-    name="deepep", namespace=NAMESPACE, layout="rows", supports=supports,
+    name="deepep", namespace=NAMESPACE, supports=supports,
     description=(f"DeepEP: normal mode (worst-case static receive, NVLink/RDMA) or, for "
                  f"max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, low-latency mode")))

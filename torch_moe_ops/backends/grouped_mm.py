@@ -46,7 +46,7 @@ if TRITON_INSTALLED:
                           static_shapes_on_cuda)
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="grouped_mm", namespace=NAMESPACE, layout="rows", supports=supports,
+    name="grouped_mm", namespace=NAMESPACE, supports=supports,
     priority=10, description="torch._grouped_mm on rows sorted by expert (bf16, sm90+); fp8 "
                              "w8a8 rowwise through torch._scaled_grouped_mm (sm90)",
     backward=grouped_gemm.supports if TRITON_INSTALLED else None,

@@ -79,5 +79,5 @@ define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_quant": quantized_dispatch(dispatch)})
 
 REGISTRY.register_a2a(A2ABackend(
-    name="none", namespace=NAMESPACE, layout="rows", supports=supports,
+    name="none", namespace=NAMESPACE, supports=supports,
     description="single device: sort rows by expert, sum each token's weighted rows"))

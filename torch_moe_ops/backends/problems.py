@@ -65,6 +65,15 @@ def problem_of(op_name: str, args: tuple) -> Problem:
         return dataclasses.replace(
             _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts, capacity),
             quant=spec_of(*static))
+    if op_name == "dispatch_tokens":
+        hidden, _, topk_ids, num_experts, ep_size, _, max_tokens = args
+        return _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts)
+    if op_name in ("combine_tokens", "combine_tokens_backward"):
+        values, topk_ids, num_experts, ep_size, _, max_tokens = args
+        return _ep_problem(values, topk_ids.shape[1], ep_size, max_tokens, num_experts)
+    if op_name == "dispatch_tokens_backward":
+        grad_x, _, topk_ids, num_experts, ep_size, _, max_tokens = args
+        return _ep_problem(grad_x, topk_ids.shape[1], ep_size, max_tokens, num_experts)
     if op_name in ("combine", "dispatch_backward"):
         rows, _, _, slot_map, ep_size, _, max_tokens = args
         return _ep_problem(rows, slot_map.shape[1], ep_size, max_tokens)

@@ -230,7 +230,7 @@ define_backend_ops(NAMESPACE, {"route": route, "experts": experts,
 decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="reference", namespace=NAMESPACE, layout="rows", supports=supports, priority=0,
+    name="reference", namespace=NAMESPACE, supports=supports, priority=0,
     description="plain PyTorch, dense over experts; the correctness oracle",
     backward=supports, quantized_rows=("fp8_token", "fp8_group")))
 REGISTRY.register_route(RouteBackend(

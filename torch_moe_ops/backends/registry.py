@@ -8,10 +8,15 @@ backends implement ``dispatch`` and ``combine`` and the gradients of both
 (``dispatch_backward``, ``combine_backward``: the same transport, reversed), and
 those that send rows quantized to fp8 ``dispatch_quant``. Route backends
 implement ``route``; its gradient is the op contract's formula on the selection
-the backend made (`torch_moe_ops.ops.route`), whichever backend ran it. A fused
-``(a2a, experts)`` pair names the namespace of the a2a's `FUSED_OPS`: its transport in the
-tokens format (`ops.tokens`), whose receive buffers the experts backend's ``experts`` op
-reads with no copy into rows; the lowering runs a layer without gradients that way.
+the backend made (`torch_moe_ops.ops.route`), whichever backend ran it.
+
+Formats are declared by what a namespace defines (`FORMAT_OPS`): an a2a backend produces
+the tokens format (`ops.tokens`) where it defines ``dispatch_tokens`` and ``combine_tokens``
+and the rows format (`ops.rows`) where it defines ``dispatch`` and ``combine``; an experts
+backend consumes tokens through its ``experts`` op (the receive buffers as they are, ids
+local) and rows through ``experts_rows``. A format trains where the a2a namespace defines
+its gradient ops too (`TRAINING_OPS`). The lowering picks one format per layer (`FORMATS`
+in order of preference).
 
 ``supports(spec, problem, device)`` returns ``None`` when the backend can run the
 `Problem` there, otherwise the reason it cannot. The compile backend reads the
@@ -38,8 +43,15 @@ QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
 QUANT_A2A_OPS = ("dispatch_quant",)
-# What the namespace of a fused pair defines (`ops.tokens`).
-FUSED_OPS = ("dispatch_tokens", "combine_tokens")
+# The formats between dispatch and combine, best first (the wire is the cost: tokens cross
+# once per rank that needs them); what an a2a namespace defines to produce each, what an
+# experts namespace defines to consume it, and what an a2a namespace defines for its gradient.
+FORMATS = ("tokens", "rows")
+FORMAT_OPS = {"tokens": ("dispatch_tokens", "combine_tokens"), "rows": ("dispatch", "combine")}
+CONSUMER_OPS = {"tokens": "experts", "rows": "experts_rows"}
+TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
+                "rows": ("dispatch_backward", "combine_backward")}
+TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -122,7 +134,6 @@ class ExpertsBackend:
 
     name: str
     namespace: str
-    layout: str
     supports: SupportsFn
     priority: int
     description: str
@@ -130,6 +141,11 @@ class ExpertsBackend:
     backward: SupportsFn | None = None
     training_priority: int | None = None
     quantized_rows: tuple[str, ...] = ()
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The formats (`FORMATS`) whose dispatch output its ops read."""
+        return tuple(f for f in FORMATS if defines(self.namespace, CONSUMER_OPS[f]))
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         """``supports``, after the rule every experts backend shares: quantized
@@ -146,13 +162,23 @@ class ExpertsBackend:
 
 @dataclasses.dataclass(frozen=True)
 class A2ABackend:
-    """An all-to-all backend; ``layout`` is the format its dispatch produces."""
+    """An all-to-all backend; the formats it produces follow from the ops its namespace
+    defines (`FORMAT_OPS`)."""
 
     name: str
     namespace: str
-    layout: str
     supports: SupportsFn
     description: str
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The formats (`FORMATS`, best first) its dispatch can produce."""
+        return tuple(f for f in FORMATS
+                     if all(defines(self.namespace, op) for op in FORMAT_OPS[f]))
+
+    def trains(self, fmt: str) -> bool:
+        """Whether its transport in ``fmt`` carries gradients."""
+        return all(defines(self.namespace, op) for op in TRAINING_OPS[fmt])
 
     @property
     def sends_quantized(self) -> bool:
@@ -220,8 +246,6 @@ class Registry:
         self.experts: dict[str, ExpertsBackend] = {}
         self.a2a: dict[str, A2ABackend] = {}
         self.route: dict[str, RouteBackend] = {}
-        self.fused: dict[tuple[str, str], str] = {}
-        self.adapters: dict[tuple[str, str], str] = {}
 
     def register_experts(self, backend: ExpertsBackend) -> None:
         """Register ``backend``; it has a ``backward`` exactly where its namespace
@@ -234,21 +258,16 @@ class Registry:
         self.experts[backend.name] = backend
 
     def register_a2a(self, backend: A2ABackend) -> None:
+        """Register ``backend``: its namespace defines the ops of at least one format."""
+        if not backend.formats:
+            raise ValueError(f"a2a backend {backend.name!r}: namespace {backend.namespace!r} "
+                             "must define the ops of a format ("
+                             + "; ".join(f"{f}: {', '.join(ops)}" for f, ops in FORMAT_OPS.items())
+                             + "), it defines none")
         self.a2a[backend.name] = backend
 
     def register_route(self, backend: RouteBackend) -> None:
         self.route[backend.name] = backend
-
-    def register_fused(self, a2a: str, experts: str, namespace: str) -> None:
-        """Register the fused pair ``(a2a, experts)``: ``namespace`` defines `FUSED_OPS`."""
-        missing = [op for op in FUSED_OPS if not defines(namespace, op)]
-        if missing:
-            raise ValueError(f"fused pair ({a2a!r}, {experts!r}): namespace {namespace!r} must "
-                             f"define {', '.join(FUSED_OPS)}, missing {', '.join(missing)}")
-        self.fused[(a2a, experts)] = namespace
-
-    def register_adapter(self, producer_layout: str, consumer_layout: str, op: str) -> None:
-        self.adapters[(producer_layout, consumer_layout)] = op
 
     def choose_experts(self, spec: BackendSpec, problem: Problem,
                        device: torch.device) -> ExpertsBackend:

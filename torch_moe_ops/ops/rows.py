@@ -95,8 +95,7 @@ def check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size
     if ep_size == 1:
         return
     check_tokens_fit(hidden_TH, max_tokens_per_rank)
-    worst = worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1],
-                                num_experts // ep_size)
+    worst = worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1])
     if not 1 <= capacity <= worst:
         raise ValueError(f"capacity must be in [1, {worst}] (rows one rank sends another; "
                          f"{worst} is the worst case) when ep_size > 1, got {capacity}")

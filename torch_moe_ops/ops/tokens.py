@@ -13,13 +13,20 @@ another rank, for a skipped slot and for every slot of a position no token came 
 rows, and gives each received token's weighted sum over this rank's experts; ``combine_tokens``
 sends those back and sums each token's over the ranks it went to:
 
-    combine_tokens(experts(*dispatch_tokens(h, w, ids), w13, ...), ids) == experts(h, w, ids)
+    combine_tokens(experts(*dispatch_tokens(h, w, ids, E), w13, ...), ids, E) == experts(h, w, ids)
 
 Both carry the layer's static expert-parallel arguments like ``moe::dispatch``;
-``combine_tokens`` takes this rank's ``topk_ids`` for T and K. They serve inference: the
-buffers may be the transport's own memory, which the next dispatch overwrites, so no gradient
-can keep them (asking for one raises), and a layer that trains takes the rows format. Every
-rank calls both, with 0 tokens too; a backend's combine answers the dispatch before it.
+``combine_tokens`` takes this rank's ``topk_ids`` and E, from which a transport may
+recompute where each token went. Every rank calls both, with 0
+tokens too; a backend's combine answers the dispatch before it.
+
+Gradients run on the transport that ran forward, reversed: the gradient of ``combine_tokens``
+is a dispatch of ``grad_out`` to the same positions (``combine_tokens_backward``), and that of
+``dispatch_tokens`` sends each position's gradient home and sums each token's over the ranks
+it went to (``dispatch_tokens_backward``, for the activations and the routing weights; a
+slot whose expert is elsewhere has a zero gradient where it arrived). A backend whose
+receive buffers are its own transport memory, overwritten by the next dispatch, defines no
+gradient ops: its pairs serve inference, and asking it for a gradient raises.
 """
 
 from __future__ import annotations
@@ -28,13 +35,17 @@ import torch
 
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import checks, rows
-from torch_moe_ops.ops.library import OpContract
-from torch_moe_ops.ops.quant import no_gradient_autograd
+from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, defines, op_overload
 
 DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
                    f"{rows.EP_ARGS}) -> (Tensor x_tokens, Tensor topk_weights_tokens, "
                    "Tensor topk_ids_tokens)")
-COMBINE_SCHEMA = f"(Tensor y_tokens, Tensor topk_ids, {rows.EP_ARGS}) -> Tensor"
+COMBINE_SCHEMA = f"(Tensor y_tokens, Tensor topk_ids, int num_experts, {rows.EP_ARGS}) -> Tensor"
+DISPATCH_BACKWARD_SCHEMA = ("(Tensor grad_x_tokens, Tensor grad_topk_weights_tokens, "
+                            f"Tensor topk_ids, int num_experts, {rows.EP_ARGS}) -> "
+                            "(Tensor grad_hidden, Tensor grad_topk_weights)")
+COMBINE_BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor topk_ids, int num_experts, {rows.EP_ARGS}) "
+                           "-> Tensor")
 
 
 def num_positions(ep_size: int, max_tokens_per_rank: int) -> int:
@@ -48,8 +59,7 @@ def check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size
     # The rows format's checks with the largest capacity: the same arguments, the same errors.
     rows.check_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
                         group_name, max_tokens_per_rank,
-                        worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1],
-                                            num_experts // ep_size))
+                        worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1]))
     # Rows check it only across ranks; the receive buffers have M positions per rank, one too.
     rows.check_tokens_fit(hidden_TH, max_tokens_per_rank)
 
@@ -63,21 +73,106 @@ def fake_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=
             hidden_TH.new_empty((positions, top_k), dtype=torch.int32))
 
 
-def check_combine(y_NH, topk_ids_TK, ep_size=1, group_name="", max_tokens_per_rank=0) -> None:
-    checks.check_tensor("y_tokens", y_NH, 2, checks.FLOAT_DTYPES)
+def _check_experts_split(num_experts, ep_size) -> None:
+    if num_experts <= 0 or num_experts % ep_size:
+        raise ValueError(f"num_experts must be > 0 and divisible by ep_size ({ep_size}), got "
+                         f"{num_experts}")
+
+
+def check_combine(y_NH, topk_ids_TK, num_experts, ep_size=1, group_name="",
+                  max_tokens_per_rank=0, name="y_tokens") -> None:
+    checks.check_tensor(name, y_NH, 2, checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids_TK, 2, checks.INDEX_DTYPES)
     rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
-    checks.check_size("y_tokens", y_NH, 0, num_positions(ep_size, max_tokens_per_rank),
+    _check_experts_split(num_experts, ep_size)
+    checks.check_size(name, y_NH, 0, num_positions(ep_size, max_tokens_per_rank),
                       "ep_size * max_tokens_per_rank (N)")
-    checks.check_same_device("y_tokens", y_NH, topk_ids=topk_ids_TK)
+    checks.check_same_device(name, y_NH, topk_ids=topk_ids_TK)
 
 
 def fake_combine(y_NH, topk_ids_TK, *_):
     return y_NH.new_empty((topk_ids_TK.shape[0], y_NH.shape[1]))
 
 
-_setup_dispatch, _dispatch_backward = no_gradient_autograd("dispatch_tokens")
-_setup_combine, _combine_backward = no_gradient_autograd("combine_tokens")
+def check_dispatch_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_experts, ep_size=1,
+                            group_name="", max_tokens_per_rank=0) -> None:
+    check_combine(grad_x_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank,
+                  "grad_x_tokens")
+    checks.check_tensor("grad_topk_weights_tokens", grad_weights_NK, 2, (torch.float32,))
+    checks.check_size("grad_topk_weights_tokens", grad_weights_NK, 0, grad_x_NH.shape[0],
+                      "grad_x_tokens.shape[0] (N)")
+    checks.check_size("grad_topk_weights_tokens", grad_weights_NK, 1, topk_ids_TK.shape[1],
+                      "topk_ids.shape[1] (K)")
+
+
+def fake_dispatch_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, *_):
+    return (grad_x_NH.new_empty((topk_ids_TK.shape[0], grad_x_NH.shape[1])),
+            grad_x_NH.new_empty(tuple(topk_ids_TK.shape), dtype=torch.float32))
+
+
+def check_combine_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size=1, group_name="",
+                           max_tokens_per_rank=0) -> None:
+    checks.check_tensor("grad_out", grad_out_TH, 2, checks.FLOAT_DTYPES)
+    checks.check_tensor("topk_ids", topk_ids_TK, 2, checks.INDEX_DTYPES)
+    rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
+    _check_experts_split(num_experts, ep_size)
+    checks.check_size("grad_out", grad_out_TH, 0, topk_ids_TK.shape[0], "topk_ids.shape[0] (T)")
+    checks.check_same_device("grad_out", grad_out_TH, topk_ids=topk_ids_TK)
+
+
+def fake_combine_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size=1, group_name="",
+                          max_tokens_per_rank=0):
+    return grad_out_TH.new_empty((num_positions(ep_size, max_tokens_per_rank),
+                                  grad_out_TH.shape[1]))
+
+
+def _gradient_op(namespace: str, name: str):
+    """``namespace::name``, or a clear error where that transport keeps no gradient."""
+    if not defines(namespace, name):
+        raise RuntimeError(
+            f"{namespace}::{name.removesuffix('_backward')} has no gradient: its receive "
+            "buffers are the transport's own memory, which the next dispatch overwrites. "
+            "Compile a layer that trains with torch_moe_ops.backend(...) (the lowering then "
+            "gives it a transport with gradients), or run it under torch.no_grad()")
+    return op_overload(namespace, name)
+
+
+def _setup_dispatch(ctx, inputs, output):
+    hidden_TH, topk_weights_TK, topk_ids_TK, *static = inputs
+    ctx.save_for_backward(topk_ids_TK)
+    ctx.static_args = static
+    ctx.dtypes = (hidden_TH.dtype, topk_weights_TK.dtype)
+    ctx.received_shape = output[0].shape
+
+
+def _dispatch_backward(ctx, grad_x_NH, grad_weights_NK, _grad_ids):
+    (topk_ids_TK,) = ctx.saved_tensors
+    hidden_dtype, weights_dtype = ctx.dtypes
+    if grad_x_NH is None:
+        grad_x_NH = topk_ids_TK.new_zeros(ctx.received_shape, dtype=hidden_dtype)
+    if grad_weights_NK is None:
+        grad_weights_NK = grad_x_NH.new_zeros((ctx.received_shape[0], topk_ids_TK.shape[1]),
+                                              dtype=torch.float32)
+    grad_hidden_TH, grad_topk_weights_TK = _gradient_op(ctx.namespace, DISPATCH_BACKWARD.name)(
+        grad_x_NH.contiguous(), grad_weights_NK.float().contiguous(), topk_ids_TK,
+        *ctx.static_args)
+    return (grad_hidden_TH.to(hidden_dtype), grad_topk_weights_TK.to(weights_dtype),
+            None, None, None, None, None)
+
+
+def _setup_combine(ctx, inputs, output):
+    _, topk_ids_TK, *static = inputs
+    ctx.save_for_backward(topk_ids_TK)
+    ctx.static_args = static
+
+
+def _combine_backward(ctx, grad_out_TH):
+    (topk_ids_TK,) = ctx.saved_tensors
+    grad_y_NH = _gradient_op(ctx.namespace, COMBINE_BACKWARD.name)(
+        grad_out_TH.contiguous(), topk_ids_TK, *ctx.static_args)
+    return grad_y_NH, None, None, None, None, None
+
+
 DISPATCH = OpContract(name="dispatch_tokens", schema=DISPATCH_SCHEMA, check=check_dispatch,
                       check_values=rows.check_dispatch_values,
                       fake=fake_dispatch, backward=_dispatch_backward,
@@ -85,4 +180,15 @@ DISPATCH = OpContract(name="dispatch_tokens", schema=DISPATCH_SCHEMA, check=chec
 COMBINE = OpContract(name="combine_tokens", schema=COMBINE_SCHEMA, check=check_combine,
                      fake=fake_combine, backward=_combine_backward, setup_context=_setup_combine,
                      ordered=True)
-CONTRACTS = {contract.name: contract for contract in (DISPATCH, COMBINE)}
+DISPATCH_BACKWARD = OpContract(name="dispatch_tokens_backward", schema=DISPATCH_BACKWARD_SCHEMA,
+                               check=check_dispatch_backward, fake=fake_dispatch_backward,
+                               ordered=True)
+COMBINE_BACKWARD = OpContract(name="combine_tokens_backward", schema=COMBINE_BACKWARD_SCHEMA,
+                              check=check_combine_backward, fake=fake_combine_backward,
+                              ordered=True)
+CONTRACTS = {contract.name: contract
+             for contract in (DISPATCH, COMBINE, DISPATCH_BACKWARD, COMBINE_BACKWARD)}
+dispatch_tokens = define(GENERIC_NAMESPACE, DISPATCH)
+combine_tokens = define(GENERIC_NAMESPACE, COMBINE)
+dispatch_tokens_backward = define(GENERIC_NAMESPACE, DISPATCH_BACKWARD)
+combine_tokens_backward = define(GENERIC_NAMESPACE, COMBINE_BACKWARD)

@@ -154,11 +154,11 @@ _DISPATCHES = ("dispatch", "dispatch_quant")
 
 def _dispatch_traceable(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *args) -> bool:
     """For ``dispatch`` and ``dispatch_quant``: both end with the same four arguments."""
-    ep_size, _, max_tokens_per_rank, capacity = args[-4:]
+    _, _, max_tokens_per_rank, capacity = args[-4:]
     # Below the worst case, dispatch reads the overflow check on the host: it
     # stays one op, run eagerly inside the compiled graph.
     return fixed_sizes(hidden_TH) and capacity >= worst_case_capacity(
-        max_tokens_per_rank, topk_ids_TK.shape[1], num_experts // ep_size)
+        max_tokens_per_rank, topk_ids_TK.shape[1])
 
 
 def _sizes_fixed(first: torch.Tensor, *_) -> bool:

@@ -1,7 +1,7 @@
 """The ``flashinfer`` a2a backend: FlashInfer's MoE all-to-all (the NVLink one-sided kernels
 of ``flashinfer.comm.MoeAlltoAll``, from TensorRT-LLM) behind ``moe::dispatch``,
 ``moe::combine`` and their gradients (the rows format), and behind the tokens format of
-the fused pairs ``(flashinfer, triton)`` and ``(flashinfer, grouped_mm)`` (`ops.tokens`).
+layers without gradients (`ops.tokens`).
 
 Legend: T tokens on this rank, M = max_tokens_per_rank, P ranks, N = P * M receive
 positions, G = P * M keys (token t of rank p has the key p * M + t), H hidden size, K
@@ -40,7 +40,7 @@ by one ``all_to_all`` of ``[G, K]`` fp32 over the group (each slot is nonzero on
 its expert only). What runs between FlashInfer's kernels there is compiled by Inductor on
 the GPU (`_compiled_on_gpu`).
 
-Tokens (`ops.tokens`, for fused pairs): the same dispatch without the token index, the
+Tokens (`ops.tokens`, for layers without gradients): the same dispatch without the token index, the
 receive buffers handed over as they are (``[N, H]`` and ``[N, K]`` tensors over the
 workspace, no copy) with the ids made local to this rank's experts (-1 at padding) by one
 kernel (`received_ids`) in place of FlashInfer's id sanitizer, and ``combine_tokens`` hands
@@ -90,8 +90,7 @@ from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
 from torch_moe_ops.backends.flashinfer import library
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
-from torch_moe_ops.ops import define_backend_ops, tokens
-from torch_moe_ops.ops.library import define, implement
+from torch_moe_ops.ops import define_backend_ops
 
 NAME = "flashinfer"
 NAMESPACE = "moe_flashinfer_a2a"
@@ -468,7 +467,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
         comm.received.token_N1 = token_N1
         position_G, local_GK = _in_key_order(comm.local_ids(ids_NK, num_experts), token_N1,
                                              max_tokens_per_rank)
-        if capacity < worst_case_capacity(max_tokens_per_rank, top_k, num_local):
+        if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
             collectives.check_capacity((local_GK >= 0).view(ep_size, -1).sum(1), capacity,
                                        group_name, "a rank holds the experts of more of "
                                        "another rank's slots than the capacity")
@@ -549,7 +548,7 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
         return comm.alias(x_NH), comm.alias(weights_NK), comm.local_ids(ids_NK, num_experts)
 
 
-def combine_tokens(y_NH, topk_ids_TK, ep_size, group_name, max_tokens_per_rank):
+def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
     _check_activations("y_tokens", y_NH)
     num_tokens, top_k = topk_ids_TK.shape
     with _on(y_NH.device):
@@ -600,16 +599,14 @@ def supports(spec, problem, device) -> str | None:
                               problem.dtype, available="in all")
 
 
+# The tokens ops have no gradient ops: their buffers are the workspace's, which the next
+# dispatch overwrites, so a layer that trains takes the rows format here.
 define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_backward": dispatch_backward,
-                               "combine_backward": combine_backward})
-for _name, _kernel in (("dispatch_tokens", dispatch_tokens), ("combine_tokens", combine_tokens)):
-    define(NAMESPACE, tokens.CONTRACTS[_name])
-    implement(NAMESPACE, tokens.CONTRACTS[_name], _kernel)
+                               "combine_backward": combine_backward,
+                               "dispatch_tokens": dispatch_tokens,
+                               "combine_tokens": combine_tokens})
 
 REGISTRY.register_a2a(A2ABackend(
-    name=NAME, namespace=NAMESPACE, layout="rows", supports=supports,
+    name=NAME, namespace=NAMESPACE, supports=supports,
     description="FlashInfer's MoE all-to-all (NVLink one-sided, static per-rank capacity)"))
-# Their experts ops read the receive buffers as tokens with local ids: no rows, no copy.
-for _experts in ("triton", "grouped_mm"):
-    REGISTRY.register_fused(NAME, _experts, NAMESPACE)

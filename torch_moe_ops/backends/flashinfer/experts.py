@@ -374,7 +374,7 @@ define_backend_ops(NAMESPACE, {"experts": experts, "experts_rows": experts_rows,
                                "experts_rows_quant": experts_rows_quant})
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="flashinfer", namespace=NAMESPACE, layout="rows", supports=supports,
+    name="flashinfer", namespace=NAMESPACE, supports=supports,
     # Below triton and grouped_mm for "auto" until a benchmark shows it faster.
     priority=8,
     description="FlashInfer's CUTLASS fused MoE (bf16; fp8 128x128 weight blocks; sm90; "

@@ -111,7 +111,7 @@ if TRITON_INSTALLED:
                           and _grouped_backward_runs(*args))
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="triton", namespace=NAMESPACE, layout="rows", supports=supports, priority=20,
+    name="triton", namespace=NAMESPACE, supports=supports, priority=20,
     description="fused Triton kernels: align, GEMM + activation, GEMM + weighted sum",
     backward=grouped_gemm.supports if TRITON_INSTALLED else None,
     # Its experts_rows_quant reads rows that dispatch quantized (x_scale): fp8 dispatch.

@@ -1,0 +1,105 @@
+"""One plan per MoE layer: which backends run it, in which format tokens travel, and why.
+
+The lowering reads every generic op's `Problem` from the graph, merges those of one layer
+(`rewrite.layer_problems`) and asks `plan_layer` once per layer; each node of the layer
+then takes its namespace from that plan. `torch_moe_ops.explain` prints the same plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from torch_moe_ops.backends.registry import (
+    A2A_OPS,
+    EXPERTS_OPS,
+    FORMATS,
+    QUANT_A2A_OPS,
+    QUANT_EXPERTS_OPS,
+    REGISTRY,
+    TOKENS_OPS,
+    A2ABackend,
+    ExpertsBackend,
+    Problem,
+    RouteBackend,
+)
+from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.ops.experts import backward_namespace
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What runs one layer on ``device``.
+
+    ``route`` is set for a routing op's plan, ``experts`` and ``a2a`` for the ops that carry
+    activations; ``format`` is the format between dispatch and combine (`registry.FORMATS`,
+    None on one device) and ``format_reason`` why it was taken; ``refused`` lists each
+    ``(kind, name, reason)`` of the ``"auto"`` candidates that could not run the layer.
+    """
+
+    device: torch.device
+    problem: Problem
+    route: RouteBackend | None = None
+    experts: ExpertsBackend | None = None
+    a2a: A2ABackend | None = None
+    format: str | None = None
+    format_reason: str = ""
+    refused: tuple[tuple[str, str, str], ...] = ()
+
+    def namespace_for(self, op_name: str) -> str:
+        """The namespace whose op runs ``moe::<op_name>`` in this layer."""
+        if op_name in EXPERTS_OPS + QUANT_EXPERTS_OPS:
+            return self.experts.namespace
+        if op_name == "experts_backward":
+            return backward_namespace(self.experts.namespace)
+        if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS:
+            return self.a2a.namespace
+        if op_name == "route":
+            return self.route.namespace
+        raise ValueError(f"op_name must name a generic MoE op, got {op_name!r}")
+
+
+def _refusals(kind: str, backends: dict, spec: BackendSpec, problem: Problem,
+              device: torch.device, chosen: str) -> list[tuple[str, str, str]]:
+    """The ``auto`` candidates of ``kind`` that cannot run ``problem``, with their reasons."""
+    if getattr(spec, kind) != "auto":
+        return []
+    return [(kind, name, reason) for name, backend in backends.items() if name != chosen
+            and (reason := backend.why_not(spec, problem, device)) is not None]
+
+
+def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
+                  ) -> tuple[str, str]:
+    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``."""
+    if problem.quant is not None and "rows" in a2a.formats:
+        return "rows", "quantized layer: rows travel in the dispatch dtype with their scales"
+    skipped = []
+    for fmt in FORMATS:
+        if fmt not in a2a.formats:
+            skipped.append(f"{a2a.name} does not produce {fmt}")
+        elif fmt not in experts.formats:
+            skipped.append(f"{experts.name} does not read {fmt}")
+        elif problem.training and not a2a.trains(fmt):
+            skipped.append(f"{a2a.name} carries no gradient in {fmt}")
+        else:
+            return fmt, "; ".join(skipped) or "the format that moves the fewest bytes"
+    raise ValueError(f"a2a backend {a2a.name!r} and experts backend {experts.name!r} share no "
+                     f"format for this layer: " + "; ".join(skipped))
+
+
+def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
+               routing: bool = False) -> LayerPlan:
+    """The plan of one layer (``routing``: of its routing op alone). Raises ValueError for an
+    unregistered, unavailable or inconsistent choice, naming what is available."""
+    if routing:
+        route = REGISTRY.choose_route(spec, problem, device)
+        return LayerPlan(device, problem, route=route,
+                         refused=tuple(_refusals("route", REGISTRY.route, spec, problem, device,
+                                                 route.name)))
+    experts = REGISTRY.choose_experts(spec, problem, device)
+    refused = _refusals("experts", REGISTRY.experts, spec, problem, device, experts.name)
+    a2a = REGISTRY.choose_a2a(spec, problem, device)
+    fmt, why = choose_format(a2a, experts, problem) if (problem.ep_size or 1) > 1 else (None, "")
+    return LayerPlan(device, problem, experts=experts, a2a=a2a, format=fmt, format_reason=why,
+                     refused=tuple(refused))
