@@ -452,7 +452,7 @@ def time_flashinfer_tokens(run: Run, sizes: Sizes, num_experts: int, tokens: int
 
     def pair():
         x_NH, _, _ = ops.dispatch_tokens(hidden_TH, weights_TK, ids_TK, num_experts, *ep_args)
-        return ops.combine_tokens(x_NH, ids_TK, *ep_args)
+        return ops.combine_tokens(x_NH, ids_TK, num_experts, *ep_args)
 
     error = relative_error(pair(), round_trip_expected(hidden_TH, ids_TK, num_experts,
                                                        run.world))

@@ -26,6 +26,7 @@ from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 from torch_moe_ops.lowering import rewrite
+from torch_moe_ops.lowering.plan import plan_layer
 
 BF16 = torch.bfloat16
 GIB = 1 << 30
@@ -91,15 +92,19 @@ def test_supports_explains_every_no_here():
     assert not row.available and row.reason == "needs a CUDA device, got cpu"
 
 
-def test_the_fused_pairs_are_registered():
-    assert REGISTRY.fused[("flashinfer", "triton")] == a2a.NAMESPACE
-    assert REGISTRY.fused[("flashinfer", "grouped_mm")] == a2a.NAMESPACE
-    assert REGISTRY.a2a["flashinfer"].layout == "rows"
-    with pytest.raises(ValueError, match="namespace 'moe_all_to_all' must define "
-                                         "dispatch_tokens, combine_tokens, missing "
-                                         "dispatch_tokens, combine_tokens"):
-        REGISTRY.register_fused("all_to_all", "triton", "moe_all_to_all")
-    assert ("all_to_all", "triton") not in REGISTRY.fused
+def test_the_formats_follow_from_the_ops_each_namespace_defines():
+    flashinfer = REGISTRY.a2a["flashinfer"]
+    assert flashinfer.formats == ("tokens", "rows")
+    # Its receive buffers are the workspace's: tokens serve inference only.
+    assert not flashinfer.trains("tokens") and flashinfer.trains("rows")
+    for name in ("all_to_all", "allgather"):
+        assert REGISTRY.a2a[name].formats == ("tokens", "rows")
+        assert REGISTRY.a2a[name].trains("tokens")
+    assert REGISTRY.a2a["deepep"].formats == ("rows",)
+    assert all(b.formats == ("tokens", "rows") for b in REGISTRY.experts.values())
+    with pytest.raises(ValueError, match="namespace 'moe_reference' must define the ops of a format"):
+        REGISTRY.register_a2a(dataclasses.replace(flashinfer, name="nothing",
+                                                   namespace="moe_reference"))
 
 
 def test_an_unavailable_choice_fails_naming_why_and_what_runs():
@@ -116,19 +121,17 @@ def runs_here(monkeypatch):
                                                              supports=lambda *_: None))
 
 
-@pytest.mark.parametrize("experts, problem, fused", [
-    ("triton", Problem(BF16, ep_size=2, training=False), True),
-    ("triton", Problem(BF16, ep_size=2, training=True), False),
-    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), False),
-    ("cpu", Problem(BF16, ep_size=2), False),
-], ids=["inference", "training", "quantized", "not_a_pair"])
-def test_the_lowering_takes_a_fused_pair_for_layers_without_gradients(runs_here, experts,
-                                                                      problem, fused):
-    pair = rewrite._fused_pair(BackendSpec(experts=experts, a2a="flashinfer"), problem,
-                               torch.device("cpu"))
-    assert (pair is not None) == fused
-    if fused:
-        assert pair[0] == a2a.NAMESPACE and pair[1].name == "triton"
+@pytest.mark.parametrize("experts, problem, fmt", [
+    ("triton", Problem(BF16, ep_size=2, training=False), "tokens"),
+    ("triton", Problem(BF16, ep_size=2, training=True), "rows"),
+    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), "rows"),
+    ("cpu", Problem(BF16, ep_size=2), "tokens"),
+], ids=["inference", "training", "quantized", "any_experts"])
+def test_the_plan_takes_tokens_for_layers_without_gradients(runs_here, experts, problem, fmt):
+    plan = plan_layer(BackendSpec(experts=experts, a2a="flashinfer"), problem,
+                      torch.device("cpu"))
+    assert plan.format == fmt and plan.a2a.namespace == a2a.NAMESPACE
+    assert plan.experts.name == experts
 
 
 def _layer_graph(extra_reader: bool) -> tuple[fx.Graph, fx.Node, fx.Node, fx.Node]:
@@ -166,7 +169,7 @@ def test_the_tokens_contract_gives_receive_buffers_of_static_size():
         ids_TK = torch.empty(3, 2, dtype=torch.int32)
         x_NH, weights_NK, local_NK = torch.ops.moe_flashinfer_a2a.dispatch_tokens(
             hidden_TH, weights_TK, ids_TK, 8, 2, "group", 4)
-        y_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(x_NH, ids_TK, 2, "group", 4)
+        y_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(x_NH, ids_TK, 8, 2, "group", 4)
     assert (x_NH.shape, x_NH.dtype, x_NH.stride()) == ((8, 16), BF16, (16, 1))
     assert (weights_NK.shape, weights_NK.dtype) == ((8, 2), torch.float32)
     assert (local_NK.shape, local_NK.dtype) == ((8, 2), torch.int32)
@@ -193,8 +196,8 @@ def test_combine_tokens_takes_one_row_per_receive_position():
     with FakeTensorMode(), pytest.raises(ValueError, match=r"y_tokens.shape\[0\] must equal "
                                                            r"ep_size \* max_tokens_per_rank"):
         torch.ops.moe_flashinfer_a2a.combine_tokens(torch.empty(7, 16, dtype=BF16),
-                                                    torch.empty(3, 2, dtype=torch.int32), 2,
-                                                    "group", 4)
+                                                    torch.empty(3, 2, dtype=torch.int32), 8,
+                                                    2, "group", 4)
 
 
 def test_receive_positions_become_keys_and_local_ids():

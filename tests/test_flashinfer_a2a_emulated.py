@@ -53,7 +53,7 @@ pytestmark = pytest.mark.triton
 
 def _use_emulator():
     """In this worker: flashinfer.comm is the emulator, CPU tensors are let through, the
-    backend runs here, and (flashinfer, cpu) is a fused pair as (flashinfer, triton) is."""
+    backend runs here."""
     from torch_moe_ops.backends.flashinfer import a2a
     from torch_moe_ops.backends.registry import REGISTRY
 
@@ -61,7 +61,6 @@ def _use_emulator():
     a2a.DEVICE_TYPE = "cpu"
     REGISTRY.a2a["flashinfer"] = dataclasses.replace(REGISTRY.a2a["flashinfer"],
                                                      supports=lambda *_: None)
-    REGISTRY.register_fused("flashinfer", "cpu", a2a.NAMESPACE)
     return a2a
 
 
@@ -136,9 +135,10 @@ def _check_tokens(rank, top_k, num_local, route):
     assert local_NK.dtype == torch.int32 and local_NK.max() < num_local
     y_NH = torch.ops.moe_cpu.experts(x_NH, weights_NK_recv, local_NK,
                                      *(w[local] for w in full), *STATIC)
-    out_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_NK[mine], *ep_args)
+    out_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_NK[mine], num_experts,
+                                                         *ep_args)
     _check_fake(torch.ops.moe_flashinfer_a2a.combine_tokens.default,
-                (y_NH, ids_NK[mine], *ep_args), out_TH)
+                (y_NH, ids_NK[mine], num_experts, *ep_args), out_TH)
     ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
     check_bf16_out(out_TH, ref_NH[mine])
 

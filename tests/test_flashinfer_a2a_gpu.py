@@ -107,11 +107,11 @@ def _rows(hidden_TH, weights_TK, ids_TK, experts, capacity):
 
 
 def _tokens(hidden_TH, weights_TK, ids_TK, experts):
-    """The fused pair's chain: ``dispatch_tokens -> moe_triton::experts -> combine_tokens``."""
+    """The tokens chain: ``dispatch_tokens -> moe_triton::experts -> combine_tokens``."""
     x_NH, weights_NK, local_NK = torch.ops.moe_flashinfer_a2a.dispatch_tokens(
         hidden_TH, weights_TK, ids_TK, E, *_ep_args())
     y_NH = torch.ops.moe_triton.experts(x_NH, weights_NK, local_NK, *experts, *STATIC)
-    return torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_TK, *_ep_args())
+    return torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_TK, E, *_ep_args())
 
 
 def _check_refusal(rank):

@@ -21,6 +21,7 @@ from torch_moe_ops.backends.registry import (
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
+    TOKENS_OPS,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec, QuantSpec
@@ -69,6 +70,15 @@ SCHEMAS = {
                       f"{EP_ARGS}, int capacity=0) -> "
                       "(Tensor x_rows, Tensor expert_rows, Tensor weight_rows, Tensor src_rows, "
                       "Tensor count_experts, Tensor slot_map, Tensor x_scale)",
+    "dispatch_tokens": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
+                       f"{EP_ARGS}) -> (Tensor x_tokens, Tensor topk_weights_tokens, "
+                       "Tensor topk_ids_tokens)",
+    "combine_tokens": f"(Tensor y_tokens, Tensor topk_ids, int num_experts, {EP_ARGS}) -> Tensor",
+    "dispatch_tokens_backward": "(Tensor grad_x_tokens, Tensor grad_topk_weights_tokens, "
+                                f"Tensor topk_ids, int num_experts, {EP_ARGS}) -> "
+                                "(Tensor grad_hidden, Tensor grad_topk_weights)",
+    "combine_tokens_backward": f"(Tensor grad_out, Tensor topk_ids, int num_experts, {EP_ARGS}) "
+                               "-> Tensor",
 }
 # The ops on quantized experts and rows: cases of their own (QUANT_CASES).
 QUANT_OPS = QUANT_EXPERTS_OPS + QUANT_A2A_OPS
@@ -103,8 +113,8 @@ def implementations(dtype: torch.dtype, spec: QuantSpec = None
         found.update({(backend.namespace, op): a2a_reasons[name] for op in A2A_OPS})
         if backend.sends_quantized:
             found.update({(backend.namespace, op): a2a_reasons[name] for op in QUANT_A2A_OPS})
-    # A fused pair's namespace adds the tokens format's ops (registry.FUSED_OPS), which
-    # run on several ranks only (tests/test_flashinfer_a2a_emulated.py checks their fakes).
+    # The tokens format's ops (registry.TOKENS_OPS) run on several ranks only
+    # (tests/test_tokens_transport.py and the emulated transports check them).
     return found
 
 
@@ -276,7 +286,9 @@ def case_dtype(op_name: str, case: str) -> torch.dtype:
 
 
 def params():
-    for op_name in CONTRACTS:
+    # The tokens format's ops move tokens between ranks only: tests/test_tokens_transport.py
+    # opchecks them on several.
+    for op_name in (name for name in CONTRACTS if name not in TOKENS_OPS):
         cases = case_names(op_name)
         if op_name != "route" and op_name not in QUANT_OPS:
             cases += NONCONTIGUOUS_CASES
@@ -307,7 +319,7 @@ def test_every_op_is_covered():
     assert set(SCHEMAS) == set(CONTRACTS)
     concrete = {op for (namespace, op), reason in implementations(torch.float32).items()
                 if namespace != GENERIC_NAMESPACE and reason is None}
-    assert concrete == set(CONTRACTS)
+    assert concrete == set(CONTRACTS) - set(TOKENS_OPS)
 
 
 def schema_params():

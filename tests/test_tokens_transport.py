@@ -67,12 +67,21 @@ def _check_tokens_chain(rank, world_size, a2a, routing):
     ours = leaves(hidden_NH[mine], weights_NK[mine], *(w[local] for w in experts.values()))
     ep_args = (world_size, dist.group.WORLD.group_name, MAX_TOKENS)
     namespace = NAMESPACES[a2a]
-    x_NH, weights_tokens_NK, local_NK = op_overload(namespace, "dispatch_tokens")(
-        ours[0], ours[1], ids_NK[mine], num_experts, *ep_args)
+    dispatch_args = (ours[0], ours[1], ids_NK[mine], num_experts, *ep_args)
+    if routing == "random":
+        # Every rank runs opcheck's calls in the same order: the collectives pair up.
+        torch.library.opcheck(op_overload(namespace, "dispatch_tokens"),
+                              tuple(t.detach() if isinstance(t, torch.Tensor) else t
+                                    for t in dispatch_args))
+    x_NH, weights_tokens_NK, local_NK = op_overload(namespace, "dispatch_tokens")(*dispatch_args)
     assert x_NH.shape == (world_size * MAX_TOKENS, H)
     assert local_NK.dtype == torch.int32 and int(local_NK.max()) < num_local
     y_NH = torch.ops.moe_reference.experts(x_NH, weights_tokens_NK, local_NK, *ours[2:], *STATIC)
-    out_TH = op_overload(namespace, "combine_tokens")(y_NH, ids_NK[mine], num_experts, *ep_args)
+    combine_args = (y_NH, ids_NK[mine], num_experts, *ep_args)
+    if routing == "random":
+        torch.library.opcheck(op_overload(namespace, "combine_tokens"),
+                              (y_NH.detach(), *combine_args[1:]))
+    out_TH = op_overload(namespace, "combine_tokens")(*combine_args)
     out_TH.backward(grad_NH[mine])
     assert_rank_matches(out_TH, ours, ref_NH, ref_leaves, mine, local, _check, _check)
 
