@@ -38,10 +38,12 @@ def pack_rows(hidden_TH: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     num_tokens, hidden_size = hidden_TH.shape
     q_TH, scale = quant.quantize_activations(hidden_TH, spec)
     # Sized from H, not inferred: 0 tokens still give rows of B bytes. The scales
-    # are viewed as bytes flat: Inductor gives a last dimension of size 1 (one
-    # fp8_token scale per row) stride 0, which no dtype view takes.
+    # are viewed as bytes flat, from a fresh contiguous copy: Inductor gives a last
+    # dimension of size 1 (one fp8_token scale per row) stride 0, and with one token the
+    # flat view keeps that stride, which no dtype view takes.
     groups = hidden_size // quant.activation_group(spec, hidden_size)
-    scale_bytes = scale.reshape(-1).view(_BYTES).reshape(num_tokens, 4 * groups)
+    scale_flat = scale.reshape(-1).clone(memory_format=torch.contiguous_format)
+    scale_bytes = scale_flat.view(_BYTES).reshape(num_tokens, 4 * groups)
     return torch.cat([q_TH.view(_BYTES), scale_bytes], dim=1)
 
 
