@@ -37,13 +37,14 @@ def pack_rows(hidden_TH: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``[T, B]`` uint8: each token's fp8 values, then its fp32 scales, as bytes."""
     num_tokens, hidden_size = hidden_TH.shape
     q_TH, scale = quant.quantize_activations(hidden_TH, spec)
-    # Sized from H, not inferred: 0 tokens still give rows of B bytes. The scales
-    # are viewed as bytes flat, from a fresh contiguous copy: Inductor gives a last
-    # dimension of size 1 (one fp8_token scale per row) stride 0, and with one token the
-    # flat view keeps that stride, which no dtype view takes.
+    # Sized from H, not inferred: 0 tokens still give rows of B bytes. The scales' bytes
+    # are taken with shifts from their int32 bits (a view of the same width, free of any
+    # stride rule), little-endian as a byte view reads them: Inductor lays a scale tensor
+    # of size 1 out with stride 0, which no narrowing dtype view takes.
     groups = hidden_size // quant.activation_group(spec, hidden_size)
-    scale_flat = scale.reshape(-1).clone(memory_format=torch.contiguous_format)
-    scale_bytes = scale_flat.view(_BYTES).reshape(num_tokens, 4 * groups)
+    bits_TG1 = scale.reshape(num_tokens, groups).view(torch.int32).unsqueeze(-1)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=hidden_TH.device)
+    scale_bytes = ((bits_TG1 >> shifts) & 0xFF).to(_BYTES).reshape(num_tokens, 4 * groups)
     return torch.cat([q_TH.view(_BYTES), scale_bytes], dim=1)
 
 
