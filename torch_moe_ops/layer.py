@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
-from torch_moe_ops import quant
+from torch_moe_ops import checkpoints, quant
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.config import MoEConfig
+from torch_moe_ops.routed_experts import EXPERT_TENSORS, SCALE_TENSORS
 
 
 def without_autocast(device_type: str):
@@ -27,31 +28,6 @@ def without_autocast(device_type: str):
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
-
-
-EXPERT_TENSORS = ("w13", "w2", "b13", "b2", "w13_scale", "w2_scale")
-# What quantized experts hold as buffers: stored bits, never cast.
-QUANT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
-# Integer dtypes of each element width, through which `stored_bits` moves quantized tensors.
-BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-@contextlib.contextmanager
-def stored_bits(buffers: dict, names=QUANT_TENSORS):
-    """Inside, the tensors ``buffers[name]`` (a module's ``_buffers``) are integer
-    views of the same width, and their own dtypes again on the way out.
-
-    ``Module._apply`` (``.to(dtype)``, ``.half()``, ``.to(device)``) casts every
-    floating-point tensor: quantized weights and their fp32 scales must travel as
-    integers instead, so that a device move keeps their bits and a cast leaves them."""
-    dtypes = {name: buffers[name].dtype for name in names}
-    for name in names:
-        buffers[name] = buffers[name].view(BIT_VIEWS[buffers[name].element_size()])
-    try:
-        yield
-    finally:
-        for name, dtype in dtypes.items():
-            buffers[name] = buffers[name].view(dtype)
 
 
 def ep_process_group(cfg: MoEConfig, ep_group):
@@ -194,7 +170,7 @@ class MoE(nn.Module):
         # A full checkpoint holds every expert: keep this rank's slice of each
         # expert tensor, so the same file loads on every rank.
         local = self.local_experts
-        for name in EXPERT_TENSORS:
+        for name in EXPERT_TENSORS + SCALE_TENSORS:
             key = prefix + name
             tensor = state_dict.get(key)
             if tensor is not None and tensor.shape[0] == self.cfg.num_experts:
@@ -216,8 +192,6 @@ class MoE(nn.Module):
 
         A block too large to build in float first can be built on the meta device,
         given memory with ``to_empty(device=...)``, then loaded."""
-        from torch_moe_ops import checkpoints
-
         checkpoints.load_moe(self, path, prefix)
 
     def reset_parameters(self) -> None:
@@ -250,7 +224,7 @@ class MoE(nn.Module):
     def _apply(self, fn, recurse=True):
         if self.cfg.quant is None:
             return super()._apply(fn, recurse)
-        with stored_bits(self._buffers):
+        with quant.stored_bits(self._buffers):
             return super()._apply(fn, recurse)
 
     def route(self, x_TH: torch.Tensor):

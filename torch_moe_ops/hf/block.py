@@ -32,7 +32,7 @@ cannot see (``param.data.copy_``, writes into inference tensors). ``model.to(...
 or not (the next eager forward still reconverts once: the sources moved).
 
 Quantized experts (``cfg.quant``; transformers' fp8 experts used in place, or
-`weights.QuantizedExperts` from `torch_moe_ops.checkpoints.load_into`) run on
+`weights.QuantizedExperts` from `torch_moe_ops.hf.load_into`) run on
 ``moe::experts_quant`` (``moe::experts_rows_quant``), for inference only.
 
 Expert parallelism (``cfg.ep_size > 1``, built by ``patch(model, ep_group=...)``):
@@ -51,13 +51,8 @@ from torch import nn
 
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
-from torch_moe_ops.hf.weights import (
-    EXPERT_TENSORS,
-    SCALE_TENSORS,
-    ExpertWeights,
-    SourceStamp,
-    source_names,
-)
+from torch_moe_ops.hf.weights import ExpertWeights, SourceStamp, source_names
+from torch_moe_ops.routed_experts import EXPERT_TENSORS, SCALE_TENSORS
 
 
 class HFMoEBlock(nn.Module):

@@ -16,7 +16,7 @@ what it loads a DeepSeek-V3-style fp8 checkpoint into on a GPU that runs fp8)
 are used in place and run on ``moe::experts_quant`` (`torch_moe_ops.hf.weights`).
 Where transformers dequantized a checkpoint at load (fp8 without such a GPU,
 MXFP4 without its hub kernels) the block holds float experts and is patched as
-such; `torch_moe_ops.checkpoints.load_into` then gives the patched blocks the
+such; `torch_moe_ops.hf.load_into` then gives the patched blocks the
 quantized experts of the checkpoint's files.
 
 Not supported (the block is left as it is and `PatchReport.skipped` says why):
@@ -51,7 +51,7 @@ from torch_moe_ops.layer import ep_process_group
 MXFP4_HINT = {"Mxfp4GptOssMLP": (
     "; transformers' MXFP4 kernels hold the experts in their own swizzled layout: load the "
     "model with quantization_config=Mxfp4Config(dequantize=True), patch it, then "
-    "torch_moe_ops.checkpoints.load_into(model, checkpoint) for MXFP4 experts")}
+    "torch_moe_ops.hf.load_into(model, checkpoint) for MXFP4 experts")}
 
 
 @dataclasses.dataclass(frozen=True)

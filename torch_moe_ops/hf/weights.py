@@ -27,7 +27,7 @@ scales ``w13_scale``, ``w2_scale``:
   ``fp8_block`` layout, used in place. Where it does not run fp8 (no GPU) it
   dequantizes them at load, and the block is patched as float experts.
 - `QuantizedExperts` holds experts read from a quantized checkpoint in our layout
-  (`torch_moe_ops.checkpoints.load_into`).
+  (`torch_moe_ops.hf.load_into`).
 """
 
 from __future__ import annotations
@@ -42,13 +42,9 @@ from torch import nn
 from torch_moe_ops import quant
 from torch_moe_ops.config import MoEConfig, QuantSpec
 from torch_moe_ops.hf.families import Unsupported
-from torch_moe_ops.layer import QUANT_TENSORS, stored_bits
 from torch_moe_ops.ops.checks import FLOAT_DTYPES
+from torch_moe_ops.routed_experts import EXPERT_TENSORS, SCALE_TENSORS
 
-# Our names of the expert tensors, in the order moe::experts takes them.
-EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
-# The scales of quantized experts (moe::experts_quant takes them after w13 and w2).
-SCALE_TENSORS = ("w13_scale", "w2_scale")
 # transformers' FP8Experts names of the fp8 block scales.
 FP8_SCALES = {"w13_scale": "gate_up_proj_scale_inv", "w2_scale": "down_proj_scale_inv"}
 
@@ -222,7 +218,7 @@ def keep_local_experts(experts: nn.Module, weights: ExpertWeights, local: range)
 
 class QuantizedExperts(nn.Module):
     """Quantized experts in our layout for an `HFMoEBlock`, in place of the
-    transformers experts module (`torch_moe_ops.checkpoints.load_into` builds it).
+    transformers experts module (`torch_moe_ops.hf.load_into` builds it).
 
     Buffers ``w13``, ``w2``, ``w13_scale``, ``w2_scale`` in the stored format of
     ``spec`` (`torch_moe_ops.quant`: shapes and dtypes per format), which
@@ -241,7 +237,7 @@ class QuantizedExperts(nn.Module):
                 self.register_buffer(name, tensor)
 
     def _apply(self, fn, recurse=True):
-        with stored_bits(self._buffers, QUANT_TENSORS):
+        with quant.stored_bits(self._buffers):
             return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
