@@ -46,6 +46,7 @@ from torch_moe_ops.hf.families import FAMILIES, Family, Unsupported, family_of
 from torch_moe_ops.hf.router import route_with_ops
 from torch_moe_ops.hf.weights import LAYOUTS, keep_local_experts
 from torch_moe_ops.layer import ep_process_group
+from torch_moe_ops.routed_experts import experts_of_rank
 
 # What to do instead, for the blocks transformers swaps in for quantized experts.
 MXFP4_HINT = {"Mxfp4GptOssMLP": (
@@ -256,8 +257,7 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
         route_with_ops(getattr(block, family.router), family, cfg, routed_classes)
         local = None
         if group is not None:
-            local = range(group.rank() * cfg.num_local_experts,
-                          (group.rank() + 1) * cfg.num_local_experts)
+            local = experts_of_rank(cfg, group.rank())
             keep_local_experts(block.experts, weights, local)
         parent_name, _, child_name = name.rpartition(".")
         model.get_submodule(parent_name).add_module(
