@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torch_moe_ops import quant
+from torch_moe_ops import quant, torch_compat
 from torch_moe_ops.config import MoEConfig, QuantSpec
 from torch_moe_ops.hf.families import Unsupported
 from torch_moe_ops.ops.checks import FLOAT_DTYPES
@@ -78,11 +78,6 @@ class ExpertWeights:
     quant: QuantSpec | None = None
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    # Inference tensors (made under torch.inference_mode) have no version counter.
-    return None if tensor.is_inference() else tensor._version
-
-
 class SourceStamp:
     """What a converted tensor was computed from: the source tensor (held weakly,
     so a replaced parameter is freed), its storage address (``.to()`` and
@@ -99,11 +94,12 @@ class SourceStamp:
     def __init__(self, tensor: torch.Tensor | None = None):
         self._tensor = None if tensor is None else weakref.ref(tensor)
         self._data_ptr = None if tensor is None else tensor.data_ptr()
-        self._version = None if tensor is None else _version(tensor)
+        self._version = None if tensor is None else torch_compat.tensor_version(tensor)
 
     def matches(self, tensor: torch.Tensor) -> bool:
         return (self._tensor is not None and self._tensor() is tensor
-                and tensor.data_ptr() == self._data_ptr and _version(tensor) == self._version)
+                and tensor.data_ptr() == self._data_ptr
+                and torch_compat.tensor_version(tensor) == self._version)
 
     def __reduce__(self):
         # A weak reference does not survive pickling (torch.save, deepcopy): the copy
