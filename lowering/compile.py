@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.tracing import for_inductor
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.rewrite import expert_parallel, lower
@@ -33,15 +34,15 @@ class MoECompileBackend:
         self.mode = mode
         self.options = dict(options or {})
         if inner == "inductor":
-            self._compile = torch._TorchCompileInductorWrapper(mode, self.options, None)
+            self._compile = torch_compat.inductor_compiler(mode, self.options)
             # Inductor's peak-memory reordering ignores the order of effectful ops
             # (seen with torch 2.13): it moved one collective past another on a rank
             # whose tokens were all elsewhere, and the ranks deadlocked. Graphs
             # that run collectives keep the program order of their ops.
-            self._compile_ep = torch._TorchCompileInductorWrapper(
-                mode, {"reorder_for_peak_memory": False, **self.options}, None)
+            self._compile_ep = torch_compat.inductor_compiler(
+                mode, {"reorder_for_peak_memory": False, **self.options})
         else:
-            self._compile = torch._dynamo.lookup_backend(inner)
+            self._compile = torch_compat.lookup_backend(inner)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         across_ranks = expert_parallel(gm)

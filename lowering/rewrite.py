@@ -24,6 +24,7 @@ import operator
 import torch
 from torch import fx
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
@@ -44,10 +45,10 @@ ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
 
 def _op_name(target: object) -> tuple[str, str] | None:
     """``(namespace, name)`` of a custom-op call target, else None."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, torch_compat.OpOverload):
         qualified = target.name()
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        qualified = target._qualified_op_name
+    elif isinstance(target, torch_compat.OpOverloadPacket):
+        qualified = torch_compat.packet_name(target)
     else:
         return None
     namespace, _, name = qualified.partition("::")
@@ -73,7 +74,7 @@ def _example_args(node: fx.Node) -> tuple:
         raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
                         "tensor metadata (was the graph traced by Dynamo?)")
     target = node.target
-    return full_args(target if isinstance(target, torch._ops.OpOverload) else target.default,
+    return full_args(target if isinstance(target, torch_compat.OpOverload) else target.default,
                      args, kwargs)
 
 
@@ -176,7 +177,7 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
                 _send_quantized(gm, node, readers, namespace, plan.problem)
                 continue
         packet = getattr(getattr(torch.ops, namespace), name)
-        node.target = packet.default if isinstance(node.target, torch._ops.OpOverload) else packet
+        node.target = packet.default if isinstance(node.target, torch_compat.OpOverload) else packet
     if changed:
         gm.graph.lint()
         gm.recompile()
@@ -203,7 +204,7 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return experts, combine
 
 
-def _retarget(node: fx.Node, op: torch._ops.OpOverload, args: tuple) -> None:
+def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
     """``node`` calls ``op`` on ``args``, its fake value recomputed in the graph's fake mode."""
     node.target, node.args, node.kwargs = op, args, {}
     values = [_value(a) for a in args]
@@ -254,7 +255,7 @@ def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
 def _schema_args(node: fx.Node) -> list:
     """``node``'s arguments (nodes and constants) in schema order, defaults filled in."""
     target = node.target
-    op = target if isinstance(target, torch._ops.OpOverload) else target.default
+    op = target if isinstance(target, torch_compat.OpOverload) else target.default
     return list(full_args(op, node.args, node.kwargs))
 
 

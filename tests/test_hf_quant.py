@@ -31,7 +31,7 @@ from test_checkpoints import (
     save,
 )
 from test_hf import make_model, token_ids
-from torch_moe_ops import checkpoints, hf
+from torch_moe_ops import hf
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.hf.weights import QuantizedExperts
 
@@ -92,7 +92,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_into_the_patched_model(tmp_path):
         assert torch.equal(reference.get_submodule(name).experts.gate_up_proj, gate_up)
     model = load()
     hf.patch(model)
-    assert tmo.checkpoints.load_into(model, tmp_path) == sorted(read_back)
+    assert tmo.hf.load_into(model, tmp_path) == sorted(read_back)
     for block in _moe_blocks(model).values():
         assert isinstance(block.experts, QuantizedExperts)
         assert block.cfg.quant == QuantSpec("mxfp4")
@@ -170,7 +170,7 @@ def test_deepseek_v3_fp8_experts_in_place_and_from_a_checkpoint(tmp_path):
     # The same experts from a DeepSeek-V3-style file, into the float model patched.
     from_file = copy.deepcopy(original)
     hf.patch(from_file)
-    assert checkpoints.load_into(from_file, tmp_path / "experts.safetensors") == report.patched
+    assert hf.load_into(from_file, tmp_path / "experts.safetensors") == report.patched
     with torch.no_grad():
         assert torch.equal(from_file(ids).logits, got)
 
@@ -186,7 +186,7 @@ def test_transformers_mxfp4_block_is_reported_with_what_to_do():
     assert report.skipped["model.layers.0.mlp"].endswith(
         "transformers' MXFP4 kernels hold the experts in their own swizzled layout: load the "
         "model with quantization_config=Mxfp4Config(dequantize=True), patch it, then "
-        "torch_moe_ops.checkpoints.load_into(model, checkpoint) for MXFP4 experts")
+        "torch_moe_ops.hf.load_into(model, checkpoint) for MXFP4 experts")
 
 
 def write_deepseek_v3_fp8(model, folder) -> dict[str, torch.Tensor]:
@@ -232,7 +232,7 @@ def test_deepseek_v3_fp8_checkpoint_through_transformers(tmp_path):
         assert torch.equal(reference.get_submodule(name).experts.gate_up_proj, gate_up)
     model = _from_pretrained(tmp_path)
     hf.patch(model)
-    assert checkpoints.load_into(model, tmp_path) == sorted(read_back)
+    assert hf.load_into(model, tmp_path) == sorted(read_back)
     ids = token_ids()
     with torch.no_grad():
         assert_w8a8_close(model(ids).logits, reference(ids).logits)

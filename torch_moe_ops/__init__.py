@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `tmo.hf` imports transformers (about 1.5 s), `tmo.checkpoints` reads
-    # safetensors (an extra): each only when it is asked for.
-    if name in ("checkpoints", "hf"):
+    # `tmo.hf` imports transformers (about 1.5 s): only when it is asked for.
+    # (`tmo.checkpoints` is imported with `MoE`; it reads safetensors only when used.)
+    if name == "hf":
         import importlib
 
         return importlib.import_module(f"torch_moe_ops.{name}")

@@ -14,9 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
-from torch_moe_ops import quant
+from torch_moe_ops import checkpoints, quant
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.config import MoEConfig
+from torch_moe_ops.routed_experts import (
+    EXPERT_TENSORS,
+    SCALE_TENSORS,
+    experts_of_rank,
+    keep_local_slice,
+    run_experts,
+)
 
 
 def without_autocast(device_type: str):
@@ -27,31 +34,6 @@ def without_autocast(device_type: str):
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
-
-
-EXPERT_TENSORS = ("w13", "w2", "b13", "b2", "w13_scale", "w2_scale")
-# What quantized experts hold as buffers: stored bits, never cast.
-QUANT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
-# Integer dtypes of each element width, through which `stored_bits` moves quantized tensors.
-BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-@contextlib.contextmanager
-def stored_bits(buffers: dict, names=QUANT_TENSORS):
-    """Inside, the tensors ``buffers[name]`` (a module's ``_buffers``) are integer
-    views of the same width, and their own dtypes again on the way out.
-
-    ``Module._apply`` (``.to(dtype)``, ``.half()``, ``.to(device)``) casts every
-    floating-point tensor: quantized weights and their fp32 scales must travel as
-    integers instead, so that a device move keeps their bits and a cast leaves them."""
-    dtypes = {name: buffers[name].dtype for name in names}
-    for name in names:
-        buffers[name] = buffers[name].view(BIT_VIEWS[buffers[name].element_size()])
-    try:
-        yield
-    finally:
-        for name, dtype in dtypes.items():
-            buffers[name] = buffers[name].view(dtype)
 
 
 def ep_process_group(cfg: MoEConfig, ep_group):
@@ -187,18 +169,11 @@ class MoE(nn.Module):
     @property
     def local_experts(self) -> range:
         """The global ids of the experts this rank holds."""
-        num_local = self.cfg.num_local_experts
-        return range(self.ep_rank * num_local, (self.ep_rank + 1) * num_local)
+        return experts_of_rank(self.cfg, self.ep_rank)
 
     def _keep_local_experts(self, state_dict, prefix, *_) -> None:
-        # A full checkpoint holds every expert: keep this rank's slice of each
-        # expert tensor, so the same file loads on every rank.
-        local = self.local_experts
-        for name in EXPERT_TENSORS:
-            key = prefix + name
-            tensor = state_dict.get(key)
-            if tensor is not None and tensor.shape[0] == self.cfg.num_experts:
-                state_dict[key] = tensor[local.start:local.stop]
+        keep_local_slice(state_dict, [prefix + name for name in EXPERT_TENSORS + SCALE_TENSORS],
+                         self.cfg, self.local_experts)
 
     def load_full_weights(self, state_dict, strict: bool = True):
         """`load_state_dict` of a checkpoint that holds every expert (``w13 [E, 2I, H]``,
@@ -216,8 +191,6 @@ class MoE(nn.Module):
 
         A block too large to build in float first can be built on the meta device,
         given memory with ``to_empty(device=...)``, then loaded."""
-        from torch_moe_ops import checkpoints
-
         checkpoints.load_moe(self, path, prefix)
 
     def reset_parameters(self) -> None:
@@ -250,7 +223,7 @@ class MoE(nn.Module):
     def _apply(self, fn, recurse=True):
         if self.cfg.quant is None:
             return super()._apply(fn, recurse)
-        with stored_bits(self._buffers):
+        with quant.stored_bits(self._buffers):
             return super()._apply(fn, recurse)
 
     def route(self, x_TH: torch.Tensor):
@@ -272,28 +245,9 @@ class MoE(nn.Module):
                 topk_ids_TK: torch.Tensor) -> torch.Tensor:
         """The routed experts alone: ``[T, H]`` from tokens and their routing
         (global expert ids); across the expert-parallel group with ``ep_size > 1``."""
-        cfg = self.cfg
-        act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
-                    cfg.static_float("swiglu_limit"))
-        if cfg.quant is None:
-            expert_args = (self.w13, self.w2, self.b13, self.b2, *act_args)
-        else:
-            expert_args = (self.w13, self.w2, self.w13_scale, self.w2_scale, self.b13, self.b2,
-                           cfg.quant.weights, cfg.quant.activations, cfg.quant.block_list,
-                           *act_args)
-        if cfg.ep_size == 1:
-            if cfg.quant is None:
-                return torch.ops.moe.experts(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
-            return torch.ops.moe.experts_quant(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
-        ep_args = (cfg.ep_size, self.ep_group_name, cfg.max_tokens_per_rank)
-        x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
-            x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args, cfg.rows_per_rank)
-        if cfg.quant is None:
-            y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
-        else:
-            y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E,
-                                                    *expert_args)
-        return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+        scales = (None, None) if self.cfg.quant is None else (self.w13_scale, self.w2_scale)
+        return run_experts(self.cfg, self.ep_group_name, x_TH, topk_weights_TK, topk_ids_TK,
+                           (self.w13, self.w2, self.b13, self.b2), scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.cfg.hidden_size:

@@ -16,6 +16,7 @@ returns tensors on any device, computes in fp32 and never reads a value on the h
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -57,6 +58,30 @@ def scale_shape(spec: QuantSpec, num_experts: int, rows: int, cols: int) -> tupl
 def scale_dtype(spec: QuantSpec) -> torch.dtype:
     """The dtype of the weight scales: fp32, or e8m0 bytes (uint8) for mxfp4."""
     return torch.uint8 if spec.weights == "mxfp4" else torch.float32
+
+
+# What a module of quantized experts holds as buffers: stored bits, never cast.
+QUANT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
+# Integer dtypes of each element width, through which `stored_bits` moves quantized tensors.
+BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@contextlib.contextmanager
+def stored_bits(buffers: dict, names=QUANT_TENSORS):
+    """Inside, the tensors ``buffers[name]`` (a module's ``_buffers``) are integer
+    views of the same width, and their own dtypes again on the way out.
+
+    ``Module._apply`` (``.to(dtype)``, ``.half()``, ``.to(device)``) casts every
+    floating-point tensor: quantized weights and their fp32 scales must travel as
+    integers instead, so that a device move keeps their bits and a cast leaves them."""
+    dtypes = {name: buffers[name].dtype for name in names}
+    for name in names:
+        buffers[name] = buffers[name].view(BIT_VIEWS[buffers[name].element_size()])
+    try:
+        yield
+    finally:
+        for name, dtype in dtypes.items():
+            buffers[name] = buffers[name].view(dtype)
 
 
 def _blocks(w_ENK: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:

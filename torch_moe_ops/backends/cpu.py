@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common import grouped_backward
 from torch_moe_ops.backends.common.activation import activation
 from torch_moe_ops.backends.common.sorting import sort_rows
@@ -99,7 +100,7 @@ def _sparse_experts(x_TH: torch.Tensor, weights_S: torch.Tensor | None,
     # The op's gradient is its registered formula, never traced through this
     # kernel: below autograd each torch call inside skips the autograd kernels
     # (for a decode step that is about a sixth of the op's time).
-    with torch._C._AutoDispatchBelowADInplaceOrView():
+    with torch_compat.below_autograd():
         return _sparse_experts_below_autograd(x_TH, weights_S, ids_TK, w13_EFH, w2_EHI,
                                               b13_EF, b2_EH, act, alpha, limit)
 

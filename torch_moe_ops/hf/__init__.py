@@ -18,6 +18,7 @@ The parts, one job each:
   conversion is stale;
 - `block`: `HFMoEBlock`, and how converted tensors follow reloaded weights;
 - `patching`: `patch`, `PatchReport`, and what is not supported;
+- `quantized`: `load_into`, a quantized checkpoint's experts into the patched blocks;
 - `experts_interface`: the ``"torch_moe_ops"`` experts implementation.
 """
 
@@ -32,11 +33,12 @@ from torch_moe_ops.hf.experts_interface import (
 )
 from torch_moe_ops.hf.families import ACTIVATIONS, FAMILIES, Family, family_of
 from torch_moe_ops.hf.patching import PatchedBlock, PatchReport, patch
+from torch_moe_ops.hf.quantized import load_into
 from torch_moe_ops.hf.router import RoutedRouter
 from torch_moe_ops.hf.weights import ExpertWeights
 
 __all__ = ["ACTIVATIONS", "EXPERTS_IMPLEMENTATION", "FAMILIES", "ExpertWeights", "Family",
            "HFMoEBlock", "PatchReport", "PatchedBlock", "RoutedRouter", "experts_forward",
-           "family_of", "patch", "register_experts_implementation"]
+           "family_of", "load_into", "patch", "register_experts_implementation"]
 
 register_experts_implementation()

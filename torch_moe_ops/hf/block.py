@@ -32,7 +32,7 @@ cannot see (``param.data.copy_``, writes into inference tensors). ``model.to(...
 or not (the next eager forward still reconverts once: the sources moved).
 
 Quantized experts (``cfg.quant``; transformers' fp8 experts used in place, or
-`weights.QuantizedExperts` from `torch_moe_ops.checkpoints.load_into`) run on
+`weights.QuantizedExperts` from `torch_moe_ops.hf.load_into`) run on
 ``moe::experts_quant`` (``moe::experts_rows_quant``), for inference only.
 
 Expert parallelism (``cfg.ep_size > 1``, built by ``patch(model, ep_group=...)``):
@@ -51,12 +51,13 @@ from torch import nn
 
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
-from torch_moe_ops.hf.weights import (
+from torch_moe_ops.hf.weights import ExpertWeights, SourceStamp, source_names
+from torch_moe_ops.routed_experts import (
     EXPERT_TENSORS,
     SCALE_TENSORS,
-    ExpertWeights,
-    SourceStamp,
-    source_names,
+    experts_of_rank,
+    keep_local_slice,
+    run_experts,
 )
 
 
@@ -139,18 +140,11 @@ class HFMoEBlock(nn.Module):
     def local_experts(self) -> range:
         """The global ids of the experts this rank holds (all of them without
         expert parallelism)."""
-        num_local = self.cfg.num_local_experts
-        return range(self.ep_rank * num_local, (self.ep_rank + 1) * num_local)
+        return experts_of_rank(self.cfg, self.ep_rank)
 
     def _keep_local_experts(self, state_dict, prefix, *_) -> None:
-        # A full checkpoint holds every expert: keep this rank's slice (a copy, so
-        # that loading with assign=True does not keep the full tensor alive).
-        local = self.local_experts
-        for name in self.expert_sources:
-            key = f"{prefix}experts.{name}"
-            tensor = state_dict.get(key)
-            if tensor is not None and tensor.shape[:1] == (self.cfg.num_experts,):
-                state_dict[key] = tensor[local.start:local.stop].clone()
+        keep_local_slice(state_dict, [f"{prefix}experts.{name}" for name in self.expert_sources],
+                         self.cfg, self.local_experts)
 
     def refresh_converted(self, force: bool = False) -> tuple[str, ...]:
         """Reconvert the converted expert tensors whose source changed since they
@@ -214,28 +208,8 @@ class HFMoEBlock(nn.Module):
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
         _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
-        act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
-                    cfg.static_float("swiglu_limit"))
-        if cfg.quant is None:
-            expert_args = (*weights, *act_args)
-        else:
-            w13, w2, b13, b2 = weights
-            expert_args = (w13, w2, *self.expert_scales(), b13, b2, cfg.quant.weights,
-                           cfg.quant.activations, cfg.quant.block_list, *act_args)
-        if cfg.ep_size == 1:
-            experts_op = torch.ops.moe.experts if cfg.quant is None else torch.ops.moe.experts_quant
-            y_TH = experts_op(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
-        else:
-            ep_args = (cfg.ep_size, self.ep_group_name, cfg.max_tokens_per_rank)
-            x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
-                x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args,
-                cfg.rows_per_rank)
-            if cfg.quant is None:
-                y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
-            else:
-                y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E,
-                                                        *expert_args)
-            y_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+        y_TH = run_experts(cfg, self.ep_group_name, x_TH, topk_weights_TK, topk_ids_TK, weights,
+                           self.expert_scales())
         if self.shared_expert_name is not None:
             shared_TH = getattr(self, self.shared_expert_name)(x_TH)
             if self.shared_expert_gate_name is not None:

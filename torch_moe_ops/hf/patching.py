@@ -16,7 +16,7 @@ what it loads a DeepSeek-V3-style fp8 checkpoint into on a GPU that runs fp8)
 are used in place and run on ``moe::experts_quant`` (`torch_moe_ops.hf.weights`).
 Where transformers dequantized a checkpoint at load (fp8 without such a GPU,
 MXFP4 without its hub kernels) the block holds float experts and is patched as
-such; `torch_moe_ops.checkpoints.load_into` then gives the patched blocks the
+such; `torch_moe_ops.hf.load_into` then gives the patched blocks the
 quantized experts of the checkpoint's files.
 
 Not supported (the block is left as it is and `PatchReport.skipped` says why):
@@ -46,12 +46,13 @@ from torch_moe_ops.hf.families import FAMILIES, Family, Unsupported, family_of
 from torch_moe_ops.hf.router import route_with_ops
 from torch_moe_ops.hf.weights import LAYOUTS, keep_local_experts
 from torch_moe_ops.layer import ep_process_group
+from torch_moe_ops.routed_experts import experts_of_rank
 
 # What to do instead, for the blocks transformers swaps in for quantized experts.
 MXFP4_HINT = {"Mxfp4GptOssMLP": (
     "; transformers' MXFP4 kernels hold the experts in their own swizzled layout: load the "
     "model with quantization_config=Mxfp4Config(dequantize=True), patch it, then "
-    "torch_moe_ops.checkpoints.load_into(model, checkpoint) for MXFP4 experts")}
+    "torch_moe_ops.hf.load_into(model, checkpoint) for MXFP4 experts")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +257,7 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
         route_with_ops(getattr(block, family.router), family, cfg, routed_classes)
         local = None
         if group is not None:
-            local = range(group.rank() * cfg.num_local_experts,
-                          (group.rank() + 1) * cfg.num_local_experts)
+            local = experts_of_rank(cfg, group.rank())
             keep_local_experts(block.experts, weights, local)
         parent_name, _, child_name = name.rpartition(".")
         model.get_submodule(parent_name).add_module(

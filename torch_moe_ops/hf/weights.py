@@ -27,7 +27,7 @@ scales ``w13_scale``, ``w2_scale``:
   ``fp8_block`` layout, used in place. Where it does not run fp8 (no GPU) it
   dequantizes them at load, and the block is patched as float experts.
 - `QuantizedExperts` holds experts read from a quantized checkpoint in our layout
-  (`torch_moe_ops.checkpoints.load_into`).
+  (`torch_moe_ops.hf.load_into`).
 """
 
 from __future__ import annotations
@@ -39,16 +39,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torch_moe_ops import quant
+from torch_moe_ops import quant, torch_compat
 from torch_moe_ops.config import MoEConfig, QuantSpec
 from torch_moe_ops.hf.families import Unsupported
-from torch_moe_ops.layer import QUANT_TENSORS, stored_bits
 from torch_moe_ops.ops.checks import FLOAT_DTYPES
+from torch_moe_ops.routed_experts import EXPERT_TENSORS, SCALE_TENSORS
 
-# Our names of the expert tensors, in the order moe::experts takes them.
-EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
-# The scales of quantized experts (moe::experts_quant takes them after w13 and w2).
-SCALE_TENSORS = ("w13_scale", "w2_scale")
 # transformers' FP8Experts names of the fp8 block scales.
 FP8_SCALES = {"w13_scale": "gate_up_proj_scale_inv", "w2_scale": "down_proj_scale_inv"}
 
@@ -82,11 +78,6 @@ class ExpertWeights:
     quant: QuantSpec | None = None
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    # Inference tensors (made under torch.inference_mode) have no version counter.
-    return None if tensor.is_inference() else tensor._version
-
-
 class SourceStamp:
     """What a converted tensor was computed from: the source tensor (held weakly,
     so a replaced parameter is freed), its storage address (``.to()`` and
@@ -103,11 +94,12 @@ class SourceStamp:
     def __init__(self, tensor: torch.Tensor | None = None):
         self._tensor = None if tensor is None else weakref.ref(tensor)
         self._data_ptr = None if tensor is None else tensor.data_ptr()
-        self._version = None if tensor is None else _version(tensor)
+        self._version = None if tensor is None else torch_compat.tensor_version(tensor)
 
     def matches(self, tensor: torch.Tensor) -> bool:
         return (self._tensor is not None and self._tensor() is tensor
-                and tensor.data_ptr() == self._data_ptr and _version(tensor) == self._version)
+                and tensor.data_ptr() == self._data_ptr
+                and torch_compat.tensor_version(tensor) == self._version)
 
     def __reduce__(self):
         # A weak reference does not survive pickling (torch.save, deepcopy): the copy
@@ -222,7 +214,7 @@ def keep_local_experts(experts: nn.Module, weights: ExpertWeights, local: range)
 
 class QuantizedExperts(nn.Module):
     """Quantized experts in our layout for an `HFMoEBlock`, in place of the
-    transformers experts module (`torch_moe_ops.checkpoints.load_into` builds it).
+    transformers experts module (`torch_moe_ops.hf.load_into` builds it).
 
     Buffers ``w13``, ``w2``, ``w13_scale``, ``w2_scale`` in the stored format of
     ``spec`` (`torch_moe_ops.quant`: shapes and dtypes per format), which
@@ -241,7 +233,7 @@ class QuantizedExperts(nn.Module):
                 self.register_buffer(name, tensor)
 
     def _apply(self, fn, recurse=True):
-        with stored_bits(self._buffers, QUANT_TENSORS):
+        with quant.stored_bits(self._buffers):
             return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

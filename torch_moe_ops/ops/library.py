@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from torch_moe_ops import torch_compat
+
 GENERIC_NAMESPACE = "moe"
 # The reference backend's namespace (`torch_moe_ops.backends.reference` defines
 # its ops): where a gradient runs when the namespace that ran forward has none.
@@ -59,7 +61,7 @@ def qualified_name(namespace: str, contract: OpContract) -> str:
     return f"{namespace}::{contract.name}"
 
 
-def op_overload(namespace: str, name: str) -> torch._ops.OpOverload:
+def op_overload(namespace: str, name: str) -> torch_compat.OpOverload:
     return getattr(getattr(torch.ops, namespace), name).default
 
 
@@ -68,13 +70,13 @@ def defines(namespace: str, name: str) -> bool:
     return hasattr(getattr(torch.ops, namespace), name)
 
 
-def full_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple:
+def full_args(op: torch_compat.OpOverload, args: tuple, kwargs: dict) -> tuple:
     """``args`` and ``kwargs`` of a call of ``op`` as one positional tuple in schema
     order, defaults filled in: what the contract's functions and kernels take."""
-    if not kwargs and len(args) == len(op._schema.arguments):
+    if not kwargs and len(args) == len(torch_compat.schema(op).arguments):
         return args
     full = list(args)
-    for argument in op._schema.arguments[len(args):]:
+    for argument in torch_compat.schema(op).arguments[len(args):]:
         if argument.name in kwargs:
             full.append(kwargs[argument.name])
         elif argument.has_default_value():
@@ -84,7 +86,7 @@ def full_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple:
     return tuple(full)
 
 
-def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
+def define(namespace: str, contract: OpContract) -> torch_compat.OpOverload:
     """Define ``namespace::contract.name`` with the contract's schema, fake and autograd."""
     qualname = qualified_name(namespace, contract)
     _library(namespace).define(contract.name + contract.schema, tags=contract.tags)
@@ -100,9 +102,7 @@ def define(namespace: str, contract: OpContract) -> torch._ops.OpOverload:
         # An ordered effect threads a token through the op in traced graphs:
         # Inductor can neither remove it (an idle rank's outputs are empty) nor
         # move it past the next collective.
-        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
-
-        _register_effectful_op(op, _EffectType.ORDERED)
+        torch_compat.register_ordered_effect(op)
     if contract.backward is not None:
         def setup_context(ctx, inputs, output):
             # A gradient that needs the forward's backend (a transport's reverse
@@ -151,12 +151,10 @@ def decompose(namespace: str, contract: OpContract, body: Callable,
     left symbolic, whose kernels are chosen per call) the op stays one node.
     Eager calls are untouched.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    traced_types = (torch_compat.FakeTensor, torch_compat.FunctionalTensor)
 
     def rule(mode, op, types, args, kwargs):
-        if any(not issubclass(t, (FakeTensor, FunctionalTensor)) and t is not torch.Tensor
-               for t in types):
+        if any(not issubclass(t, traced_types) and t is not torch.Tensor for t in types):
             # Another tensor subclass is involved: let it handle the op first.
             return NotImplemented
         args = full_args(op, args, kwargs)
@@ -166,4 +164,5 @@ def decompose(namespace: str, contract: OpContract, body: Callable,
             return body(*args)
 
     torch.library.register_torch_dispatch(qualified_name(namespace, contract),
-                                          FunctionalTensorMode, rule, lib=_library(namespace))
+                                          torch_compat.FunctionalTensorMode, rule,
+                                          lib=_library(namespace))

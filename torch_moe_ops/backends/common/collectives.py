@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.launch import in_traced_body, traced
 from torch_moe_ops.backends.common.tracing import fixed_sizes
 from torch_moe_ops.config import worst_case_capacity
@@ -27,7 +27,7 @@ from torch_moe_ops.ops.library import OpContract, define, implement, op_overload
 
 NAMESPACE = "moe_collectives"
 _SCHEMA = "(Tensor send, str group_name, int group_size) -> Tensor"
-_functional = torch.ops._c10d_functional
+_functional = torch_compat.c10d_functional
 
 
 def supports(spec, problem, device) -> str | None:
@@ -47,7 +47,7 @@ def group_of(group_name: str) -> dist.ProcessGroup:
                          f"(torch.distributed is not initialised: call "
                          f"dist.init_process_group first)")
     try:
-        return distributed_c10d._resolve_process_group(group_name)
+        return torch_compat.resolve_process_group(group_name)
     except (KeyError, ValueError, RuntimeError) as error:
         raise ValueError(f"group_name must name a live process group, got {group_name!r} "
                          f"({error})") from error

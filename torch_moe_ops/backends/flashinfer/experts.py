@@ -59,6 +59,7 @@ from collections.abc import Callable
 
 import torch
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.flashinfer import cutlass_module, library
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.config import QuantSpec
@@ -228,8 +229,7 @@ def _where(t: torch.Tensor | None) -> tuple | None:
 
 
 def _version(t: torch.Tensor | None) -> int | None:
-    # Inference tensors (made under torch.inference_mode) have no version counter.
-    return None if t is None or t.is_inference() else t._version
+    return None if t is None else torch_compat.tensor_version(t)
 
 
 class WeightCache:

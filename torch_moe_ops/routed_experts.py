@@ -1,0 +1,66 @@
+"""The routed experts as `MoE` and `HFMoEBlock` both run them: their tensors'
+names, which experts a rank holds, and the forward that picks the ops.
+
+Legend: T tokens, H hidden size, K experts per token, R received rows, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops.config import MoEConfig
+
+# Our names of the expert tensors, in the order moe::experts takes them.
+EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
+# The scales of quantized experts (moe::experts_quant takes them after w13 and w2).
+SCALE_TENSORS = ("w13_scale", "w2_scale")
+
+
+def experts_of_rank(cfg: MoEConfig, ep_rank: int) -> range:
+    """The global ids of the experts rank ``ep_rank`` holds (all of them without
+    expert parallelism)."""
+    num_local = cfg.num_local_experts
+    return range(ep_rank * num_local, (ep_rank + 1) * num_local)
+
+
+def keep_local_slice(state_dict: dict, keys, cfg: MoEConfig, local: range) -> None:
+    """In ``state_dict``, each tensor under ``keys`` that holds every expert
+    (``[E, ...]``) becomes a copy of its ``local`` experts: a full checkpoint then
+    loads on every rank. A copy, so that loading with ``assign=True`` does not
+    keep the full tensor alive."""
+    for key in keys:
+        tensor = state_dict.get(key)
+        if tensor is not None and tensor.shape[:1] == (cfg.num_experts,):
+            state_dict[key] = tensor[local.start:local.stop].clone()
+
+
+def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
+                topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, weights: tuple,
+                scales: tuple = (None, None)) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` for tokens and their routing (global
+    expert ids), on the ops ``cfg`` calls for::
+
+        ep_size == 1:  moe::experts (moe::experts_quant with cfg.quant)
+        ep_size > 1:   moe::dispatch -> moe::experts_rows (_quant) -> moe::combine
+
+    ``weights``: ``(w13, w2, b13, b2)`` of this rank's experts; ``scales``:
+    ``(w13_scale, w2_scale)`` of quantized experts (`torch_moe_ops.quant`)."""
+    act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
+                cfg.static_float("swiglu_limit"))
+    if cfg.quant is None:
+        expert_args = (*weights, *act_args)
+    else:
+        w13, w2, b13, b2 = weights
+        expert_args = (w13, w2, *scales, b13, b2, cfg.quant.weights, cfg.quant.activations,
+                       cfg.quant.block_list, *act_args)
+    if cfg.ep_size == 1:
+        experts_op = torch.ops.moe.experts if cfg.quant is None else torch.ops.moe.experts_quant
+        return experts_op(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+    ep_args = (cfg.ep_size, ep_group_name, cfg.max_tokens_per_rank)
+    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+        x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args, cfg.rows_per_rank)
+    if cfg.quant is None:
+        y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+    else:
+        y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E, *expert_args)
+    return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
