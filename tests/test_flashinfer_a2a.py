@@ -102,7 +102,8 @@ def test_the_formats_follow_from_the_ops_each_namespace_defines():
         assert REGISTRY.a2a[name].trains("tokens")
     assert REGISTRY.a2a["deepep"].formats == ("rows",)
     assert all(b.formats == ("tokens", "rows") for b in REGISTRY.experts.values())
-    with pytest.raises(ValueError, match="namespace 'moe_reference' must define the ops of a format"):
+    with pytest.raises(ValueError,
+                       match="namespace 'moe_reference' must define the ops of a format"):
         REGISTRY.register_a2a(dataclasses.replace(flashinfer, name="nothing",
                                                    namespace="moe_reference"))
 
