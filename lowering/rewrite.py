@@ -78,7 +78,7 @@ def _example_args(node: fx.Node) -> tuple:
                      args, kwargs)
 
 
-def _generic_op(node: fx.Node) -> str | None:
+def generic_op(node: fx.Node) -> str | None:
     """The name of the generic ``moe::*`` op ``node`` calls, else None."""
     op = _op_name(node.target) if node.op == "call_function" else None
     return op[1] if op is not None and op[0] == GENERIC_NAMESPACE else None
@@ -98,7 +98,7 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
     layer decides on all of it. Ops of one layer are those joined by data flow."""
     problems, layer_of = {}, {}
     for node in gm.graph.nodes:
-        name = _generic_op(node)
+        name = generic_op(node)
         if name is None:
             continue
         problems[node] = problem_of(name, _example_args(node))
@@ -109,7 +109,7 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
         if name in ACTIVATION_OPS:
             for arg in node.all_input_nodes:
                 producer = _producer(arg)
-                if producer in layer_of and _generic_op(producer) != "route":
+                if producer in layer_of and generic_op(producer) != "route":
                     layer_of[node] = layer_of[producer]
     merged: dict[fx.Node, Problem] = {}
     for node, root in layer_of.items():
@@ -143,7 +143,7 @@ def layer_plans(gm: fx.GraphModule, spec: BackendSpec) -> dict[fx.Node, LayerPla
     plans, nodes = {}, {}
     for node, problem in layer_problems(gm).items():
         device = _value(node.args[0]).device
-        routing = _generic_op(node) not in ACTIVATION_OPS
+        routing = generic_op(node) not in ACTIVATION_OPS
         key = (problem, device, routing)
         if key not in plans:
             # Routing runs on fp32 logits: only the ops that carry activations decide (and
@@ -161,7 +161,7 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     for node, plan in plans.items():
         if node in tokens:
             continue
-        name = _generic_op(node)
+        name = generic_op(node)
         namespace = plan.namespace_for(name)
         changed = True
         if name == "dispatch":
@@ -190,8 +190,8 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if any(item.target is not operator.getitem for item in items):
         return None
     readers = {reader for item in items for reader in item.users}
-    experts = [r for r in readers if _generic_op(r) == "experts_rows"]
-    combine = [r for r in readers if _generic_op(r) == "combine"]
+    experts = [r for r in readers if generic_op(r) == "experts_rows"]
+    combine = [r for r in readers if generic_op(r) == "combine"]
     if len(experts) != 1 or len(combine) != 1 or len(readers) != 2:
         return None
     (experts,), (combine,) = experts, combine
@@ -218,7 +218,7 @@ def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
     generic nodes that took the chain's ops."""
     lowered: set[fx.Node] = set()
     for dispatch, plan in plans.items():
-        if _generic_op(dispatch) != "dispatch" or plan.format != "tokens":
+        if generic_op(dispatch) != "dispatch" or plan.format != "tokens":
             continue
         chain = _rows_chain(dispatch)
         if chain is None:
@@ -270,7 +270,7 @@ def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:
         if item.args[1] != 0:
             continue
         for reader in item.users:
-            if _generic_op(reader) != "experts_rows_quant":
+            if generic_op(reader) != "experts_rows_quant":
                 return None
             x_rows, x_scale, *_, out_dtype = _schema_args(reader)
             if x_rows is not item or x_scale is not None or out_dtype is not None:

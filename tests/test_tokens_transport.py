@@ -141,11 +141,29 @@ def _check_compiled_layer_trains_on_tokens(rank, world_size, a2a):
         _check(getattr(sharded, name).grad, getattr(single, name).grad[local.start:local.stop])
 
 
+def _check_explain(rank, world_size, a2a):
+    """`tmo.explain` on every rank: the layer's plan, its format and the bytes it sends."""
+    cfg = tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=2 * world_size,
+                        top_k=K, ep_size=world_size, max_tokens_per_rank=MAX_TOKENS)
+    sharded = tmo.MoE(cfg, ep_group=dist.group.WORLD)
+    x_TH = torch.randn(TOKENS_PER_RANK[world_size][rank], H)
+    (report,) = tmo.explain(sharded, x_TH, a2a=a2a)
+    assert (report.plan.a2a.name, report.plan.format) == (a2a, "tokens")
+    assert report.plan.problem.training
+    text = str(report)
+    peers = world_size - 1
+    # fp32 rows of H and K ids and weights there, rows back.
+    assert (f"bytes each rank sends per call: dispatch {peers * MAX_TOKENS * (4 * H + 8 * K):,}, "
+            f"combine {peers * MAX_TOKENS * 4 * H:,}") in text, text
+    assert f"ep_size={world_size}" in text and "format:  tokens" in text, text
+
+
 def _run_cases(rank, world_size, a2a):
     for routing in ROUTINGS:
         _check_tokens_chain(rank, world_size, a2a, routing)
     _check_rows_keep_repeated_ids(rank, world_size, a2a)
     _check_compiled_layer_trains_on_tokens(rank, world_size, a2a)
+    _check_explain(rank, world_size, a2a)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
