@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
+from timing import call_ms, summary
 from torch import nn
 
 import torch_moe_ops as tmo
@@ -69,23 +69,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want.float()).abs().max().item() / scale
 
 
-def ms_per_step(model, x_TH: torch.Tensor, device: torch.device, repeats: int) -> float:
-    """Forward steps timed together on all ranks: the slowest rank's mean, in ms."""
+def ms_per_step(model, x_TH: torch.Tensor, device: torch.device, repeats: int) -> list[float]:
+    """Forward steps run together on all ranks, each timed: the slowest rank's ms per step."""
+    dist.barrier()
     with torch.no_grad():
-        for _ in range(3):
-            model(x_TH)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            model(x_TH)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([(time.perf_counter() - start) / repeats * 1e3],
-                               dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+        times_ms = call_ms(lambda: model(x_TH), repeats, device)
+    slowest_ms = torch.tensor(times_ms, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest_ms, op=dist.ReduceOp.MAX)
+    return slowest_ms.tolist()
 
 
 def main() -> None:
@@ -173,8 +164,8 @@ def run(args, device: torch.device) -> None:
         print(f"largest relative difference from one process: eager output {eager_out:.2e}, "
               f"input grad {eager_grad:.2e}; compiled output {compiled_out:.2e}, input grad "
               f"{compiled_grad:.2e} (bound {bound:.0e})")
-        print(f"eager:    {eager_ms:8.2f} ms per forward step")
-        print(f"compiled: {compiled_ms:8.2f} ms per forward step")
+        print(f"eager:    {summary(eager_ms, 'ms per forward step')}")
+        print(f"compiled: {summary(compiled_ms, 'ms per forward step')}")
     if errors_4.max().item() > bound:
         raise SystemExit(f"rank {rank}: expert-parallel results differ from the "
                          f"single-process reference by more than {bound:.0e}")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import transformers
+from timing import call_ms, summary
 
 import torch_moe_ops as tmo
 from torch_moe_ops import hf
@@ -49,17 +49,27 @@ def small_config(family: str, layers: int) -> transformers.PretrainedConfig:
                                      head_dim=64, sliding_window=128)
 
 
-def tokens_per_second(model, ids_BS: torch.Tensor, new_tokens: int, device: torch.device):
-    """Greedy-generate ``new_tokens`` (once to warm up, then timed): (tokens, tokens/s)."""
+def checkpoint_problem(path: str) -> str | None:
+    """Why ``path`` is not a local transformers checkpoint, or ``None``: checked here,
+    since transformers takes a path it cannot find for a Hub repo id and says so."""
+    if not os.path.isdir(path):
+        return "not a directory" if os.path.exists(path) else "no such directory"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "it has no config.json"
+    if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
+        return "it has no weights (*.safetensors or *.bin)"
+    return None
+
+
+def generate(model, ids_BS: torch.Tensor, new_tokens: int, device: torch.device,
+             repeats: int):
+    """Greedy-generate ``new_tokens`` (twice untimed, which compiles, then ``repeats``
+    times, each timed): (tokens, the tokens/s of each timed run)."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    model.generate(ids_BS, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out_BS = model.generate(ids_BS, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out_BS, ids_BS.shape[0] * new_tokens / (time.perf_counter() - start)
+    outputs = []
+    times_ms = call_ms(lambda: outputs.append(model.generate(ids_BS, **kwargs)), repeats,
+                       device, warmup=2)
+    return outputs[-1], [ids_BS.shape[0] * new_tokens / (ms / 1e3) for ms in times_ms]
 
 
 def main() -> None:
@@ -72,10 +82,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations of each model")
     parser.add_argument("--inner", choices=("inductor", "aot_eager", "eager"), default=None,
                         help="compiler after the MoE lowering (default: inductor on CUDA, "
                              "aot_eager on CPU, where Inductor's C++ build takes minutes)")
     args = parser.parse_args()
+    problem = args.model and checkpoint_problem(args.model)
+    if problem:
+        parser.error(f"--model must be a local directory with a transformers checkpoint "
+                     f"(config.json and *.safetensors or *.bin weights), got {args.model!r}: "
+                     f"{problem}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inner = args.inner or ("inductor" if device.type == "cuda" else "aot_eager")
@@ -99,19 +115,19 @@ def main() -> None:
                                device=device)
 
     with torch.no_grad():
-        original_BS, original_tps = tokens_per_second(model, ids_BS, args.new_tokens, device)
+        original_BS, original_tps = generate(model, ids_BS, args.new_tokens, device, args.repeats)
         report = hf.patch(model)
         print(report)
-        patched_BS, patched_tps = tokens_per_second(model, ids_BS, args.new_tokens, device)
+        patched_BS, patched_tps = generate(model, ids_BS, args.new_tokens, device, args.repeats)
         model.forward = torch.compile(model.forward, backend=tmo.backend(inner=inner),
                                       fullgraph=True)
-        compiled_BS, compiled_tps = tokens_per_second(model, ids_BS, args.new_tokens, device)
+        compiled_BS, compiled_tps = generate(model, ids_BS, args.new_tokens, device, args.repeats)
 
     print(f"\n{name} on {device} ({str(dtype).removeprefix('torch.')}), batch {args.batch}, "
           f"{args.new_tokens} new tokens")
-    print(f"original:                 {original_tps:9.1f} tokens/s")
-    print(f"patched, eager:           {patched_tps:9.1f} tokens/s")
-    print(f"patched, compiled ({inner}): {compiled_tps:9.1f} tokens/s")
+    print(f"original:                 {summary(original_tps, 'tokens/s')}")
+    print(f"patched, eager:           {summary(patched_tps, 'tokens/s')}")
+    print(f"patched, compiled ({inner}): {summary(compiled_tps, 'tokens/s')}")
     new_BS = original_BS[:, ids_BS.shape[1]:]
     for label, out_BS in (("eager", patched_BS), ("compiled", compiled_BS)):
         same = (out_BS[:, ids_BS.shape[1]:] == new_BS).float().mean().item()

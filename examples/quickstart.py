@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from timing import call_ms, summary
 from torch import nn
 
 import torch_moe_ops as tmo
@@ -33,19 +33,6 @@ class TinyMoEModel(nn.Module):
         return self.head(x_BSH)
 
 
-def time_ms(fn, ids, device, repeats: int) -> float:
-    for _ in range(3):
-        fn(ids)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(ids)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -67,13 +54,13 @@ def main() -> None:
     with torch.no_grad():
         eager_out, compiled_out = model(ids), compiled(ids)
         diff = (eager_out.float() - compiled_out.float()).abs().max().item()
-        eager_ms = time_ms(model, ids, device, args.repeats)
-        compiled_ms = time_ms(compiled, ids, device, args.repeats)
+        eager_ms = call_ms(lambda: model(ids), args.repeats, device)
+        compiled_ms = call_ms(lambda: compiled(ids), args.repeats, device)
     print(f"\n{args.layers} MoE layers, {cfg.num_experts} experts, top-{cfg.top_k}, "
           f"{args.tokens} tokens on {device} ({str(dtype).removeprefix('torch.')})")
     print(f"largest |eager - compiled|: {diff:.3g}")
-    print(f"eager:    {eager_ms:8.2f} ms")
-    print(f"compiled: {compiled_ms:8.2f} ms")
+    print(f"eager:    {summary(eager_ms, 'ms')}")
+    print(f"compiled: {summary(compiled_ms, 'ms')}")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,40 @@ import torch
 
 from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.tracing import for_inductor
+from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.rewrite import expert_parallel, lower
 
 INNER_COMPILERS = ("inductor", "eager", "aot_eager")
+# What `check_runs` tries, the device's usual dtype first (its error is the one raised).
+CHECK_DTYPES = {"cuda": (torch.bfloat16, torch.float16, torch.float32),
+                "cpu": (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def check_runs(spec: BackendSpec, device: torch.device | str) -> None:
+    """Raise the registry's ValueError where a backend ``spec`` names runs on
+    ``device`` in no dtype: before compiling, instead of inside the first call.
+
+    Only the device and the dtype are known here; the layer's shapes, routing and
+    quantization are checked when the model is compiled.
+    """
+    device = torch.device(device)
+    for kind, choose in (("experts", REGISTRY.choose_experts), ("a2a", REGISTRY.choose_a2a),
+                         ("route", REGISTRY.choose_route)):
+        errors = []
+        for dtype in CHECK_DTYPES.get(device.type, CHECK_DTYPES["cuda"]):
+            try:
+                choose(spec, Problem(dtype), device)
+                break
+            except ValueError as error:
+                errors.append(error)
+        else:
+            # Here, not at the top: `python -m torch_moe_ops.backends.install` imports
+            # this module first, and runpy warns about a module run after its import.
+            from torch_moe_ops.backends.install import install_hint
+
+            hint = install_hint(getattr(spec, kind))
+            raise ValueError(f"{errors[0]}; {hint}" if hint else str(errors[0]))
 
 
 class MoECompileBackend:
@@ -61,8 +91,8 @@ class MoECompileBackend:
 
 def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
             mode: str | None = None, options: dict[str, Any] | None = None,
-            dispatch_dtype: torch.dtype | None = None, route: str = "auto"
-            ) -> MoECompileBackend:
+            dispatch_dtype: torch.dtype | None = None, route: str = "auto",
+            device: torch.device | str | None = None) -> MoECompileBackend:
     """A ``torch.compile`` backend that runs the MoE ops on the named backends.
 
     ``experts``: ``"auto"`` (best available for the device and dtype), or a
@@ -70,12 +100,16 @@ def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
     device, ``"all_to_all"`` or ``"allgather"`` for layers built with
     ``ep_size > 1``; ``dispatch_dtype``: what tokens travel in (resolved per
     layer, `torch_moe_ops.backends.dispatch_dtype`); ``route``: ``"auto"`` (the
-    fastest that runs each layer's routing), or a registered name. An unregistered or
-    unavailable choice raises ValueError when the model is compiled, naming what
-    is available and why the choice cannot run the layer.
+    fastest that runs each layer's routing), or a registered name. An unregistered
+    name raises ValueError here; an unavailable choice raises ValueError when the
+    model is compiled, naming what is available and why the choice cannot run the
+    layer, or here already where ``device`` (where the model will run) is given and
+    the backend runs there in no dtype (`check_runs`).
     """
-    return MoECompileBackend(BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype,
-                                         route=route), inner, mode, options)
+    spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route)
+    if device is not None:
+        check_runs(spec, device)
+    return MoECompileBackend(spec, inner, mode, options)
 
 
 def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,

@@ -135,6 +135,10 @@ CONFIG_CASES = {
         "rank) (8), or None for it, got 100")),
     "module_input_H_mismatch": (lambda: tmo.MoE(config())(torch.randn(2, 3, H + 1)),
                                 "x.shape[-1] must equal hidden_size (8), got shape (2, 3, 9)"),
+    "module_input_dtype_mismatch": (
+        lambda: tmo.MoE(config())(torch.randn(2, 3, H, dtype=torch.bfloat16)),
+        ("x must have the module's dtype (torch.float32), got torch.bfloat16: cast the module "
+         "(moe.to(torch.bfloat16)) or the input (x.to(torch.float32))")),
 }
 
 BACKEND_CASES = {

@@ -32,6 +32,19 @@ def test_hf_generate_runs():
     assert "new tokens equal to the original's, patched eager: 100%" in result.stdout
 
 
+def test_hf_generate_rejects_a_missing_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    missing = tmp_path / "Qwen3-30B-A3B"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hf_generate.py"), "--model", str(missing)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "hf_generate.py: error: --model must be a local directory with a transformers "
+        f"checkpoint (config.json and *.safetensors or *.bin weights), got {str(missing)!r}: "
+        "no such directory")
+
+
 @pytest.mark.parametrize("a2a, extra", [("all_to_all", []), ("allgather", ["--idle-last-rank"])])
 def test_ep_torchrun_runs(a2a, extra):
     """Two gloo processes on the CPU (the example picks NCCL only with CUDA: forced to CPU)."""

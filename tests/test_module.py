@@ -13,6 +13,8 @@ import torch
 
 import torch_moe_ops as tmo
 from formulas import experts_formula, gated_mlp_formula, route_formula, sigmoid_formula
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec
 
 CONFIGS = {
     "mixtral": tmo.MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2,
@@ -168,7 +170,7 @@ def test_available_backends_lists_reference_and_none():
     by_name = {(s.kind, s.name): s for s in table}
     assert by_name[("experts", "reference")].available
     assert by_name[("a2a", "none")].available
-    *lines, unsupported = str(table).splitlines()
+    *lines, auto, unsupported = str(table).splitlines()
     assert re.fullmatch(r"kind\s+name\s+available\s+backward\s+quantized\s+why not / what",
                         lines[0])
     assert len(lines) == 1 + len(table)
@@ -183,10 +185,28 @@ def test_available_backends_lists_reference_and_none():
                             r"scoring.*", line) for line in lines)
     assert any(re.fullmatch(r"route\s+flashinfer\s+(yes\s+-\s+-\s+FlashInfer's fused"
                             r"|no\s+-\s+-\s+\S).*", line) for line in lines)
+    assert auto.startswith("experts='auto' and route='auto' take the first available")
     assert unsupported.startswith("quantized formats not supported by any backend: nvfp4")
     # Columns line up: every row starts its "available" cell at the header's column.
     column = lines[0].index("available")
     assert all(line[column:].split()[0] in ("yes", "no", "available") for line in lines)
+
+
+def test_available_backends_in_auto_order():
+    """Experts and route backends are listed in the order "auto" tries them, and the
+    one marked is the one the compile backend chooses."""
+    cpu, problem = torch.device("cpu"), Problem(torch.float32)
+    table = REGISTRY.status(cpu, torch.float32)
+    chosen = {"experts": REGISTRY.choose_experts(BackendSpec(), problem, cpu).name,
+              "route": REGISTRY.choose_route(BackendSpec(), problem, cpu).name}
+    for kind, registered in (("experts", REGISTRY.experts), ("route", REGISTRY.route)):
+        listed = [s.name for s in table if s.kind == kind]
+        assert listed == sorted(registered, key=lambda name: -registered[name].priority)
+        assert [s.name for s in table if s.kind == kind and s.auto] == [chosen[kind]]
+    assert str(table).splitlines()[-2] == (
+        "experts='auto' and route='auto' take the first available of their kind, in this "
+        f"order: on cpu with torch.float32, experts={chosen['experts']!r} and "
+        f"route={chosen['route']!r}")
 
 
 def test_available_backends_cpu_explicit():

@@ -8,6 +8,7 @@ fields reach the custom ops as compile-time constants, never as graph inputs.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 
 import torch
@@ -42,8 +43,8 @@ def worst_case_capacity(max_tokens_per_rank: int, top_k: int) -> int:
     return max_tokens_per_rank * top_k
 
 
-def _fail(field: str, got: object, expected: str) -> None:
-    raise ValueError(f"{field} must be {expected}, got {got!r}")
+def _fail(field: str, got: object, expected: str, hint: str = "") -> None:
+    raise ValueError(f"{field} must be {expected}, got {got!r}{hint}")
 
 
 def _check_positive_int(field: str, value: object) -> None:
@@ -53,7 +54,10 @@ def _check_positive_int(field: str, value: object) -> None:
 
 def _check_choice(field: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
-        _fail(field, value, "one of " + ", ".join(repr(a) for a in allowed))
+        expected = "one of " + ", ".join(repr(a) for a in allowed)
+        names = [a for a in allowed if isinstance(a, str)]
+        close = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
+        _fail(field, value, expected, f" (did you mean {close[0]!r}?)" if close else "")
 
 
 @dataclasses.dataclass(frozen=True)

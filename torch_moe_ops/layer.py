@@ -253,6 +253,11 @@ class MoE(nn.Module):
         if x.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"x.shape[-1] must equal hidden_size ({self.cfg.hidden_size}), "
                              f"got shape {tuple(x.shape)}")
+        if self.cfg.quant is None and x.dtype != self.w13.dtype:
+            # Said here in the module's terms: the op would name its w13 argument.
+            raise ValueError(f"x must have the module's dtype ({self.w13.dtype}), got {x.dtype}: "
+                             f"cast the module (moe.to({x.dtype})) or the input "
+                             f"(x.to({self.w13.dtype}))")
         x_TH = x.reshape(-1, self.cfg.hidden_size)
         _, topk_weights_TK, topk_ids_TK = self.route(x_TH)
         y_TH = self.experts(x_TH, topk_weights_TK, topk_ids_TK)

@@ -115,7 +115,8 @@ def _forward_to_default(op_name: str):
 
 def available_backends(device: torch.device | str | None = None) -> BackendTable:
     """Every registered backend, whether it runs on ``device`` (default: CUDA if
-    present, else CPU) and, where it does not, why. Prints as a table."""
+    present, else CPU) and, where it does not, why; in the order ``"auto"`` tries
+    them, with the ones it picks marked (``BackendStatus.auto``). Prints as a table."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

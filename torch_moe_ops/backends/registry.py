@@ -215,7 +215,8 @@ class BackendStatus:
     unavailable one, for a2a backends (whose gradients are their transport,
     reversed) and for route backends (the op contract's formula, on any of them).
     ``quantized``: the weight formats (`QuantSpec.weights`) an available experts
-    backend runs with their default activations, ``"-"`` for none."""
+    backend runs with their default activations, ``"-"`` for none. ``auto``: it is
+    the one ``experts="auto"`` or ``route="auto"`` picks there."""
 
     kind: str
     name: str
@@ -224,10 +225,14 @@ class BackendStatus:
     description: str
     backward: str = "-"
     quantized: str = "-"
+    auto: bool = False
 
 
 class BackendTable(list):
-    """`available_backends()`'s answer: a list of `BackendStatus` that prints as a table."""
+    """`available_backends()`'s answer: a list of `BackendStatus` that prints as a
+    table; ``where`` names the device and dtype it was asked about."""
+
+    where = ""
 
     def __str__(self) -> str:
         header = ("kind", "name", "available", "backward", "quantized", "why not / what")
@@ -236,7 +241,10 @@ class BackendTable(list):
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5]
                  for r in [header, *rows]]
-        return "\n".join([*lines, UNSUPPORTED_FORMATS])
+        picks = " and ".join(f"{s.kind}={s.name!r}" for s in self if s.auto)
+        auto = (f"experts='auto' and route='auto' take the first available of their kind, "
+                f"in this order: on {self.where}, {picks}")
+        return "\n".join([*lines, auto, UNSUPPORTED_FORMATS])
 
 
 class Registry:
@@ -311,10 +319,15 @@ class Registry:
         return backend
 
     def status(self, device: torch.device, dtype: torch.dtype) -> BackendTable:
+        """Every backend on ``device`` with ``dtype``: experts and route backends in the
+        order ``"auto"`` tries them (highest priority first), the default a2a first."""
         table = BackendTable()
-        for kind, backends in (("experts", self.experts), ("a2a", self.a2a),
-                               ("route", self.route)):
-            for backend in backends.values():
+        default_a2a = BackendSpec().a2a
+        for kind, backends in (
+                ("experts", sorted(self.experts.values(), key=lambda b: -b.priority)),
+                ("a2a", sorted(self.a2a.values(), key=lambda b: b.name != default_a2a)),
+                ("route", sorted(self.route.values(), key=lambda b: -b.priority))):
+            for backend in backends:
                 spec = BackendSpec() if kind == "experts" else BackendSpec(**{kind: backend.name})
                 problem = Problem(dtype)
                 reason = backend.supports(spec, problem, device)
@@ -325,8 +338,12 @@ class Registry:
                         weights for weights in QUANT_WEIGHT_FORMATS
                         if backend.why_not(spec, Problem(dtype, quant=QuantSpec(weights)),
                                            device) is None) or "-"
+                # "auto" takes the first available in this order (`_choose`).
+                auto = (kind != "a2a" and reason is None
+                        and not any(row.kind == kind and row.available for row in table))
                 table.append(BackendStatus(kind, backend.name, reason is None, reason or "",
-                                           backend.description, backward, quantized))
+                                           backend.description, backward, quantized, auto))
+        table.where = f"{device} with {dtype}"
         return table
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Where a transport backend keeps its state: one communicator per key (process
-group and layer shape), the one keyed cache DESIGN.md allows a backend. Closing is
-collective, so every rank closes in the same (key) order."""
+group and layer shape), the one keyed cache a backend may keep (docs/architecture.md,
+"Transport state"). Closing is collective, so every rank closes in the same (key) order."""
 
 from __future__ import annotations
 

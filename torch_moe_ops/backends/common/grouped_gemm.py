@@ -25,21 +25,16 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_backward
+from torch_moe_ops.backends.common.launch import on_first_call
 from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
 
 # torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
 ALIGNMENT = 8
-if TRITON_INSTALLED:
-    from torch_moe_ops.backends.common.epilogues import (
-        bias_act_backward_rows,
-        bias_act_rows,
-        gather_weighted_sum,
-        sum_token_rows,
-        zero_empty_experts_,
-    )
-
-    TRITON_STEPS = grouped_backward.Steps(bias_act_backward_rows, sum_token_rows,
-                                          zero_empty_experts_)
+EPILOGUES = "torch_moe_ops.backends.common.epilogues"
+bias_act_rows = on_first_call(EPILOGUES, "bias_act_rows")
+gather_weighted_sum = on_first_call(EPILOGUES, "gather_weighted_sum")
+TRITON_STEPS = grouped_backward.Steps(*(on_first_call(EPILOGUES, name) for name in (
+    "bias_act_backward_rows", "sum_token_rows", "zero_empty_experts_")))
 
 
 def aligned(hidden: int, intermediate: int) -> bool:

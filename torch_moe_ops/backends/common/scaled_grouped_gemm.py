@@ -37,16 +37,13 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_gemm
+from torch_moe_ops.backends.common import grouped_gemm
 from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.quant import rows_out_dtype
 
 # What torch._scaled_grouped_mm's rowwise scaling takes: one fp8 scale per row.
 ROWWISE = QuantSpec("fp8_channel", "fp8_token")
-
-if TRITON_INSTALLED:
-    from torch_moe_ops.backends.common.epilogues import bias_act_rows, gather_weighted_sum
 
 # fp8 rows of 16 bytes: every K and N of the scaled GEMMs.
 ALIGNMENT = 16
@@ -143,7 +140,7 @@ def _grouped_gemms(q_RH, scale_R, expert_R, count_E, w13, w2, w13_scale, w2_scal
     ends_E = torch.cumsum(count_E, 0, dtype=torch.int32)
     h_RF = scaled_grouped_mm(q_RH, scale_R, w13, channel_scales(w13_scale, weight_format,
                                                                 w13.shape[1]), ends_E)
-    a_RI = bias_act_rows(h_RF, b13_EF, expert_R, act, alpha, limit)
+    a_RI = grouped_gemm.bias_act_rows(h_RF, b13_EF, expert_R, act, alpha, limit)
     q_RI, scale_a_R = quantize_rows(a_RI)
     return scaled_grouped_mm(q_RI, scale_a_R, w2,
                              channel_scales(w2_scale, weight_format, w2.shape[1]), ends_E)
@@ -163,8 +160,8 @@ def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w
     token_R = order_R // top_k
     y_RH = _grouped_gemms(q_TH[token_R], scale_T[token_R], sorted_ids_R, count_E, w13, w2,
                           w13_scale, w2_scale, b13_EF, weight_format, act, alpha, limit)
-    out_TH = gather_weighted_sum(y_RH, rows_of_slots(order_R), topk_weights_TK, topk_ids_TK,
-                                 b2_EH)
+    out_TH = grouped_gemm.gather_weighted_sum(y_RH, rows_of_slots(order_R), topk_weights_TK,
+                                              topk_ids_TK, b2_EH)
     return out_TH.to(hidden_TH.dtype)
 
 

@@ -74,14 +74,13 @@ def supports(spec, problem, device) -> str | None:
 
 if TRITON_INSTALLED:
     from torch_moe_ops.backends.common import grouped_gemm
-    from torch_moe_ops.backends.common.launch import static_shapes_on_cuda, traced
-    from torch_moe_ops.backends.triton.fused import (
-        fused_experts,
-        fused_experts_quant,
-        fused_experts_rows,
-        fused_experts_rows_quant,
-    )
+    from torch_moe_ops.backends.common.launch import on_first_call, static_shapes_on_cuda, traced
     from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
+
+    fused_experts, fused_experts_rows, fused_experts_quant, fused_experts_rows_quant = (
+        on_first_call("torch_moe_ops.backends.triton.fused", name) for name in (
+            "fused_experts", "fused_experts_rows", "fused_experts_quant",
+            "fused_experts_rows_quant"))
 
     def _grouped_backward_runs(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH,
                                *_) -> bool:
