@@ -132,8 +132,8 @@ from torch_moe_ops.config import QuantSpec, worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_deepep"
-NOT_INSTALLED = ("DeepEP is not installed: build it from source (see scripts/build_deepep.sh); "
-                 "PyPI's deep_ep has no kernels")
+NOT_INSTALLED = ("DeepEP is not installed: build it from source (python -m "
+                 "torch_moe_ops.backends.install deepep says how); PyPI's deep_ep has no kernels")
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 MODES = ("auto", NORMAL, LOW_LATENCY)
 # Decode batches up to this many tokens per rank take the low-latency kernels
