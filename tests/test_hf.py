@@ -269,6 +269,19 @@ def test_converted_blocks_train_their_sources():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, **FP32_TOL)
 
 
+def test_converted_blocks_give_gradients_in_eval_mode():
+    """An eval-mode model still builds a graph when grad is enabled: GPT-OSS's
+    converted copies must then carry autograd too, so transformers' expert
+    parameters get the gradients the unpatched model gives them."""
+    model = make_model("gpt_oss").eval()
+    original = copy.deepcopy(model)
+    ids = token_ids()
+    original(ids, labels=ids).loss.backward()
+    hf.patch(model)
+    model(ids, labels=ids).loss.backward()
+    _assert_same_grads(model, original)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_compiles_whole(family):
     model = make_model(family)
