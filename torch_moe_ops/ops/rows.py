@@ -8,7 +8,9 @@ C rows one rank receives from each rank (the static capacity), R rows
 ``moe::dispatch`` sends each (token, slot) pair to the rank that holds its
 expert and returns, there, rows grouped by local expert: rows
 ``[offset_e, offset_e + count_E[e])`` belong to expert ``e`` (ascending), the
-remaining rows have ``expert_R == -1`` and ``src_R == -1`` and are skipped.
+remaining rows have ``expert_R == -1`` and ``src_R == -1`` and are skipped
+(their ``x_rows`` and ``weight_rows`` are zeros, so dispatch's gradient, which
+gives them none, agrees with its forward).
 ``moe::experts_rows`` runs each row through its expert (skipped rows give 0)
 and ``moe::combine`` sends ``weight_R * y_RH`` back and sums each token's rows:
 
