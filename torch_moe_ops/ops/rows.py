@@ -43,6 +43,7 @@ from torch_moe_ops.ops.experts import (
     check_routing,
 )
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, op_overload
+from torch_moe_ops.ops.no_gradient import no_double_backward
 
 EP_ARGS = "int ep_size=1, str group_name=\"\", int max_tokens_per_rank=0"
 DISPATCH_SCHEMA = (f"(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
@@ -254,12 +255,16 @@ EXPERTS_ROWS = OpContract(name="experts_rows", schema=EXPERTS_ROWS_SCHEMA,
 COMBINE = OpContract(name="combine", schema=COMBINE_SCHEMA, check=check_combine,
                      check_values=check_combine_values, fake=fake_combine,
                      backward=_combine_backward, setup_context=_setup_combine, ordered=True)
+_setup_dispatch_backward, _dispatch_double_backward = no_double_backward("dispatch_backward")
 DISPATCH_BACKWARD = OpContract(name="dispatch_backward", schema=DISPATCH_BACKWARD_SCHEMA,
                                check=check_dispatch_backward, fake=fake_dispatch_backward,
-                               ordered=True)
+                               backward=_dispatch_double_backward,
+                               setup_context=_setup_dispatch_backward, ordered=True)
+_setup_combine_backward, _combine_double_backward = no_double_backward("combine_backward")
 COMBINE_BACKWARD = OpContract(name="combine_backward", schema=COMBINE_BACKWARD_SCHEMA,
                               check=check_combine_backward, fake=fake_combine_backward,
-                              ordered=True)
+                              backward=_combine_double_backward,
+                              setup_context=_setup_combine_backward, ordered=True)
 dispatch = define(GENERIC_NAMESPACE, DISPATCH)
 experts_rows = define(GENERIC_NAMESPACE, EXPERTS_ROWS)
 combine = define(GENERIC_NAMESPACE, COMBINE)
