@@ -166,6 +166,12 @@ OP_CASES = {
     "hidden_3d": (experts(hidden=torch.randn(1, T, H)),
                   "hidden must be 2-D, got shape (1, 3, 8)"),
     "w13_2d": (experts(w13=torch.randn(2 * I, H)), "w13 must be 3-D, got shape (8, 8)"),
+    # 1-D tensors: the generic op reads sizes to choose a backend before the
+    # concrete op's checks run; the op's own error must come first.
+    "hidden_1d": (experts(hidden=torch.randn(H)), "hidden must be 2-D, got shape (8,)"),
+    "ids_1d": (experts(topk_ids=torch.zeros(T, dtype=torch.int32)),
+               "topk_ids must be 2-D, got shape (3,)"),
+    "w13_1d": (experts(w13=torch.randn(H)), "w13 must be 3-D, got shape (8,)"),
     "hidden_int": (experts(hidden=torch.zeros(T, H, dtype=torch.int32)),
                    "hidden must have dtype in (float32, float16, bfloat16, float64), got int32"),
     "float_ids": (experts(topk_ids=torch.zeros(T, K)),
@@ -248,6 +254,22 @@ OP_CASES = {
         "topk_ids must hold -1 (skip) or expert ids in [0, 3), got 3"),
     "dispatch_zero_experts": (lambda ops: ops.dispatch(*expert_args()[:3], 0),
                               "num_experts must be > 0, got 0"),
+    "dispatch_hidden_1d": (lambda ops: ops.dispatch(*expert_args(hidden=torch.randn(H))[:3], 4),
+                           "hidden must be 2-D, got shape (8,)"),
+    "dispatch_ids_1d": (
+        lambda ops: ops.dispatch(*expert_args(topk_ids=torch.zeros(T, dtype=torch.int32))[:3],
+                                 4),
+        "topk_ids must be 2-D, got shape (3,)"),
+    "experts_rows_x_1d": (
+        lambda ops: ops.experts_rows(
+            torch.randn(H), torch.tensor([0, 1], dtype=torch.int32),
+            torch.zeros(E, dtype=torch.int32), *expert_args()[3:]),
+        "x_rows must be 2-D, got shape (8,)"),
+    "combine_slot_map_1d": (
+        lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
+                                torch.tensor([0, 1], dtype=torch.int32),
+                                torch.tensor([0, 1, -1], dtype=torch.int32)),
+        "slot_map must be 2-D, got shape (3,)"),
     "experts_rows_expert_at_num_experts": (
         lambda ops: ops.experts_rows(
             torch.randn(2, H), torch.tensor([0, 4], dtype=torch.int32),

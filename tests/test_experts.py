@@ -195,6 +195,7 @@ def test_dispatch_rows_grouped_by_expert(skip_fraction, ids_dtype, expert_inputs
     assert (expert_R[skipped] == -1).all()
     assert (src_R[skipped] == -1).all()
     assert (weight_R[skipped] == 0).all()
+    assert (x_RH[skipped] == 0).all()
 
     # Each valid (slot, expert, weight) appears exactly once, with its token's row,
     # and the slot map points each slot at its row.

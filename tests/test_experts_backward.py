@@ -12,6 +12,8 @@ GPU tests at real model widths are in tests/test_backends.py.
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -313,3 +315,49 @@ def test_registry_says_where_the_backward_runs(forward_only_backend):
             name="claims_a_backward", namespace=FORWARD_ONLY_NAMESPACE,
             supports=lambda *_: None, priority=0, description="test",
             backward=lambda *_: None))
+
+
+# Double backward: no backend computes a gradient of a gradient; asking for one
+# raises, naming the backward op, instead of torch's deprecated autograd
+# fallback (which warns and gives a wrong second gradient).
+FALLBACK_WARNING = r".*autograd kernel was not registered"
+
+
+def double_backward_refused(op: str) -> str:
+    return f"^{re.escape(op)} has no gradient: double backward"
+
+
+def leaves_of(args) -> list[torch.Tensor]:
+    return [a.requires_grad_(True) for a in args
+            if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+
+@pytest.mark.parametrize("namespace", ["moe", "moe_reference", "moe_cpu"])
+def test_double_backward_raises_naming_the_op(namespace, expert_inputs):
+    op = getattr(torch.ops, namespace).experts
+    args = expert_inputs(**{**SIZES, "bias": True, "skip_fraction": 0.2}).args()
+    leaves = leaves_of(args)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=FALLBACK_WARNING)
+        op(*args).square().sum().backward()
+        grads = torch.autograd.grad(op(*args).square().sum(), leaves, create_graph=True)
+        with pytest.raises(RuntimeError,
+                           match=double_backward_refused(f"{namespace}::experts_backward")):
+            sum(grad.square().sum() for grad in grads).backward()
+
+
+@pytest.mark.parametrize("through", ["dispatch", "combine"])
+def test_double_backward_through_dispatch_or_combine_raises(through, expert_inputs):
+    inputs = expert_inputs(**{**SIZES, "skip_fraction": 0.2})
+    hidden_TH, weights_TK = leaves_of((inputs.hidden_TH, inputs.topk_weights_TK))
+    x_RH, _, weight_R, src_R, _, slot_map_TK = torch.ops.moe.dispatch(
+        hidden_TH, weights_TK, inputs.topk_ids_TK, SIZES["num_experts"])
+    y_RH = x_RH.square()
+    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK)
+    wrt = hidden_TH if through == "dispatch" else y_RH
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=FALLBACK_WARNING)
+        grad, = torch.autograd.grad(out_TH.square().sum(), wrt, create_graph=True)
+        with pytest.raises(RuntimeError,
+                           match=double_backward_refused(f"moe::{through}_backward")):
+            grad.square().sum().backward()

@@ -74,6 +74,19 @@ def test_dispatch_combine_keep_fp64_precision(generator):
     torch.testing.assert_close(out_TH, expected_TH, rtol=1e-12, atol=1e-12)
 
 
+def test_dispatch_gradcheck(generator):
+    """Rows of skipped slots (id -1) hold zeros, as their zero gradient says:
+    the forward and the backward agree on every row. (The routing weights travel
+    in fp32 by contract, too coarse for a finite difference: only the rows here.)"""
+    leaves = fp64_leaves(generator, bias=False)
+    weights_TK, ids_TK = leaves["topk_weights"].detach(), leaves["topk_ids"]
+
+    def rows(hidden):
+        return torch.ops.moe.dispatch(hidden, weights_TK, ids_TK, E)[0]
+
+    assert torch.autograd.gradcheck(rows, [leaves["hidden"]])
+
+
 @pytest.mark.parametrize("op", sorted(EXPERTS_OPS))
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -237,15 +237,21 @@ def _assert_same_grads(model, original):
             torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
 
 
-@pytest.mark.parametrize("family", CANONICAL)
-def test_gradients_match_original(family):
-    model = make_model(family).train()
+def _backward_matches_original(model):
+    """Backward through ``model`` unpatched (a copy) and patched: the same gradients.
+    Returns the unpatched copy and the token ids."""
     original = copy.deepcopy(model)
     ids = token_ids()
     original(ids, labels=ids).loss.backward()
     hf.patch(model)
     model(ids, labels=ids).loss.backward()
     _assert_same_grads(model, original)
+    return original, ids
+
+
+@pytest.mark.parametrize("family", CANONICAL)
+def test_gradients_match_original(family):
+    _backward_matches_original(make_model(family).train())
 
 
 def test_converted_blocks_train_their_sources():
@@ -253,12 +259,7 @@ def test_converted_blocks_train_their_sources():
     with autograd each step, so transformers' own parameters get the gradients
     (and an update reaches the next eval-mode forward)."""
     model = make_model("gpt_oss").train()
-    original = copy.deepcopy(model)
-    ids = token_ids()
-    original(ids, labels=ids).loss.backward()
-    hf.patch(model)
-    model(ids, labels=ids).loss.backward()
-    _assert_same_grads(model, original)
+    original, ids = _backward_matches_original(model)
     for m in (model, original):
         with torch.no_grad():
             for param in m.parameters():
@@ -267,6 +268,13 @@ def test_converted_blocks_train_their_sources():
     original.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, **FP32_TOL)
+
+
+def test_converted_blocks_give_gradients_in_eval_mode():
+    """An eval-mode model still builds a graph when grad is enabled: GPT-OSS's
+    converted copies must then carry autograd too, so transformers' expert
+    parameters get the gradients the unpatched model gives them."""
+    _backward_matches_original(make_model("gpt_oss").eval())
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -246,6 +246,29 @@ def test_zeros_and_an_all_zero_row_read_back_as_zeros(name, generator):
     assert back.isfinite().all() and back[1, 4].abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_non_finite_weights_read_back_as_nan(name, generator):
+    """A NaN or an Inf (a corrupt checkpoint) turns every value of the group that
+    shares its scale into NaN, never into finite numbers; mxfp4 marks the group
+    with OCP MX's NaN scale byte 0xFF. Other groups read back as usual."""
+    spec = SPECS[name]
+    w_ENC = torch.randn((2, 64, 64), generator=generator)
+    w_ENC[0, 3, 5], w_ENC[1, 40, 50], w_ENC[1, 7, 33] = math.nan, math.inf, -math.inf
+    bad_ENC = w_ENC.isfinite().logical_not().float()
+    q, scale = quant.quantize_weights(w_ENC, spec)
+    if spec.weights == "mxfp4":
+        bad_ENG = bad_ENC.reshape(2, 64, 2, 32).amax(dim=3)
+        assert torch.equal(scale == 0xFF, bad_ENG > 0)
+        expected_nan = bad_ENG.repeat_interleave(32, dim=2) > 0
+    else:
+        expected_nan = _expanded_fp8_scale(_group_amax(bad_ENC, spec), spec, w_ENC.shape) > 0
+    back = quant.dequantize_weights(q, scale, spec)
+    assert torch.equal(back.isnan(), expected_nan)
+    clean_ENC = torch.where(expected_nan, 0.0, w_ENC)
+    clean = quant.dequantize_weights(*quant.quantize_weights(clean_ENC, spec), spec)
+    assert torch.equal(back[~expected_nan], clean[~expected_nan])
+
+
 @pytest.mark.parametrize("name", W8A8_SPECS)
 def test_activation_round_trip(name, generator):
     spec = SPECS[name]

@@ -292,10 +292,12 @@ def test_dequantize_mxfp4_matches_oracle_exactly(dtype, generator):
     w_ENK = torch.randn((2, 35, 320), generator=generator) * 3
     w_ENK[0, 0] = 0  # a zero group: scale byte 0
     packed, scale = quant.quantize_weights(w_ENK, QuantSpec("mxfp4"))
+    scale[1, 3, 1] = 0xFF  # OCP MX's NaN scale: the whole group reads as NaN
     out = dequant.dequantize_mxfp4(packed.to(DEVICE), scale.to(DEVICE), dtype)
     ref = quant.dequantize_weights(packed, scale, QuantSpec("mxfp4")).to(dtype)
     assert out.dtype == dtype and out.is_contiguous()
-    assert torch.equal(out.cpu(), ref)
+    assert ref[1, 3, 32:64].isnan().all()
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0, equal_nan=True)
 
 
 def test_mxfp4_prefill_takes_dequant_grouped_mm_where_it_runs():

@@ -6,7 +6,8 @@ Legend: E experts, N output rows and K input columns of one expert matrix
 (``w13``: N = 2I, K = H; ``w2``: N = H, K = I), M activation rows.
 
     weights:      w[e, n, k]  = q[e, n, k] * scale[e, ...]          (fp8_*)
-                  w[e, n, k]  = e2m1(q, k) * 2 ** (s[e, n, k // 32] - 127)   (mxfp4)
+                  w[e, n, k]  = e2m1(q, k) * 2 ** (s[e, n, k // 32] - 127)   (mxfp4;
+                                NaN where s is 0xFF: a group holding a NaN or an Inf)
     activations:  x[m, k] ~= fp8(x[m, k] / a[m, k // group]) * a[m, k // group]
                   with a = amax of the row (fp8_token) or of its group (fp8_group) / 448
 
@@ -31,6 +32,9 @@ MIN_SCALE = 1e-12
 # The e2m1 magnitudes, indexed by the three low bits of a nibble (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
+# OCP MX's NaN scale: a group holding a NaN or an Inf reads back as NaN, as an fp8
+# group does (its scale becomes NaN or Inf), so a corrupt checkpoint stays visible.
+E8M0_NAN = 0xFF
 
 
 def weight_dtype(spec: QuantSpec) -> torch.dtype:
@@ -214,7 +218,8 @@ def _quantize_mxfp4(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = (scaled_ENGC[..., None] - table).abs().argmin(dim=-1).to(torch.uint8)
     nibbles_ENK = nibbles.reshape(num_experts, rows, cols)
     packed = nibbles_ENK[..., 0::2] | (nibbles_ENK[..., 1::2] << 4)
-    return packed, (exponent_ENG + E8M0_BIAS).to(torch.uint8)
+    scale_ENG = torch.where(w_ENGC.isfinite().all(dim=3), exponent_ENG + E8M0_BIAS, E8M0_NAN)
+    return packed, scale_ENG.to(torch.uint8)
 
 
 def _dequantize_mxfp4(packed_ENP: torch.Tensor, scale_ENG: torch.Tensor) -> torch.Tensor:
@@ -222,5 +227,6 @@ def _dequantize_mxfp4(packed_ENP: torch.Tensor, scale_ENG: torch.Tensor) -> torc
     table = _e2m1_table(packed_ENP.device)
     low, high = table[(packed_ENP & 0xF).long()], table[(packed_ENP >> 4).long()]
     values_ENK = torch.stack([low, high], dim=-1).reshape(num_experts, rows, 2 * half_cols)
-    scale_ENG = torch.exp2(scale_ENG.float() - E8M0_BIAS)
+    scale_ENG = torch.where(scale_ENG == E8M0_NAN, math.nan,
+                            torch.exp2(scale_ENG.float() - E8M0_BIAS))
     return values_ENK * scale_ENG.repeat_interleave(MXFP4_GROUP, dim=2)

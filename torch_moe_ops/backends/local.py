@@ -5,9 +5,9 @@ Legend: T tokens, H hidden size, K experts per token, E experts, S = R = T * K
 
 Dispatch sorts the slots by expert with a stable sort (`common.sorting`), so
 rows of one expert keep token order and the result is deterministic; skipped
-slots (id -1) sort last. ``src_R`` is each row's slot (``t * K + k``) and
-``slot_map_TK`` each slot's row; combine sums each token's weighted rows in slot
-order. Everything is sized by T and K alone: no host sync.
+slots (id -1) sort last, as rows of zeros. ``src_R`` is each row's slot
+(``t * K + k``) and ``slot_map_TK`` each slot's row; combine sums each token's
+weighted rows in slot order. Everything is sized by T and K alone: no host sync.
 ``dispatch_quant`` sorts rows quantized to fp8 (`common.quantized_dispatch`).
 """
 
@@ -41,9 +41,10 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, *_):
     num_tokens, top_k = topk_ids_TK.shape
     order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, num_experts)
     skip_R = sorted_ids_R < 0
-    x_RH = gather_rows(hidden_TH, order_R // top_k)
-    weight_R = topk_weights_TK.reshape(-1)[order_R].float().masked_fill(skip_R, 0.0)
     src_R = order_R.masked_fill(skip_R, -1).to(torch.int32)
+    # Skipped rows hold zeros, as the backward (which gives them no gradient) says.
+    x_RH = gather_rows(hidden_TH, block_of(src_R, top_k))
+    weight_R = topk_weights_TK.reshape(-1)[order_R].float().masked_fill(skip_R, 0.0)
     row_of_slot_S = torch.empty_like(order_R)
     row_of_slot_S[order_R] = torch.arange(order_R.numel(), device=order_R.device)
     slot_map_TK = row_of_slot_S.masked_fill(topk_ids_TK.reshape(-1) < 0, -1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.ops import CONTRACTS
 from torch_moe_ops.ops.quant import spec_of
 
 
@@ -41,7 +42,17 @@ def _ep_problem(x, top_k, ep_size, max_tokens_per_rank, num_experts=None, capaci
 
 def problem_of(op_name: str, args: tuple) -> Problem:
     """What the call ``moe::<op_name>(*args)`` asks of a backend (schema order,
-    defaults filled in)."""
+    defaults filled in). Read before the op checks its arguments: a tensor with
+    fewer dimensions than the sizes read here gets the op's own error."""
+    try:
+        return _problem_of(op_name, args)
+    except IndexError:
+        # The op's shape checks name the argument, what it got and what it expects.
+        CONTRACTS[op_name].check(*args)
+        raise
+
+
+def _problem_of(op_name: str, args: tuple) -> Problem:
     if op_name == "experts":
         hidden, _, topk_ids, w13, _, _, _, activation, *_ = args
         return _experts_problem(hidden, w13, activation, topk_ids.shape[1])

@@ -188,16 +188,22 @@ class HFMoEBlock(nn.Module):
     def trainable_expert_weights(self):
         """`expert_weights`, the converted ones made from transformers' parameters
         in this call, with autograd, so that their gradients reach those parameters.
-        Training pays one copy of the converted expert tensors per forward (the
-        kept copies serve inference only)."""
+        A forward with autograd on (in training or eval mode) pays one copy of the
+        converted expert tensors (the kept copies serve forwards without it)."""
         weights = dict(zip(EXPERT_TENSORS, self.expert_weights()))
         for name, conversion in self.conversions.items():
             weights[name] = conversion.convert(getattr(self.experts, conversion.source))
         return tuple(weights[name] for name in EXPERT_TENSORS)
 
+    def _converted_need_grad(self) -> bool:
+        # Whether autograd would reach a converted tensor's source; eval mode
+        # does not turn autograd off, so this reads the grad mode, not .training.
+        return torch.is_grad_enabled() and any(
+            getattr(self.experts, name).requires_grad for name in self.converted_names)
+
     def forward(self, hidden_states: torch.Tensor):
         cfg = self.cfg
-        if self.training and torch.is_grad_enabled() and self.converted_names:
+        if self._converted_need_grad():
             weights = self.trainable_expert_weights()
         else:
             if not torch.compiler.is_compiling():

@@ -27,6 +27,7 @@ from torch_moe_ops.ops.library import (
     defines,
     op_overload,
 )
+from torch_moe_ops.ops.no_gradient import no_double_backward
 
 EXPERT_ARGS = ("Tensor w13, Tensor w2, Tensor? b13, Tensor? b2, str activation, "
                "float swiglu_alpha, float swiglu_limit")
@@ -140,7 +141,9 @@ def backward(ctx, grad_out_TH):
 CONTRACT = OpContract(name="experts", schema=SCHEMA, check=check, fake=fake,
                       check_values=check_values, backward=backward,
                       setup_context=setup_context)
+_setup_backward, _double_backward = no_double_backward("experts_backward")
 BACKWARD_CONTRACT = OpContract(name="experts_backward", schema=BACKWARD_SCHEMA,
-                               check=check_backward, fake=fake_backward)
+                               check=check_backward, fake=fake_backward,
+                               backward=_double_backward, setup_context=_setup_backward)
 experts = define(GENERIC_NAMESPACE, CONTRACT)
 experts_backward = define(GENERIC_NAMESPACE, BACKWARD_CONTRACT)

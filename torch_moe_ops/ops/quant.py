@@ -41,6 +41,7 @@ from torch_moe_ops.config import (
 from torch_moe_ops.ops import checks
 from torch_moe_ops.ops.experts import check_routing
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define
+from torch_moe_ops.ops.no_gradient import refused_autograd
 
 QUANT_EXPERT_ARGS = ("Tensor w13, Tensor w2, Tensor w13_scale, Tensor w2_scale, Tensor? b13, "
                      "Tensor? b2, str weight_format, str activation_format, int[] block_size, "
@@ -179,36 +180,11 @@ NO_GRADIENT = ("{op} has no gradient: quantized experts serve inference. Train o
                "torch.no_grad()")
 
 
-@torch.library.custom_op(f"{GENERIC_NAMESPACE}::no_gradient", mutates_args=())
-def no_gradient(grad: torch.Tensor, like: torch.Tensor, op: str) -> torch.Tensor:
-    """Raises: the gradient of ``like``, an input of ``op``, which has none.
-
-    A backward that raised at once would also fail every compile of a graph
-    that merely could ask for gradients (a router's weights require grad), for
-    inference too: traced, this op only stands where the gradient would be, and
-    raises if the backward runs. It reads ``grad``, the output's gradient, so
-    that no partitioner can move it into the forward."""
-    raise RuntimeError(NO_GRADIENT.format(op=op))
-
-
-@no_gradient.register_fake
-def _(grad, like, op):
-    return torch.empty_like(like)
-
-
 def no_gradient_autograd(op: str):
-    """``(setup_context, backward)`` of an op without a gradient: each input
-    that asks for one gets `no_gradient`'s."""
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*(t if isinstance(t, torch.Tensor) else None for t in inputs))
-
-    def backward(ctx, *grads):
-        grad = next(g for g in grads if g is not None)
-        return tuple(no_gradient(grad, t, op) if needed else None
-                     for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad))
-
-    return setup_context, backward
+    """``(setup_context, backward)`` of an op without a gradient, ``op``: each
+    input that asks for one gets `no_gradient.no_gradient`'s, which raises
+    `NO_GRADIENT`."""
+    return refused_autograd(lambda ctx: NO_GRADIENT.format(op=op))
 
 
 _setup, _backward = no_gradient_autograd("moe::experts_quant")

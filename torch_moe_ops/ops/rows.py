@@ -8,7 +8,9 @@ C rows one rank receives from each rank (the static capacity), R rows
 ``moe::dispatch`` sends each (token, slot) pair to the rank that holds its
 expert and returns, there, rows grouped by local expert: rows
 ``[offset_e, offset_e + count_E[e])`` belong to expert ``e`` (ascending), the
-remaining rows have ``expert_R == -1`` and ``src_R == -1`` and are skipped.
+remaining rows have ``expert_R == -1`` and ``src_R == -1`` and are skipped
+(their ``x_rows`` and ``weight_rows`` are zeros, so dispatch's gradient, which
+gives them none, agrees with its forward).
 ``moe::experts_rows`` runs each row through its expert (skipped rows give 0)
 and ``moe::combine`` sends ``weight_R * y_RH`` back and sums each token's rows:
 
@@ -41,6 +43,7 @@ from torch_moe_ops.ops.experts import (
     check_routing,
 )
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, op_overload
+from torch_moe_ops.ops.no_gradient import no_double_backward
 
 EP_ARGS = "int ep_size=1, str group_name=\"\", int max_tokens_per_rank=0"
 DISPATCH_SCHEMA = (f"(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
@@ -251,12 +254,16 @@ EXPERTS_ROWS = OpContract(name="experts_rows", schema=EXPERTS_ROWS_SCHEMA,
 COMBINE = OpContract(name="combine", schema=COMBINE_SCHEMA, check=check_combine,
                      check_values=check_combine_values, fake=fake_combine,
                      backward=_combine_backward, setup_context=_setup_combine, ordered=True)
+_setup_dispatch_backward, _dispatch_double_backward = no_double_backward("dispatch_backward")
 DISPATCH_BACKWARD = OpContract(name="dispatch_backward", schema=DISPATCH_BACKWARD_SCHEMA,
                                check=check_dispatch_backward, fake=fake_dispatch_backward,
-                               ordered=True)
+                               backward=_dispatch_double_backward,
+                               setup_context=_setup_dispatch_backward, ordered=True)
+_setup_combine_backward, _combine_double_backward = no_double_backward("combine_backward")
 COMBINE_BACKWARD = OpContract(name="combine_backward", schema=COMBINE_BACKWARD_SCHEMA,
                               check=check_combine_backward, fake=fake_combine_backward,
-                              ordered=True)
+                              backward=_combine_double_backward,
+                              setup_context=_setup_combine_backward, ordered=True)
 dispatch = define(GENERIC_NAMESPACE, DISPATCH)
 experts_rows = define(GENERIC_NAMESPACE, EXPERTS_ROWS)
 combine = define(GENERIC_NAMESPACE, COMBINE)

@@ -101,10 +101,12 @@ def _mxfp4_tiles(packed, scales, dtype: tl.constexpr, K_AXIS: tl.constexpr,
     ``packed``: uint8, ``[P, BN]`` (``K_AXIS=0``) or ``[BN, P]`` (``K_AXIS=1``);
     ``scales``: its e8m0 bytes, ``[G, BN]`` or ``[BN, G]``. A scale byte of 0
     reads as 0 (not 2 ** -127), and scales from 2 ** 113 on overflow: neither
-    occurs in weights worth running.
+    occurs in weights worth running. 0xFF (OCP MX's NaN) reads as NaN.
     """
     low, high = _e2m1_halves(packed)
-    scale = (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True) * E2M1_IN_FP16
+    # 0xFF << 23 is the bits of +Inf; a mantissa bit makes them a quiet NaN.
+    bits = (scales.to(tl.int32) << 23) | ((scales == 0xFF).to(tl.int32) << 22)
+    scale = bits.to(tl.float32, bitcast=True) * E2M1_IN_FP16
     # Each scale serves 16 packed rows (32 K columns).
     if K_AXIS == 0:
         scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (PACKED_K // 16, 16, BLOCK_N)),
