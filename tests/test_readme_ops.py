@@ -21,7 +21,8 @@ from torch_moe_ops.ops import CONTRACTS
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 SECTION = re.search(r"^## The ops\n(.*?)(?=^## )", README, re.DOTALL | re.MULTILINE).group(1)
 # The ops a user calls: each has a row of the table.
-TABLE_OPS = ("route", "experts", "dispatch", "experts_rows", "combine")
+TABLE_OPS = ("route", "experts", "dispatch", "experts_rows", "combine", "dispatch_tokens",
+             "combine_tokens")
 
 
 def entry_names(cell: str) -> list[str]:

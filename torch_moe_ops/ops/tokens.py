@@ -36,6 +36,7 @@ import torch
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import checks, rows
 from torch_moe_ops.ops.library import GENERIC_NAMESPACE, OpContract, define, defines, op_overload
+from torch_moe_ops.ops.no_gradient import no_double_backward
 
 DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
                    f"{rows.EP_ARGS}) -> (Tensor x_tokens, Tensor topk_weights_tokens, "
@@ -180,12 +181,17 @@ DISPATCH = OpContract(name="dispatch_tokens", schema=DISPATCH_SCHEMA, check=chec
 COMBINE = OpContract(name="combine_tokens", schema=COMBINE_SCHEMA, check=check_combine,
                      fake=fake_combine, backward=_combine_backward, setup_context=_setup_combine,
                      ordered=True)
+_setup_dispatch_backward, _dispatch_double_backward = no_double_backward(
+    "dispatch_tokens_backward")
 DISPATCH_BACKWARD = OpContract(name="dispatch_tokens_backward", schema=DISPATCH_BACKWARD_SCHEMA,
                                check=check_dispatch_backward, fake=fake_dispatch_backward,
-                               ordered=True)
+                               backward=_dispatch_double_backward,
+                               setup_context=_setup_dispatch_backward, ordered=True)
+_setup_combine_backward, _combine_double_backward = no_double_backward("combine_tokens_backward")
 COMBINE_BACKWARD = OpContract(name="combine_tokens_backward", schema=COMBINE_BACKWARD_SCHEMA,
                               check=check_combine_backward, fake=fake_combine_backward,
-                              ordered=True)
+                              backward=_combine_double_backward,
+                              setup_context=_setup_combine_backward, ordered=True)
 CONTRACTS = {contract.name: contract
              for contract in (DISPATCH, COMBINE, DISPATCH_BACKWARD, COMBINE_BACKWARD)}
 dispatch_tokens = define(GENERIC_NAMESPACE, DISPATCH)
