@@ -158,12 +158,38 @@ def _check_explain(rank, world_size, a2a):
     assert f"ep_size={world_size}" in text and "format:  tokens" in text, text
 
 
+def _check_one_rank_failure_fails_all(rank, world_size, a2a):
+    """A check that fails on the last rank only (too many tokens there, or an id out of
+    range) raises on every rank, before any collective: no rank waits for the timeout."""
+    num_experts = 2 * world_size
+    ep_args = (world_size, dist.group.WORLD.group_name, MAX_TOKENS)
+    last = rank == world_size - 1
+    for hidden_TH, ids_TK, reason in (
+            (torch.randn(MAX_TOKENS + 1 if last else 1, H), None, "max_tokens_per_rank"),
+            (torch.randn(2, H), torch.full((2, K), num_experts if last else 0), "topk_ids")):
+        if ids_TK is None:
+            ids_TK = torch.zeros(hidden_TH.shape[0], K, dtype=torch.int32)
+        weights_TK = torch.ones(hidden_TH.shape[0], K)
+        for op in ("dispatch_tokens", "dispatch"):
+            args = (hidden_TH, weights_TK, ids_TK.to(torch.int32), num_experts, *ep_args)
+            if op == "dispatch":
+                args = (*args, worst_case_capacity(MAX_TOKENS, K))
+            expected = reason if last else "the argument checks failed on another rank"
+            with pytest.raises((ValueError, RuntimeError), match=expected):
+                op_overload(NAMESPACES[a2a], op)(*args)
+    # The group still works: the next collective pairs up on every rank.
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert int(total) == world_size
+
+
 def _run_cases(rank, world_size, a2a):
     for routing in ROUTINGS:
         _check_tokens_chain(rank, world_size, a2a, routing)
     _check_rows_keep_repeated_ids(rank, world_size, a2a)
     _check_compiled_layer_trains_on_tokens(rank, world_size, a2a)
     _check_explain(rank, world_size, a2a)
+    _check_one_rank_failure_fails_all(rank, world_size, a2a)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from torch_moe_ops import torch_compat
+from torch_moe_ops.ops import group_checks
 
 GENERIC_NAMESPACE = "moe"
 # The reference backend's namespace (`torch_moe_ops.backends.reference` defines
@@ -125,12 +126,19 @@ def implement(namespace: str, contract: OpContract, kernel: Callable,
     """
     op = op_overload(namespace, contract.name)
 
+    def check(args):
+        contract.check(*args)
+        if contract.check_values is not None:
+            contract.check_values(*args)
+
     def checked_kernel(*args, **kwargs):
         args = full_args(op, args, kwargs)
         if checked:
-            contract.check(*args)
-            if contract.check_values is not None:
-                contract.check_values(*args)
+            if contract.ordered:
+                # Collectives follow: one rank's failure must be every rank's.
+                group_checks.agreed(op, args, lambda: check(args))
+            else:
+                check(args)
         return kernel(*args)
 
     torch.library.register_kernel(qualified_name(namespace, contract), device_types,
