@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import assert_rank_matches, draw_problem, leaves, token_slice
+from torch_moe_ops.backends.common import token_routing
 from torch_moe_ops.config import BackendSpec, worst_case_capacity
 from torch_moe_ops.lowering import moe_op_sequence
 from torch_moe_ops.ops import op_overload
@@ -186,6 +187,13 @@ def _check_one_rank_failure_fails_all(rank, world_size, a2a):
 def _run_cases(rank, world_size, a2a):
     for routing in ROUTINGS:
         _check_tokens_chain(rank, world_size, a2a, routing)
+    # Rows and routing in messages of their own, as large batches send them.
+    one_message = token_routing.ONE_MESSAGE_BYTES
+    token_routing.ONE_MESSAGE_BYTES = 0
+    try:
+        _check_tokens_chain(rank, world_size, a2a, "repeated")
+    finally:
+        token_routing.ONE_MESSAGE_BYTES = one_message
     _check_rows_keep_repeated_ids(rank, world_size, a2a)
     _check_compiled_layer_trains_on_tokens(rank, world_size, a2a)
     _check_explain(rank, world_size, a2a)

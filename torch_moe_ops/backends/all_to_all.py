@@ -10,13 +10,14 @@ that holds one of its experts, whatever number of its slots chose experts there.
 rank's tokens for rank ``p`` take send positions ``[p * M, p * M + n_p)`` in token order
 (``send_position_TP``: each token's position in each block, -1 where it does not go), with
 their routing weights and ids made local to ``p`` (-1: another rank's expert), and one
-``all_to_all_single`` of equal static splits moves the rows, a second one ids and weights.
+``all_to_all_single`` of equal static splits moves the rows, ids and weights.
 The receive buffer ``[N, H]`` is the experts' input as it is. Combine sends each
 position's result back the same way and sums each token's over the ranks it went to
 (fp32, in rank order). The gradients are the same two moves reversed: that of combine is
 a dispatch of ``grad_out``, that of dispatch a combine of the activations' and weights'
 gradients. All sizes are static, repeated ids and skipped slots need no special case, and
-positions follow from ``topk_ids`` alone, so the gradients recompute them.
+positions follow from ``topk_ids`` alone, so the gradients recompute them. Ids and weights
+ride in the rows' message where it is small (`common.token_routing`).
 
 Rows (``moe::dispatch``, kept for quantized layers, whose rows travel in fp8):
 
@@ -60,6 +61,11 @@ from torch_moe_ops.backends.common.rows import (
     weighted_rows,
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.common.token_routing import (
+    received_routing,
+    routing_columns,
+    send_with_routing,
+)
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
@@ -184,19 +190,16 @@ def _home(values_NX, topk_ids_TK, num_experts, ep_size, group_name, max_tokens):
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
                     max_tokens_per_rank):
     rank = collectives.rank_in(group_name, ep_size)
-    num_local = num_experts // ep_size
-    top_k = topk_ids_TK.shape[1]
-    x_NH = _to_positions(hidden_TH, topk_ids_TK, num_experts, ep_size, group_name,
-                         max_tokens_per_rank)
-    # One message for ids and weights (the weight's bits travel as int32 beside the id); ids
-    # travel as id + 1, so the zeros of padding positions arrive as id -1.
-    meta_TX = torch.cat([topk_ids_TK.to(torch.int32) + 1,
-                         topk_weights_TK.float().view(torch.int32)], 1)
-    meta_NX = _to_positions(meta_TX, topk_ids_TK, num_experts, ep_size, group_name,
-                            max_tokens_per_rank)
-    local_NK = meta_NX[:, :top_k] - 1 - rank * num_local
-    local_NK = torch.where((local_NK >= 0) & (local_NK < num_local), local_NK, -1)
-    return x_NH, meta_NX[:, top_k:].contiguous().view(torch.float32), local_NK
+
+    def send(values_TX):
+        return _to_positions(values_TX, topk_ids_TK, num_experts, ep_size, group_name,
+                             max_tokens_per_rank)
+
+    x_NH, columns_NX = send_with_routing(send, hidden_TH,
+                                         routing_columns(topk_ids_TK, topk_weights_TK),
+                                         ep_size * max_tokens_per_rank)
+    return (x_NH, *received_routing(columns_NX, topk_ids_TK.shape[1], rank,
+                                    num_experts // ep_size))
 
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):

@@ -47,6 +47,11 @@ from torch_moe_ops.backends.common.rows import (
     weighted_rows,
 )
 from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.common.token_routing import (
+    received_routing,
+    routing_columns,
+    send_with_routing,
+)
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
@@ -135,20 +140,15 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
                     max_tokens_per_rank):
     rank = collectives.rank_in(group_name, ep_size)
-    num_local = num_experts // ep_size
-    top_k = topk_ids_TK.shape[1]
-    x_NH = _gather_padded(hidden_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
-    # One message for ids and weights (the weight's bits travel as int32 beside the id);
-    # padding ids are -1.
-    meta_TX = torch.cat([topk_ids_TK.to(torch.int32), topk_weights_TK.float().view(torch.int32)],
-                        1)
-    meta_NX = _gather_padded(meta_TX, max_tokens_per_rank, -1, group_name, ep_size)
-    local_NK = meta_NX[:, :top_k] - rank * num_local
-    local_NK = torch.where((meta_NX[:, :top_k] >= 0) & (local_NK >= 0) & (local_NK < num_local),
-                           local_NK, -1)
-    # A padding weight's bits are -1 (a NaN): its slot is skipped, but a weight must be a number.
-    weights_NK = meta_NX[:, top_k:].contiguous().view(torch.float32)
-    return x_NH, torch.where(local_NK < 0, 0.0, weights_NK), local_NK
+
+    def send(values_TX):
+        return _gather_padded(values_TX, max_tokens_per_rank, 0, group_name, ep_size)
+
+    x_NH, columns_NX = send_with_routing(send, hidden_TH,
+                                         routing_columns(topk_ids_TK, topk_weights_TK),
+                                         ep_size * max_tokens_per_rank)
+    return (x_NH, *received_routing(columns_NX, topk_ids_TK.shape[1], rank,
+                                    num_experts // ep_size))
 
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
