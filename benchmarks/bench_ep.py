@@ -95,6 +95,7 @@ from torch_moe_ops.backends.flashinfer import a2a_sizes as flashinfer_sizes
 from torch_moe_ops.backends.flashinfer import library as flashinfer_library
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import worst_case_capacity
+from torch_moe_ops.lowering.plan import plan_layer
 from torch_moe_ops.ops import op_overload
 
 # The a2a backends measured, where they run; one registered later joins with its name here.
@@ -670,12 +671,15 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
         for a2a in a2a_names:
             if not run.within_budget(f"layer {a2a} T={tokens}"):
                 continue
-            row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens,
-                   "capacity": cfg.rows_per_rank, **local,
+            fmt = plan_layer(tmo.BackendSpec(a2a=a2a), dataclasses.replace(
+                Problem.from_config(cfg, run.dtype), training=False), run.device).format
+            row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens, "format": fmt,
+                   "capacity": cfg.rows_per_rank if fmt == "rows" else tokens, **local,
                    **time_layer(run, sizes, moe, a2a, tokens)}
+            # The engine's own round trip of what the plan's format moves.
             key = {"allgather": ("ag+rs", tokens),
                    "flashinfer": ("flashinfer", cfg.num_experts, tokens)}.get(
-                a2a, ("a2a", cfg.rows_per_rank))
+                a2a, ("a2a", tokens if fmt == "tokens" else cfg.rows_per_rank))
             if key in raw:
                 row["raw_us"] = raw[key]["total_us"]
             if "layer_us" in row and "raw_us" in row:
@@ -749,13 +753,14 @@ def raw_table(raw: dict) -> str:
 
 
 def layer_table(rows: list[dict]) -> str:
-    lines = [(f"| a2a | experts | T/rank | C | how | compile s | layer us | local experts us "
-              f"(real rows) | raw transport us | layer / (local + raw) (target <= "
+    lines = [(f"| a2a | format | experts | T/rank | C | how | compile s | layer us | "
+              f"local experts us (real rows) | raw transport us | layer / (local + raw) (target <= "
               f"{TARGET_LAYER}) | rel err vs eager | errors |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['a2a']} | {r['experts_backend']} | {r['tokens']} | {r['capacity']} | "
+            f"| {r['a2a']} | {r.get('format')} | {r['experts_backend']} | {r['tokens']} | "
+            f"{r['capacity']} | "
             f"{r.get('how', 'failed')} | {_fmt(r.get('compile_s'))} | "
             f"{_fmt(r.get('layer_us'))} | {r['local_us']:.1f} ({r['real_rows']}) | "
             f"{_fmt(r.get('raw_us'))} | {_fmt(r.get('vs_local_plus_raw'), '.2f')} | "
