@@ -156,6 +156,9 @@ def layer_plans(gm: fx.GraphModule, spec: BackendSpec) -> dict[fx.Node, LayerPla
 def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     """`lower` on the nodes of ``gm``'s own graph (not those of its submodules)."""
     plans = layer_plans(gm, spec)
+    for node, plan in plans.items():
+        if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
+            plan.a2a.prepare(*_example_args(node)[:7])
     tokens = _lower_tokens_chains(gm, plans, spec)
     changed = bool(tokens)
     for node, plan in plans.items():

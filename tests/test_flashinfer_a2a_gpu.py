@@ -46,7 +46,7 @@ from ep_problems import (
 )
 from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.registry import Problem
-from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.config import BackendSpec, worst_case_capacity
 
 WORLD = 2
 # One rank full, one idle.
@@ -207,7 +207,7 @@ def _run(rank, world_size, shared_gpu):
     if shared_gpu:
         a2a._nvlink_reason = _no_link_needed
     _check_refusal(rank)
-    worst = M * min(K, E // WORLD)
+    worst = worst_case_capacity(M, K)
     for route in ("random", "one_rank"):
         _check_rows(rank, route, worst)
         _check_tokens(rank, route)
@@ -218,6 +218,10 @@ def _run(rank, world_size, shared_gpu):
     for pipeline in (lambda *args: _rows(*args, worst), _tokens):
         check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     _check_module(rank)
+    # The communicator then opens when the layer compiles, not in a warm-up run of the CUDA
+    # graphs (whose memory pool its tensors would outlive: "tensor(s) in the cudagraph pool
+    # not tracked as outputs").
+    a2a.close_all()
     _check_reduce_overhead(rank)
     # Collective: on every rank, and only once every rank got here.
     a2a.close_all()
