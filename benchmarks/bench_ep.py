@@ -548,6 +548,8 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
                 capacities = [worst] + ([reduced] if a2a in CAPACITY_A2A_NAMES
                                         and reduced < worst else [])
                 modes = (False,) if a2a in EAGER_ONLY_A2A_NAMES else (True, False)
+                if run.args.tokens_only and a2a in TOKENS_A2A_NAMES:
+                    capacities = []
                 for capacity, compiled in itertools.product(capacities, modes):
                     what = f"transport {a2a} E={num_experts} T={tokens} C={capacity}"
                     if not run.within_budget(what):
@@ -854,6 +856,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--capacity-factor", type=float, default=1.25,
                         help="the smaller all_to_all capacity, in even shares T*K/P")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer phase")
+    parser.add_argument("--tokens-only", action="store_true",
+                        help="time only the tokens format of the backends that have it")
     parser.add_argument("--timeout-s", type=float, default=240,
                         help="process-group timeout: the longest any collective waits")
     parser.add_argument("--budget-s", type=float, default=210,
