@@ -40,7 +40,7 @@ another more than ``C`` rows, and raises on all of them if one does.
 fp8 dispatch (``dispatch_quant``, where the dispatch dtype rule picks fp8):
 each token is quantized once on its own rank and its fp8 values and fp32
 scales travel as one row of bytes through the same two all-to-alls
-(`common.quantized_dispatch`); combine moves the experts' output in the
+(`common.transport.quantized_dispatch`); combine moves the experts' output in the
 activation dtype, as without quantization.
 """
 
@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends.common import collectives
-from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
-from torch_moe_ops.backends.common.rows import (
+from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
     combine_grads,
     gather_index,
@@ -59,7 +57,9 @@ from torch_moe_ops.backends.common.rows import (
     sum_slots,
     weighted_rows,
 )
-from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops
