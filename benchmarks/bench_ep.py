@@ -89,7 +89,7 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from torch_moe_ops.backends import deepep
-from torch_moe_ops.backends.common import collectives
+from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.flashinfer import a2a as flashinfer_a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as flashinfer_sizes
 from torch_moe_ops.backends.flashinfer import library as flashinfer_library
@@ -414,7 +414,7 @@ def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
     from flashinfer.comm import MoeAlltoAll
 
     num_experts, tokens = case
-    lib = flashinfer_a2a.api()
+    lib = flashinfer_a2a.comm_api.api()
     hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
     mapping = lib.Mapping(world_size=run.world, rank=run.rank, gpus_per_node=run.world,
                           tp_size=run.world, moe_ep_size=run.world)

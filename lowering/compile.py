@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from torch_moe_ops import torch_compat
-from torch_moe_ops.backends.common.tracing import for_inductor
+from torch_moe_ops.backends.common.kernels.tracing import for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.rewrite import expert_parallel, lower
@@ -79,7 +79,7 @@ class MoECompileBackend:
         lowered = lower(gm, self.spec)
         if self.inner == "inductor":
             compile_graph = self._compile_ep if across_ranks else self._compile
-            # Some backend bodies only pay off fused (`backends.common.tracing`).
+            # Some backend bodies only pay off fused (`backends.common.kernels.tracing`).
             with for_inductor():
                 return compile_graph(lowered, example_inputs)
         return self._compile(lowered, example_inputs)

@@ -178,7 +178,7 @@ def test_gpu_backends_capture_in_cuda_graph():
                     reason="exercises the prefill hand-off on the CPU, under the interpreter")
 @pytest.mark.parametrize("rows", [False, True])
 def test_triton_hands_prefill_to_grouped_mm(monkeypatch, rows):
-    from torch_moe_ops.backends.common import grouped_gemm
+    from torch_moe_ops.backends.common.kernels import grouped_gemm
     from torch_moe_ops.backends.triton import configs, fused
 
     calls = []

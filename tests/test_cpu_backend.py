@@ -14,7 +14,7 @@ import torch
 import torch_moe_ops as tmo
 from graph_tests.aot_graphs import AotGraphs
 from torch_moe_ops.backends import cpu
-from torch_moe_ops.backends.common.tracing import for_inductor
+from torch_moe_ops.backends.common.kernels.tracing import for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
 

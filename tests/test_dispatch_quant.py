@@ -338,7 +338,7 @@ def test_packed_rows_compile_on_cuda(name, generator):
     CUDA against the eager op; rows may differ by one fp8 step where Inductor's
     division rounds otherwise."""
     from torch_moe_ops.backends import local
-    from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
+    from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
 
     spec, device = SPECS[name], torch.device("cuda")
     hidden_TH = torch.randn(7, H, generator=generator).to(device, torch.bfloat16)

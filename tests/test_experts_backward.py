@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import formulas
-from torch_moe_ops.backends.common import grouped_backward
-from torch_moe_ops.backends.common.activation import activation, activation_backward
+from torch_moe_ops.backends.common.kernels import grouped_backward
+from torch_moe_ops.backends.common.kernels.activation import activation, activation_backward
 from torch_moe_ops.backends.registry import ExpertsBackend, Registry
 from torch_moe_ops.config import ACTIVATIONS
 from torch_moe_ops.ops import define_backend_ops
@@ -183,7 +183,7 @@ def test_activation_backward_matches_autograd(act, generator):
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_triton_steps_match_the_torch_steps(act, bias, generator):
-    from torch_moe_ops.backends.common.grouped_gemm import TRITON_STEPS
+    from torch_moe_ops.backends.common.kernels.grouped_gemm import TRITON_STEPS
 
     num_rows, inter_size, num_experts = 9, 24, 3
     expert_R = torch.tensor([0, 0, 1, 1, 1, 2, 2, -1, -1], dtype=torch.int32)

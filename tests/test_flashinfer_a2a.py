@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_moe_ops as tmo
 from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
+from torch_moe_ops.backends.flashinfer.a2a import bookkeeping
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 from torch_moe_ops.lowering import rewrite
@@ -204,11 +205,11 @@ def test_combine_tokens_takes_one_row_per_receive_position():
 def test_receive_positions_become_keys_and_local_ids():
     # M = 2: positions 0, 1 came from rank 0, positions 2, 3 from rank 1; -1 is padding.
     token_N = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
-    key_N = a2a._keys(token_N, 2)
+    key_N = bookkeeping._keys(token_N, 2)
     assert key_N.tolist() == [1, -1, 2, 3]
-    assert a2a._positions(key_N).tolist() == [-1, 0, 2, 3]
+    assert bookkeeping._positions(key_N).tolist() == [-1, 0, 2, 3]
     ids_NK = torch.tensor([[2, 0], [3, -1], [1, 2]], dtype=torch.int32)
-    assert a2a._ranks_of(ids_NK, num_local=2).tolist() == [[1, 0], [1, -1], [0, 1]]
+    assert bookkeeping.ranks_of(ids_NK, num_local=2).tolist() == [[1, 0], [1, -1], [0, 1]]
 
 
 @pytest.mark.triton
@@ -228,8 +229,9 @@ def test_received_ids_become_local_with_padding_marked():
 
 
 def test_compiled_rows_bookkeeping_matches_eager():
-    """What the GPU runs compiled (`a2a._compiled_on_gpu`), compiled here on the CPU: the
-    same outputs as eagerly, bit for bit but the weights' gradient (an fp32 sum over H)."""
+    """What the GPU runs compiled (`bookkeeping._compiled_on_gpu`), compiled here on the
+    CPU: the same outputs as eagerly, bit for bit but the weights' gradient (an fp32 sum
+    over H)."""
     P, M, K, H, E_l = 2, 6, 2, 16, 3
     gen = torch.Generator().manual_seed(0)
     # Rank 0 sent 4 tokens, rank 1 sent 2, in the order they arrived; -1 is padding.
@@ -249,16 +251,16 @@ def test_compiled_rows_bookkeeping_matches_eager():
                                        atol=1e-5 if e.dtype == torch.float32 else 0)
         return eager
 
-    position_G, local_GK = both(a2a._in_key_order, local_NK, token_N1, M)
+    position_G, local_GK = both(bookkeeping.in_key_order, local_NK, token_N1, M)
     x_NH = torch.randn(P * M, H, generator=gen).bfloat16()
     weights_NK = torch.rand(P * M, K, generator=gen)
-    _, _, weight_R, src_R, _ = both(a2a._received_rows, x_NH, weights_NK, local_GK, position_G,
-                                    E_l, P * M * K, K)
+    _, _, weight_R, src_R, _ = both(bookkeeping.received_rows, x_NH, weights_NK, local_GK,
+                                    position_G, E_l, P * M * K, K)
     y_RH = torch.randn(src_R.shape[0], H, generator=gen).bfloat16()
     for weights in (weight_R, None):
-        both(a2a._summed_rows, y_RH, src_R, token_N1, weights, M, K)
-    both(a2a._rows_of_grad, torch.randn(P * M, H, generator=gen).bfloat16(), y_RH, weight_R,
-         src_R, token_N1, M, K)
+        both(bookkeeping.summed_rows, y_RH, src_R, token_N1, weights, M, K)
+    both(bookkeeping.rows_of_grad, torch.randn(P * M, H, generator=gen).bfloat16(), y_RH,
+         weight_R, src_R, token_N1, M, K)
 
 
 def test_rows_are_summed_into_the_position_of_their_token():
@@ -267,5 +269,5 @@ def test_rows_are_summed_into_the_position_of_their_token():
     src_R = torch.tensor([1, 6, 7, -1], dtype=torch.int32)
     # Position 0 holds key 3, position 1 key 0, position 2 padding, position 3 key 1.
     key_N = torch.tensor([3, 0, -1, 1])
-    summed_NH = a2a._sum_received(rows_RH, src_R, key_N, top_k=2)
+    summed_NH = bookkeeping._sum_received(rows_RH, src_R, key_N, top_k=2)
     assert summed_NH[:, 0].tolist() == [2.0 + 4.0, 1.0, 0.0, 0.0]

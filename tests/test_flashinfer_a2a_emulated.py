@@ -57,8 +57,8 @@ def _use_emulator():
     from torch_moe_ops.backends.flashinfer import a2a
     from torch_moe_ops.backends.registry import REGISTRY
 
-    a2a.api = lambda: flashinfer_a2a_emulator
-    a2a.DEVICE_TYPE = "cpu"
+    a2a.comm_api.api = lambda: flashinfer_a2a_emulator
+    a2a.comm_api.DEVICE_TYPE = "cpu"
     REGISTRY.a2a["flashinfer"] = dataclasses.replace(REGISTRY.a2a["flashinfer"],
                                                      supports=lambda *_: None)
     return a2a
@@ -146,14 +146,14 @@ def _check_tokens(rank, top_k, num_local, route):
 def _check_refusal(rank, a2a):
     """A workspace that does not fit on one rank is refused on every rank, before any
     rank allocates, with what to lower."""
-    free = a2a._free_bytes
-    a2a._free_bytes = lambda device: 1000 if rank == 1 else 1 << 40
+    free = a2a.workspace._free_bytes
+    a2a.workspace._free_bytes = lambda device: 1000 if rank == 1 else 1 << 40
     live = flashinfer_a2a_emulator.MnnvlMemory.live
     try:
         with pytest.raises(RuntimeError, match="lower MoEConfig.max_tokens_per_rank"):
             a2a.communicator(dist.group.WORLD.group_name, H, 2, M, torch.bfloat16, device="cpu")
     finally:
-        a2a._free_bytes = free
+        a2a.workspace._free_bytes = free
     assert flashinfer_a2a_emulator.MnnvlMemory.live == live and not a2a.open_communicators()
 
 

@@ -62,14 +62,14 @@ DEADLINE_S = 580
 
 
 def _no_link_needed(index: int) -> None:
-    """`a2a._nvlink_reason` where the ranks share one GPU: no link lies between them (no
+    """`a2a.backend._nvlink_reason` where the ranks share one GPU: no link lies between them (no
     reason not to run)."""
 
 
 def _reason(shared_gpu: bool) -> str | None:
     if shared_gpu and torch.cuda.device_count() < 1:
         return "needs a CUDA GPU"
-    with unittest.mock.patch.object(a2a, "_nvlink_reason", _no_link_needed) if shared_gpu \
+    with unittest.mock.patch.object(a2a.backend, "_nvlink_reason", _no_link_needed) if shared_gpu \
             else contextlib.nullcontext():
         reason = a2a.supports(BackendSpec(a2a="flashinfer"),
                               Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K,
@@ -205,7 +205,7 @@ def _check_reduce_overhead(rank):
 
 def _run(rank, world_size, shared_gpu):
     if shared_gpu:
-        a2a._nvlink_reason = _no_link_needed
+        a2a.backend._nvlink_reason = _no_link_needed
     _check_refusal(rank)
     worst = worst_case_capacity(M, K)
     for route in ("random", "one_rank"):

@@ -1,4 +1,4 @@
-"""The grouped_mm backend's quantized experts (`common.scaled_grouped_gemm`): fp8
+"""The grouped_mm backend's quantized experts (`common.kernels.scaled_grouped_gemm`): fp8
 w8a8 with rowwise scales through ``torch._scaled_grouped_mm``.
 
 Legend: T tokens, H hidden size, I expert intermediate size, F = 2 * I, E experts,
@@ -43,7 +43,7 @@ from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common import scaled_grouped_gemm
+from torch_moe_ops.backends.common.kernels import scaled_grouped_gemm
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 

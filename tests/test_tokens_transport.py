@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import assert_rank_matches, draw_problem, leaves, token_slice
-from torch_moe_ops.backends.common import token_routing
+from torch_moe_ops.backends.common.transport import token_routing
 from torch_moe_ops.config import BackendSpec, worst_case_capacity
 from torch_moe_ops.lowering import moe_op_sequence
 from torch_moe_ops.ops import op_overload

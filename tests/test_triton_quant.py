@@ -38,7 +38,7 @@ from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
-    from torch_moe_ops.backends.common import grouped_gemm
+    from torch_moe_ops.backends.common.kernels import grouped_gemm
     from torch_moe_ops.backends.triton import act_quant, configs, dequant, fused
 
 pytestmark = pytest.mark.triton

@@ -15,7 +15,7 @@ from torch import nn
 
 import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
 from torch_moe_ops import checkpoints, quant
-from torch_moe_ops.backends.common.activation import activation
+from torch_moe_ops.backends.common.kernels.activation import activation
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.routed_experts import (
     EXPERT_TENSORS,

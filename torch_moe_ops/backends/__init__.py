@@ -17,7 +17,7 @@ Experts backends, highest ``auto`` priority first (each runs where its
 
 The gradient of an experts op runs on the backend that ran its forward where
 that backend has one (``triton`` where the ``grouped_mm`` path runs, ``grouped_mm``,
-``cpu``: grouped GEMMs on the routed rows, `common.grouped_backward`), else on the
+``cpu``: grouped GEMMs on the routed rows, `common.kernels.grouped_backward`), else on the
 reference backend; the ``backward`` column of `available_backends()` says which. The a2a
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move

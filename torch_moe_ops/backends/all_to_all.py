@@ -17,7 +17,7 @@ position's result back the same way and sums each token's over the ranks it went
 a dispatch of ``grad_out``, that of dispatch a combine of the activations' and weights'
 gradients. All sizes are static, repeated ids and skipped slots need no special case, and
 positions follow from ``topk_ids`` alone, so the gradients recompute them. Ids and weights
-ride in the rows' message where it is small (`common.token_routing`).
+ride in the rows' message where it is small (`common.transport.token_routing`).
 
 Rows (``moe::dispatch``, kept for quantized layers, whose rows travel in fp8):
 
@@ -41,7 +41,7 @@ another more than ``C`` rows, and raises on all of them if one does.
 fp8 dispatch (``dispatch_quant``, where the dispatch dtype rule picks fp8):
 each token is quantized once on its own rank and its fp8 values and fp32
 scales travel as one row of bytes through the same two all-to-alls
-(`common.quantized_dispatch`); combine moves the experts' output in the
+(`common.transport.quantized_dispatch`); combine moves the experts' output in the
 activation dtype, as without quantization.
 """
 
@@ -49,9 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends.common import collectives
-from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
-from torch_moe_ops.backends.common.rows import (
+from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
     combine_grads,
     gather_index,
@@ -60,8 +58,10 @@ from torch_moe_ops.backends.common.rows import (
     sum_slots,
     weighted_rows,
 )
-from torch_moe_ops.backends.common.sorting import sort_rows
-from torch_moe_ops.backends.common.token_routing import (
+from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
+from torch_moe_ops.backends.common.transport.token_routing import (
     received_routing,
     routing_columns,
     send_with_routing,

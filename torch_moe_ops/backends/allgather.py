@@ -29,7 +29,7 @@ T here (every entry is -1).
 
 fp8 dispatch (``dispatch_quant``): tokens are quantized before the all-gather
 and gathered as rows of bytes, values and scales together
-(`common.quantized_dispatch`); the reduce-scatter stays in the activation dtype.
+(`common.transport.quantized_dispatch`); the reduce-scatter stays in the activation dtype.
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_moe_ops.backends.common import collectives
-from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
-from torch_moe_ops.backends.common.rows import (
+from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
     combine_grads,
     gather_rows,
     scatter_rows,
     weighted_rows,
 )
-from torch_moe_ops.backends.common.sorting import sort_rows
-from torch_moe_ops.backends.common.token_routing import (
+from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
+from torch_moe_ops.backends.common.transport.token_routing import (
     received_routing,
     routing_columns,
     send_with_routing,

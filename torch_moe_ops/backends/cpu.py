@@ -4,7 +4,7 @@ Legend: T tokens, H hidden size, I expert intermediate size, F = 2 * I, E expert
 K experts per token, S = T * K slots, R rows (the slots with an expert, sorted by
 expert), N / M the input / output columns of one projection.
 
-    rows = slots with topk_ids >= 0, grouped by expert      (common.sorting)
+    rows = slots with topk_ids >= 0, grouped by expert      (common.kernels.sorting)
     for each expert e with rows:                             (torch._grouped_mm)
         y[rows(e)] = act(x[rows(e)] @ w13[e].T + b13[e]) @ w2[e].T + b2[e]
     out[t] = sum over the slots (t, k) with an expert of topk_weights[t, k] * y[row(t, k)]
@@ -21,13 +21,13 @@ input dtype. Weights are used in the canonical layout (``w13 [E, 2I, H]``,
 In a graph compiled by Inductor with fixed sizes and few slots per expert
 (decode; a few more where the experts fit in the caches), ``experts`` is traced
 in as `gathered_experts` instead (see `GATHERED_MAX_SLOTS_PER_EXPERT` and
-`common.tracing`): one loop over slots that Inductor fuses, where a skipped slot
+`common.kernels.tracing`): one loop over slots that Inductor fuses, where a skipped slot
 costs one slot's work (static shapes cannot leave it out) and still adds nothing.
 
 The gradient (`experts_backward`) is its own where ``torch._grouped_mm`` runs
 (`backward_supports`: float32, bfloat16 or float16, H and I in steps of 16
 bytes, weights' strides too): grouped GEMMs on the routed rows only
-(`common.grouped_backward`, its steps in plain PyTorch). Elsewhere (float64, odd
+(`common.kernels.grouped_backward`, its steps in plain PyTorch). Elsewhere (float64, odd
 sizes) the reference backend's runs, called as ``moe_reference::experts_backward``.
 """
 
@@ -36,10 +36,10 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops import torch_compat
-from torch_moe_ops.backends.common import grouped_backward
-from torch_moe_ops.backends.common.activation import activation
-from torch_moe_ops.backends.common.sorting import sort_rows
-from torch_moe_ops.backends.common.tracing import fixed_sizes, tracing_for_inductor
+from torch_moe_ops.backends.common.kernels import grouped_backward
+from torch_moe_ops.backends.common.kernels.activation import activation
+from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.kernels.tracing import fixed_sizes, tracing_for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 from torch_moe_ops.ops.checks import compute_dtype

@@ -20,7 +20,7 @@ Normal mode (``Buffer.get_dispatch_layout`` + ``Buffer.dispatch(num_worst_tokens
 every rank receives a worst-case-sized ``[N, H]`` block (tokens that came, then
 padding whose ids DeepEP sets to -1), so no size depends on the routing and nothing
 waits on the host. Received ``(token, local slot)`` pairs are sorted by local expert
-into rows (`common.sorting`); ``src_R`` is each row's received slot ``n * K + k``.
+into rows (`common.kernels.sorting`); ``src_R`` is each row's received slot ``n * K + k``.
 Combine weights the rows, sums each received token's rows in slot order
 (``[N, H]``) and hands them to ``Buffer.combine``, which sums each token over the
 ranks that hold its experts. DeepEP's handle (prefix matrices, send heads: tensors
@@ -114,9 +114,7 @@ import torch
 import torch.distributed as dist
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common import collectives
-from torch_moe_ops.backends.common.communicators import Communicators
-from torch_moe_ops.backends.common.rows import (
+from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
     combine_grads,
     gather_index,
@@ -126,7 +124,9 @@ from torch_moe_ops.backends.common.rows import (
     sum_slots,
     weighted_rows,
 )
-from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.backends.common.transport.communicators import Communicators
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import QuantSpec, worst_case_capacity
 from torch_moe_ops.ops import define_backend_ops

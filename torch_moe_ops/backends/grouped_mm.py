@@ -1,15 +1,15 @@
 """The ``grouped_mm`` experts backend: ``torch._grouped_mm`` on rows sorted by expert.
 
-The computation is `common.grouped_gemm` (shared with the ``triton`` backend,
+The computation is `common.kernels.grouped_gemm` (shared with the ``triton`` backend,
 which hands prefill-sized calls to it): a stable device-side sort by expert, one
 grouped GEMM per projection, Triton epilogues for the bias, the activation and
 the weighted gather. Its gradient is its own: grouped GEMMs on the routed rows
-(`common.grouped_backward`), with Triton kernels between them. Runs without a
+(`common.kernels.grouped_backward`), with Triton kernels between them. Runs without a
 host sync only for bf16 on sm90+; weights are used in the canonical layout
 (``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
 
 Quantized experts (``experts_quant``, ``experts_rows_quant``) are
-`common.scaled_grouped_gemm`: fp8 w8a8 with rowwise scales through
+`common.kernels.scaled_grouped_gemm`: fp8 w8a8 with rowwise scales through
 ``torch._scaled_grouped_mm`` (``QuantSpec("fp8_channel")`` and ``"fp8_tensor"``
 with ``fp8_token`` activations, bf16, sm90), the same sort and epilogues, the
 weights as stored. `supports` says why other formats do not run here.
@@ -17,8 +17,9 @@ weights as stored. `supports` says why other formats do not run here.
 
 from __future__ import annotations
 
-from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_gemm, scaled_grouped_gemm
-from torch_moe_ops.backends.common.launch import static_shapes_on_cuda, traced
+from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.common.kernels import grouped_gemm, scaled_grouped_gemm
+from torch_moe_ops.backends.common.kernels.launch import static_shapes_on_cuda, traced
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 

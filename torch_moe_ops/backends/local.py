@@ -3,27 +3,27 @@
 Legend: T tokens, H hidden size, K experts per token, E experts, S = R = T * K
 (one row per (token, slot) pair).
 
-Dispatch sorts the slots by expert with a stable sort (`common.sorting`), so
+Dispatch sorts the slots by expert with a stable sort (`common.kernels.sorting`), so
 rows of one expert keep token order and the result is deterministic; skipped
 slots (id -1) sort last, as rows of zeros. ``src_R`` is each row's slot
 (``t * K + k``) and ``slot_map_TK`` each slot's row; combine sums each token's
 weighted rows in slot order. Everything is sized by T and K alone: no host sync.
-``dispatch_quant`` sorts rows quantized to fp8 (`common.quantized_dispatch`).
+``dispatch_quant`` sorts rows quantized to fp8 (`common.transport.quantized_dispatch`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends.common.quantized_dispatch import quantized_dispatch
-from torch_moe_ops.backends.common.rows import (
+from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
     combine_grads,
     gather_rows,
     sum_slots,
     weighted_rows,
 )
-from torch_moe_ops.backends.common.sorting import sort_rows
+from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.ops import define_backend_ops
 

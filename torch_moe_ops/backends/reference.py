@@ -27,7 +27,7 @@ import math
 import torch
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common.activation import activation, activation_backward
+from torch_moe_ops.backends.common.kernels.activation import activation, activation_backward
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, RouteBackend
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops

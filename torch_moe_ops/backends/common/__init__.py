@@ -1,20 +1,15 @@
-"""Pieces that several backends run: none of them is a backend or registers an op.
+"""What several backends run, none of them a backend, in two sub-packages:
 
-- `sorting`: slots grouped by expert (a stable sort on the device).
-- `activation`: the gated activations and their gradients in plain PyTorch.
-- `triton_activation`, `epilogues`: the same as Triton functions, and
-  elementwise Triton kernels around library GEMMs (need triton).
-- `grouped_backward`: the experts' gradient on the routed rows only, grouped GEMMs.
-- `grouped_gemm`: the experts and their gradient on ``torch._grouped_mm`` with
-  those epilogues.
-- `scaled_grouped_gemm`: quantized experts (fp8 w8a8, rowwise scales) on
-  ``torch._scaled_grouped_mm`` with the same sort and epilogues.
-- `launch`, `tracing`: how a backend op traced into a compiled graph launches its
-  Triton kernels, and what it may ask of the trace (Inductor or not, fixed sizes).
-- `quantized_dispatch`: fp8 dispatch (``dispatch_quant``) on any a2a backend's
-  ``dispatch`` that moves rows as bytes.
+- `kernels`: the computation of experts and of rows (the sort by expert, moving rows
+  between frames, the gated activations, the grouped GEMMs and their gradient, the
+  Triton epilogues) and how a traced backend body launches Triton kernels.
+- `transport`: moving tokens between ranks (torch.distributed's collectives, the
+  keyed cache of communicators, fp8 dispatch on any rows transport).
+  `transport.collectives` defines the ops of namespace ``moe_collectives`` (one op
+  per collective, with an ordered effect, for traced backend bodies).
 
-Backends import from here and never from each other.
+`transport` imports `kernels`, never the reverse. Backends import from here and
+never from each other.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Tile sizes come from tuned JSON files (`configs`), read on the first call of a
 shape. Weights are used in the canonical layout.
 
 The gradient (`experts_backward`) is the ``grouped_mm`` path's
-(`common.grouped_gemm`: grouped GEMMs on the routed rows) where that runs
+(`common.kernels.grouped_gemm`: grouped GEMMs on the routed rows) where that runs
 without a host sync (`grouped_gemm.supports`: bf16 on sm90+, H and I multiples
 of 8), else the reference backend's, called as ``moe_reference::experts_backward``.
 
@@ -73,8 +73,12 @@ def supports(spec, problem, device) -> str | None:
 
 
 if TRITON_INSTALLED:
-    from torch_moe_ops.backends.common import grouped_gemm
-    from torch_moe_ops.backends.common.launch import on_first_call, static_shapes_on_cuda, traced
+    from torch_moe_ops.backends.common.kernels import grouped_gemm
+    from torch_moe_ops.backends.common.kernels.launch import (
+        on_first_call,
+        static_shapes_on_cuda,
+        traced,
+    )
     from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
 
     fused_experts, fused_experts_rows, fused_experts_quant, fused_experts_rows_quant = (

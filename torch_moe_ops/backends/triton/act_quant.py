@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import launcher
 from torch_moe_ops.config import QuantSpec
 
 # Elements of a program's tile [rows, columns]: rows of one group each, as

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import launcher
 
 # Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
 # one-hot tile [SLOT_TILE, EXPERT_CHUNK] stays at 8K elements whatever E is.

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import launcher
 from torch_moe_ops.backends.triton.quant_tiles import _mxfp4_tiles
 from torch_moe_ops.config import MXFP4_GROUP
 

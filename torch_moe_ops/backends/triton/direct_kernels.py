@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.triton_activation import _activate
+from torch_moe_ops.backends.common.kernels.triton_activation import _activate
 from torch_moe_ops.backends.triton.quant_tiles import (
     FP8_BLOCK,
     FP8_TOKEN,

@@ -10,7 +10,7 @@ K experts per token, S = T * K slots, R rows (rows format).
         out[t] += topk_weights[t, k] * (act(hidden[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
 
 The config of a call (`configs.get_config`) names its kernels: ``direct``,
-``tiled`` (`kernels`) or ``grouped_mm`` (`common.grouped_gemm`, which the
+``tiled`` (`kernels`) or ``grouped_mm`` (`common.kernels.grouped_gemm`, which the
 ``grouped_mm`` backend runs too).
 
 Quantized weights (`fused_experts_quant`, `fused_experts_rows_quant`; formats
@@ -38,9 +38,9 @@ import dataclasses
 import torch
 import triton
 
-from torch_moe_ops.backends.common import grouped_gemm
-from torch_moe_ops.backends.common.launch import launcher
-from torch_moe_ops.backends.common.triton_activation import ACTIVATION_CODES
+from torch_moe_ops.backends.common.kernels import grouped_gemm
+from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton.act_quant import quantize_rows
 from torch_moe_ops.backends.triton.align import align_rows
@@ -296,7 +296,7 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     over k runs in a fixed order in fp32. ``T == 0`` launches nothing.
 
     Where the config says so (prefill, bf16 on sm90+), the two GEMMs run on
-    ``torch._grouped_mm`` with Triton epilogues instead (`common.grouped_gemm`).
+    ``torch._grouped_mm`` with Triton epilogues instead (`common.kernels.grouped_gemm`).
     """
     _check_dtype("hidden", hidden_TH.dtype)
     _check_activation(activation)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.triton_activation import _activate
+from torch_moe_ops.backends.common.kernels.triton_activation import _activate
 from torch_moe_ops.backends.triton.quant_tiles import (
     FP8_BLOCK,
     MXFP4,

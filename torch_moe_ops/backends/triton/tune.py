@@ -32,7 +32,7 @@ import torch
 import triton.testing
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common import grouped_gemm
+from torch_moe_ops.backends.common.kernels import grouped_gemm
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton import configs, fused
 from torch_moe_ops.config import QUANT_WEIGHT_FORMATS, QuantSpec

@@ -50,9 +50,9 @@ from collections.abc import Callable
 
 import torch
 
-from torch_moe_ops.backends.common.activation import activation, activation_backward
-from torch_moe_ops.backends.common.rows import sum_slots
-from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
+from torch_moe_ops.backends.common.kernels.activation import activation, activation_backward
+from torch_moe_ops.backends.common.kernels.rows import sum_slots
+from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
 from torch_moe_ops.ops.checks import compute_dtype
 
 # torch._grouped_mm wants the row stride of a weight column in steps of this many bytes.
@@ -96,7 +96,7 @@ def act_backward_rows(h_RF, b13_EF, expert_R, gw2_RI, weight_R, act, alpha, limi
 
 
 def sum_token_rows(values_RH, row_of_slot_S, topk_ids_TK):
-    """`Steps.sum_token_rows` in plain PyTorch (`common.rows.sum_slots`)."""
+    """`Steps.sum_token_rows` in plain PyTorch (`common.kernels.rows.sum_slots`)."""
     row_of_slot_TK = torch.where(topk_ids_TK < 0, -1, row_of_slot_S.view(topk_ids_TK.shape))
     return sum_slots(values_RH, row_of_slot_TK)
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common import grouped_gemm
-from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
+from torch_moe_ops.backends.common.kernels import grouped_gemm
+from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.quant import rows_out_dtype
 

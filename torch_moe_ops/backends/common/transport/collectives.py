@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from torch_moe_ops import torch_compat
-from torch_moe_ops.backends.common.launch import in_traced_body, traced
-from torch_moe_ops.backends.common.tracing import fixed_sizes
+from torch_moe_ops.backends.common.kernels.launch import in_traced_body, traced
+from torch_moe_ops.backends.common.kernels.tracing import fixed_sizes
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import decompose_backend_ops
 from torch_moe_ops.ops.library import OpContract, define, implement, op_overload

@@ -13,7 +13,7 @@ which the backend's own ``dispatch`` moves as it moves any rows: the scales
 ride in the same message as their row, so an fp8 dispatch runs the same
 collectives as a bf16 one, on ``B / (2 H)`` of the bytes (bf16 activations).
 Bytes go through every transport (NCCL, gloo) and every gather of
-`common.rows`, which float8 does not on the CPU. The received rows are split
+`common.kernels.rows`, which float8 does not on the CPU. The received rows are split
 back into ``x_rows`` (float8_e4m3fn) and ``x_scale``; padding rows are zero
 bytes: value 0, scale 0.
 

@@ -10,7 +10,7 @@ Forward:
     out[t] = sum over k with e = ids[t, k] >= 0 of
              weight[t, k] * (y[row_of_slot[t * K + k]] + b2[e])
 
-Backward (`common.grouped_backward` says what each step is for), per row r of
+Backward (`common.kernels.grouped_backward` says what each step is for), per row r of
 expert e >= 0 with routing weight w[r] and ``gw2[r] = grad_out[t] @ w2[e]``:
 
     dot[r]     = <gw2[r], a[r]>
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.launch import launcher
-from torch_moe_ops.backends.common.triton_activation import (
+from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.triton_activation import (
     ACTIVATION_CODES,
     _activate,
     _activate_backward,

@@ -12,7 +12,7 @@ for bf16 on sm90+; elsewhere it loops on the host, which a CUDA graph cannot
 capture: `supports` says so. Weights are used in the canonical layout
 (``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
 
-The gradient (`experts_backward`) is `common.grouped_backward` with its steps
+The gradient (`experts_backward`) is `common.kernels.grouped_backward` with its steps
 between the GEMMs run as Triton kernels (`epilogues`): the bias, activation and
 activation gradient in one pass, the sum over each token's slots in another.
 
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends.common import TRITON_INSTALLED, grouped_backward
-from torch_moe_ops.backends.common.launch import on_first_call
-from torch_moe_ops.backends.common.sorting import rows_of_slots, sort_rows
+from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.common.kernels import grouped_backward
+from torch_moe_ops.backends.common.kernels.launch import on_first_call
+from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
 
 # torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
 ALIGNMENT = 8
-EPILOGUES = "torch_moe_ops.backends.common.epilogues"
+EPILOGUES = "torch_moe_ops.backends.common.kernels.epilogues"
 bias_act_rows = on_first_call(EPILOGUES, "bias_act_rows")
 gather_weighted_sum = on_first_call(EPILOGUES, "gather_weighted_sum")
 TRITON_STEPS = grouped_backward.Steps(*(on_first_call(EPILOGUES, name) for name in (

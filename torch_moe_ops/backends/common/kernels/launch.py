@@ -20,7 +20,7 @@ import importlib
 
 import torch
 
-from torch_moe_ops.backends.common.tracing import ScopedFlag, fixed_sizes
+from torch_moe_ops.backends.common.kernels.tracing import ScopedFlag, fixed_sizes
 
 _TRACED_LAUNCHES = ScopedFlag("torch_moe_ops_traced_launches")
 

@@ -1,0 +1,8 @@
+"""Moving tokens between ranks, for the a2a backends.
+
+- `collectives`: torch.distributed's functional collectives by group name, and the
+  ops of namespace ``moe_collectives`` that stand for them in traced bodies.
+- `communicators`: the one keyed cache of transport state a backend may keep.
+- `quantized_dispatch`: fp8 dispatch (``dispatch_quant``) on any a2a backend's
+  ``dispatch`` that moves rows as bytes.
+"""
