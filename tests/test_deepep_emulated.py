@@ -56,12 +56,9 @@ def _use_emulator():
     """In this worker: DeepEP is the emulator, and CPU tensors are let through."""
     sys.modules["deep_ep"] = deepep_emulator
     from torch_moe_ops.backends import deepep
+    from torch_moe_ops.backends.deepep import buffer
 
-    def check_tensor(name, t):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
-
-    deepep._check_tensor = check_tensor
+    buffer.DEVICE_TYPE = "cpu"
     REGISTRY.a2a["deepep"] = dataclasses.replace(REGISTRY.a2a["deepep"],
                                                  supports=lambda *_: None)
     return deepep
