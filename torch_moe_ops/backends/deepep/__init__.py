@@ -7,12 +7,12 @@
   gradients), in normal mode (`normal`) or, for decode batches, low-latency mode
   (`low_latency`), as `modes` chooses: layers that train, and quantized layers.
 
-State lives in one `buffer.DeepEPCommunicator` per (group, layer shape, mode),
-created by the first eager call or by `buffer.communicator` (which also fixes a layer's mode by
-hand: call it on every rank before the layer's first call), closed by `close_all`
-(collective). Every op carries an ordered effect: ``torch.compile`` neither drops one whose
-outputs are empty (an idle rank's ``[0, H]``) nor moves it past another, so every rank runs
-them in the same order. Over several hosts (P > 8, 8 GPUs per host, as DeepEP's internode
+State lives in one `buffer.DeepEPCommunicator` per (group, layer shape, mode), created by
+the first eager call or by `communicator` (which also fixes a layer's rows mode by hand:
+call it on every rank before the layer's first call), closed by `close_all` (collective).
+Every op carries an ordered effect: ``torch.compile`` neither drops one whose outputs are
+empty (an idle rank's ``[0, H]``) nor moves it past another, so every rank runs them in
+the same order. Over several hosts (P > 8, 8 GPUs per host, as DeepEP's internode
 kernels assume) the same calls run DeepEP's internode kernels (RDMA through NVSHMEM/IBGDA);
 that path is written against DeepEP's API but has not been run here.
 """
