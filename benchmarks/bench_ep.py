@@ -21,10 +21,12 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    check the routing with an all-reduce and a host read, which a CUDA graph cannot
    hold: the routing is checked eagerly first, and the captured graph runs without
    that check (its cost is not in the time). ``deepep`` (where DeepEP is built):
-   low-latency mode at T=128, normal mode at T=4096, eager only (its ops stay whole
-   in a compiled graph); DeepEP's own tests (tests/test_intranode.py,
-   tests/test_low_latency.py) run at the same sizes in the same call
-   (`scripts/ep_gpu_check.sh`), and are its yardstick. ``flashinfer`` (where
+   its rows ops in low-latency mode at T=128, normal mode at T=4096, eager only (its ops
+   stay whole in a compiled graph), then its tokens format (normal mode at both sizes,
+   mode ``tokens``: ``dispatch_tokens`` + ``combine_tokens`` with the receive buffers sent
+   back untouched), judged against raw NCCL moving one row per token per peer; DeepEP's
+   own tests (tests/test_intranode.py, tests/test_low_latency.py) run at the same sizes in
+   the same call (`scripts/ep_gpu_check.sh`), and are its yardstick. ``flashinfer`` (where
    flashinfer-python runs): its rows ops as a captured dispatch + combine pair, eager only
    (they stay whole in a compiled graph); then its fused pairs' transport, ``dispatch_tokens``
    + ``combine_tokens`` with the receive buffers sent back untouched (mode ``tokens``), and
@@ -48,6 +50,7 @@ Bytes one rank sends its peers (GB/s = those bytes / time):
     all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
     allgather   (P-1) * M * (2*H*b + 8*K) all-gather of tokens, ids, weights + reduce-scatter
     deepep      (P-1) * M * 2*H*b         each token to each peer at most once, there and back
+                (tokens: + 12*K, its int64 ids and fp32 weights)
     flashinfer  (P-1) * M * (2*H*b + 8*K + 4)  the same, with ids, weights and token index
     raw a2a     2 * (P-1) * C * H * b     (even share: C = T * K / P)
     raw ag+rs   2 * (P-1) * M * H * b
@@ -110,7 +113,7 @@ PAIRED_A2A_NAMES = ("deepep", "flashinfer")
 # Those whose transport shrinks with a capacity below the worst case.
 CAPACITY_A2A_NAMES = ("all_to_all",)
 # Those whose tokens format is timed (the format the lowering takes where it can).
-TOKENS_A2A_NAMES = ("all_to_all", "allgather", "flashinfer")
+TOKENS_A2A_NAMES = ("all_to_all", "allgather", "deepep", "flashinfer")
 TARGET_TRANSPORT = 1.25
 # The flashinfer fused pairs' transport against FlashInfer's own round trip.
 TARGET_FLASHINFER = 1.05
@@ -484,9 +487,11 @@ def time_tokens(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int,
 
 def tokens_bytes_sent(a2a: str, run: Run, sizes: Sizes, tokens: int) -> int:
     """What one rank sends its peers in the tokens format: M rows with ids and weights
-    there, M rows back (flashinfer: each token once per rank that needs it; the same at
-    these sizes)."""
-    return (run.world - 1) * tokens * (2 * sizes.hidden * DTYPE_BYTES + 8 * sizes.top_k)
+    there, M rows back (flashinfer and deepep: each token once per rank that needs it; the
+    same at these sizes). DeepEP's ids are int64."""
+    id_bytes = 8 if a2a == "deepep" else 4
+    return (run.world - 1) * tokens * (2 * sizes.hidden * DTYPE_BYTES
+                                       + (4 + id_bytes) * sizes.top_k)
 
 
 def min_bytes(run: Run, sizes: Sizes, ids_TK: torch.Tensor, num_experts: int) -> int:
@@ -772,7 +777,8 @@ def layer_table(rows: list[dict]) -> str:
 
 FORMULAS = """Bytes one rank sends its peers (GB/s = bytes / time; P ranks, capacity C, M = T, b=2):
     all_to_all  (P-1) * C * (2*H*b + 8)    allgather  (P-1) * M * (2*H*b + 8*K)
-    deepep      (P-1) * M * 2*H*b (each token to each peer at most once, there and back)
+    deepep      (P-1) * M * 2*H*b (each token to each peer at most once, there and back;
+                tokens: + 12*K, its int64 ids and fp32 weights)
     flashinfer  (P-1) * M * (2*H*b + 8*K + 4) (the same, with ids, weights and token index)
     raw a2a     2 * (P-1) * C * H * b      raw ag+rs  2 * (P-1) * M * H * b"""
 

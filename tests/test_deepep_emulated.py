@@ -2,10 +2,13 @@
 replaced by tests/deepep_emulator.py: every rank's outputs and gradients equal the
 single-process reference (bf16 bounds), in normal and low-latency mode, with an idle
 rank, skipped slots, every slot on one rank, a capacity below the worst case, and
-low-latency messages arriving in a random order. Quantized layers: fp8 rows and their
-scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``, in the lowered
-graph) against the single-process quantized layer, and bf16 rows to experts that
-quantize inside.
+low-latency messages arriving in a random order. The tokens format (DeepEP's normal mode,
+``dispatch_tokens -> moe_reference::experts -> combine_tokens``) against the same reference
+with an idle rank, skipped slots, repeated ids and every slot on one rank, its fakes
+(opcheck), and compiled layers that take it without gradients and rows with. Quantized
+layers: fp8 rows and their scales through DeepEP's fp8 dispatch
+(``moe_deepep::dispatch_quant``, in the lowered graph) against the single-process
+quantized layer, and bf16 rows to experts that quantize inside.
 
 What this cannot tell is whether DeepEP's kernels behave as the emulator does:
 tests/test_deepep_gpu.py runs the real one on GPUs.
@@ -36,6 +39,7 @@ from ep_problems import (
     check_bf16_out,
     draw_problem,
     leaves,
+    recording_backend,
     token_slice,
 )
 from torch_moe_ops.backends.deepep import fp8_transport_reason
@@ -56,12 +60,9 @@ def _use_emulator():
     """In this worker: DeepEP is the emulator, and CPU tensors are let through."""
     sys.modules["deep_ep"] = deepep_emulator
     from torch_moe_ops.backends import deepep
+    from torch_moe_ops.backends.deepep import buffer
 
-    def check_tensor(name, t):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
-
-    deepep._check_tensor = check_tensor
+    buffer.DEVICE_TYPE = "cpu"
     REGISTRY.a2a["deepep"] = dataclasses.replace(REGISTRY.a2a["deepep"],
                                                  supports=lambda *_: None)
     return deepep
@@ -195,6 +196,104 @@ def test_compiled_layers_match_single_process():
 @pytest.mark.slow
 def test_idle_rank_keeps_its_collectives_under_inductor():
     run_on_ranks(2, _compiled_cases, "inductor")
+
+
+
+# The tokens format: DeepEP's normal mode, for layers without gradients.
+
+TOKENS_OPS = ("moe_deepep::dispatch_tokens", "moe_reference::experts",
+              "moe_deepep::combine_tokens")
+# Each routing a case of its own: skipped slots, every slot on rank 0's experts, a token
+# choosing one expert in several slots.
+TOKENS_ROUTINGS = ("random", "one_rank", "repeated")
+
+
+def _check_tokens(rank, world_size, top_k, num_local, route, max_tokens):
+    """dispatch_tokens -> moe_reference::experts on the receive buffers as they are ->
+    combine_tokens against the reference on all tokens; with the random routing, the
+    fakes against the real outputs (opcheck: every rank runs its calls in the same order)."""
+    num_experts = num_local * world_size
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(
+        world_size, num_experts, top_k, "random" if route == "repeated" else route)
+    if route == "repeated":
+        ids_NK[1::2, -1] = ids_NK[1::2, 0]
+    mine, local = _my_tokens(rank, world_size), slice(rank * num_local, (rank + 1) * num_local)
+    ep_args = (world_size, dist.group.WORLD.group_name, max_tokens)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *ep_args)
+    if route == "random":
+        torch.library.opcheck(torch.ops.moe_deepep.dispatch_tokens.default, args)
+    x_NH, weights_tokens_NK, local_NK = torch.ops.moe_deepep.dispatch_tokens(*args)
+    assert x_NH.shape == (world_size * max_tokens, H) and local_NK.dtype == torch.int32
+    assert -1 <= int(local_NK.min()) and int(local_NK.max()) < num_local
+    y_NH = torch.ops.moe_reference.experts(x_NH, weights_tokens_NK, local_NK,
+                                           *(w[local] for w in full), *STATIC)
+    combine_args = (y_NH, ids_NK[mine], num_experts, *ep_args)
+    if route == "random":
+        torch.library.opcheck(torch.ops.moe_deepep.combine_tokens.default, combine_args)
+    out_TH = torch.ops.moe_deepep.combine_tokens(*combine_args)
+    ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    assert out_TH.shape == (mine.stop - mine.start, H)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _check_tokens_compiled(rank, world_size, deepep, max_tokens):
+    """A `MoE` sharded over the group and compiled with ``a2a="deepep"``: with gradients
+    it keeps rows (in the mode `choose_mode` gives), without it takes the tokens chain on a
+    normal-mode communicator of its own; both against the same layer in one process."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, max_tokens), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, max_tokens), dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                       generator=torch.Generator().manual_seed(9)).bfloat16()
+    mine = _my_tokens(rank, world_size)
+    x_ref = x_NH.clone().requires_grad_()
+    ref_NH = single(x_ref)
+    ref_NH.float().square().sum().backward()
+    sequences = []
+    backend = recording_backend(sequences, a2a="deepep", experts="reference", inner="aot_eager")
+    compiled = torch.compile(sharded, backend=backend, fullgraph=True, dynamic=False)
+    x_TH = x_NH[mine].clone().requires_grad_()
+    out_TH = compiled(x_TH)
+    out_TH.float().square().sum().backward()
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
+    assert "moe_deepep::dispatch\n" in sequences[-1], sequences[-1]
+    assert "dispatch_tokens" not in sequences[-1], sequences[-1]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_TH = compiled(x_NH[mine])
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    assert sequences[-1] == "moe_reference::route\n" + "\n".join(TOKENS_OPS), sequences[-1]
+    modes = {comm.mode for comm in deepep.open_communicators()}
+    assert modes == {"normal", deepep.choose_mode(world_size, H, 2, max_tokens)}, modes
+
+
+def _tokens_cases(rank, world_size):
+    deepep = _use_emulator()
+    for max_tokens in (M_NORMAL, M_LOW_LATENCY):
+        for top_k, num_local in SHAPES:
+            for route in TOKENS_ROUTINGS:
+                _check_tokens(rank, world_size, top_k, num_local, route, max_tokens)
+    # Every tokens communicator runs normal mode, whatever max_tokens_per_rank.
+    assert {comm.mode for comm in deepep.open_communicators()} == {"normal"}
+    # A combine that does not answer the dispatch before it fails on every rank, sending nothing.
+    ep_args = (world_size, dist.group.WORLD.group_name, M_LOW_LATENCY)
+    with pytest.raises(RuntimeError, match="must answer the dispatch_tokens before it"):
+        torch.ops.moe_deepep.combine_tokens(
+            torch.zeros(world_size * M_LOW_LATENCY, H, dtype=torch.bfloat16),
+            torch.zeros(3, 1, dtype=torch.int32), 4 * world_size, *ep_args)
+    deepep.close_all()
+    _check_tokens_compiled(rank, world_size, deepep, M_LOW_LATENCY)
+    deepep.close_all()
+    assert not deepep.open_communicators()
+
+
+def test_tokens_chain_matches_single_process():
+    run_on_ranks(2, _tokens_cases)
 
 
 # Quantized layers: fp8 rows through DeepEP.

@@ -2,7 +2,11 @@
 equal the single-process reference on the same tokens and weights (bf16 bounds), in
 DeepEP's normal and low-latency modes, with one rank idle, in a captured CUDA graph
 replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
-backward; and forward under ``mode="reduce-overhead"``). Quantized layers: fp8 rows and
+backward, through the rows format; and forward under ``mode="reduce-overhead"``, through
+the tokens format). The tokens format on DeepEP's normal mode (``dispatch_tokens ->
+moe_reference::experts -> combine_tokens``) against the same reference at two token
+counts (one where rows would take the low-latency kernels), with one rank idle, and
+captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and
 their scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``) against
 dispatch then quantize, and quantized `MoE` layers compiled with ``a2a="deepep"``
 against one GPU holding every expert.
@@ -20,6 +24,7 @@ mode has its own test (and processes).
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 
 import pytest
@@ -38,6 +43,7 @@ from ep_problems import (
     draw_problem,
     leaves,
     on_current_gpu,
+    recording_backend,
     single_and_sharded,
     token_slice,
 )
@@ -53,6 +59,7 @@ TOKENS_PER_RANK = (5, 0)
 H, I, E, K = 2048, 64, 8, 2
 M_NORMAL, M_LOW_LATENCY = 8, 6
 STATIC = ("silu", 1.702, 7.0)
+TOKENS_OPS = ("moe_deepep::dispatch_tokens", "moe_deepep::combine_tokens")
 # Quantized layers: 128 x 128 weight blocks need I to be a multiple of 128.
 QUANT_I = 128
 QUANT_SPECS = {
@@ -161,7 +168,8 @@ def _single_and_sharded(max_tokens, seed, quant=None):
 def _check_module(rank, max_tokens):
     """`MoE` sharded over the group and compiled by Inductor with ``a2a="deepep"``
     against the single-process `MoE` with the same full weights: outputs and gradients
-    (the idle rank's empty gradients included: its ops must not be dropped as dead code)."""
+    (the idle rank's empty gradients included: its ops must not be dropped as dead code),
+    through the rows format."""
     single, sharded = _single_and_sharded(max_tokens, seed=5)
     device = single.w13.device
     x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
@@ -171,11 +179,14 @@ def _check_module(rank, max_tokens):
     x_ref = x_NH.clone().requires_grad_()
     ref_NH = single(x_ref)
     ref_NH.float().square().sum().backward()
-    compiled = torch.compile(sharded, backend=tmo.backend(a2a="deepep"), fullgraph=True,
-                             dynamic=False)
+    sequences = []
+    compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="deepep"),
+                             fullgraph=True, dynamic=False)
     x_TH = x_NH[mine].clone().requires_grad_()
     out_TH = compiled(x_TH)
     out_TH.float().square().sum().backward()
+    # A layer that trains takes the rows format (the tokens ops carry no gradient).
+    assert "moe_deepep::dispatch\n" in sequences[-1], sequences[-1]
 
     check_bf16_out(out_TH, ref_NH[mine].detach())
     check_bf16_grad(x_TH.grad, x_ref.grad[mine])
@@ -186,10 +197,13 @@ def _check_module(rank, max_tokens):
 
 def _check_reduce_overhead(rank, max_tokens):
     """`MoE` compiled by Inductor with ``a2a="deepep"`` and ``mode="reduce-overhead"``
-    (CUDA graphs: warm-up, one recording, replays) against the single-process `MoE`."""
+    (CUDA graphs: warm-up, one recording, replays) for inference, through the tokens
+    format, against the single-process `MoE`."""
     single, sharded = _single_and_sharded(max_tokens, seed=6)
     device = single.w13.device
-    compiled = torch.compile(sharded, backend=tmo.backend(a2a="deepep", mode="reduce-overhead"),
+    sequences = []
+    compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="deepep",
+                                                                mode="reduce-overhead"),
                              fullgraph=True, dynamic=False)
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -200,6 +214,8 @@ def _check_reduce_overhead(rank, max_tokens):
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
+    # Without gradients: the tokens format, on a normal-mode communicator whatever M.
+    assert all(op in sequences[-1] for op in TOKENS_OPS), sequences[-1]
     # DeepEP's ops ran inside the CUDA graphs, not beside them.
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
@@ -240,6 +256,8 @@ def _run_low_latency(rank, world_size):
     _check_graph(rank, M_LOW_LATENCY)
     _check_module(rank, M_LOW_LATENCY)
     _check_reduce_overhead(rank, M_LOW_LATENCY)
+    # Rows trained on the low-latency kernels, the tokens format served on normal mode.
+    assert sorted(c.mode for c in deepep.open_communicators()) == ["low_latency", "normal"]
     deepep.close_all()
 
 
@@ -250,6 +268,43 @@ def test_normal_mode_matches_single_process():
 def test_low_latency_mode_matches_single_process():
     run_on_ranks(WORLD, _run_low_latency, backend="nccl", timeout=TIMEOUT,
                  deadline_s=DEADLINE_S)
+
+
+def _tokens_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens):
+    """``moe_deepep::dispatch_tokens -> moe_reference::experts -> moe_deepep::combine_tokens``:
+    the receive buffers as DeepEP delivers them, this rank's ``[T, H]`` output."""
+    ep_args = (WORLD, dist.group.WORLD.group_name, max_tokens)
+    x_NH, weights_NK, local_NK = torch.ops.moe_deepep.dispatch_tokens(hidden_TH, weights_TK,
+                                                                       ids_TK, E, *ep_args)
+    assert x_NH.shape == (WORLD * max_tokens, H) and local_NK.dtype == torch.int32
+    y_NH = torch.ops.moe_reference.experts(x_NH, weights_NK, local_NK, *experts, *STATIC)
+    return torch.ops.moe_deepep.combine_tokens(y_NH, ids_TK, E, *ep_args)
+
+
+def _check_tokens(rank, route, max_tokens):
+    """The tokens chain against ``moe_reference::experts`` on all tokens."""
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(8, route)
+    mine, local = _mine(rank), _local(rank)
+    with torch.no_grad():
+        out_TH = _tokens_pipeline(hidden_NH[mine], weights_NK[mine], ids_NK[mine],
+                                  [w[local] for w in full], max_tokens)
+        ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _run_tokens(rank, world_size):
+    # M_LOW_LATENCY: the size where rows take the low-latency kernels; tokens stay normal.
+    for max_tokens in (M_NORMAL, M_LOW_LATENCY):
+        for route in ("random", "one_rank"):
+            _check_tokens(rank, route, max_tokens)
+        check_graph_replays(functools.partial(_tokens_pipeline, max_tokens=max_tokens),
+                            _full_problem, _mine(rank), _local(rank), STATIC)
+    assert [c.mode for c in deepep.open_communicators()] == ["normal", "normal"]
+    deepep.close_all()
+
+
+def test_tokens_format_matches_single_process():
+    run_on_ranks(WORLD, _run_tokens, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
 
 
 def _check_dispatch_quant(rank, mode, max_tokens):

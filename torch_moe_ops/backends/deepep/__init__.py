@@ -1,0 +1,62 @@
+"""The ``deepep`` a2a backend: DeepEP's expert-parallel kernels (NVLink, RDMA) on its public
+``deep_ep.Buffer`` API, in two formats (`registry.FORMATS`):
+
+- tokens (`tokens`: ``moe::dispatch_tokens`` / ``moe::combine_tokens``), DeepEP's normal
+  mode at its worst-case token count, for layers without gradients;
+- rows (`rows`: ``moe::dispatch``, ``moe::dispatch_quant``, ``moe::combine`` and their
+  gradients), in normal mode (`normal`) or, for decode batches, low-latency mode
+  (`low_latency`), as `modes` chooses: layers that train, and quantized layers.
+
+State lives in one `buffer.DeepEPCommunicator` per (group, layer shape, mode), created by
+the first eager call or by `communicator` (which also fixes a layer's rows mode by hand:
+call it on every rank before the layer's first call), closed by `close_all` (collective).
+Every op carries an ordered effect: ``torch.compile`` neither drops one whose outputs are
+empty (an idle rank's ``[0, H]``) nor moves it past another, so every rank runs them in
+the same order. Over several hosts (P > 8, 8 GPUs per host, as DeepEP's internode
+kernels assume) the same calls run DeepEP's internode kernels (RDMA through NVSHMEM/IBGDA);
+that path is written against DeepEP's API but has not been run here.
+"""
+
+from __future__ import annotations
+
+from torch_moe_ops.backends.deepep import rows, tokens
+from torch_moe_ops.backends.deepep.buffer import (
+    NOT_INSTALLED,
+    DeepEPCommunicator,
+    close_all,
+    communicator,
+    open_communicators,
+)
+from torch_moe_ops.backends.deepep.modes import (
+    LOW_LATENCY,
+    LOW_LATENCY_MAX_TOKENS,
+    NORMAL,
+    choose_mode,
+    fp8_transport_reason,
+    low_latency_mode_reason,
+    normal_mode_reason,
+)
+from torch_moe_ops.backends.deepep.supports import supports
+from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
+from torch_moe_ops.ops import define_backend_ops
+
+NAMESPACE = "moe_deepep"
+
+# The tokens ops have no gradient ops (`tokens` says why): a layer that trains takes rows.
+define_backend_ops(NAMESPACE, {"dispatch": rows.dispatch, "combine": rows.combine,
+                               "dispatch_backward": rows.dispatch_backward,
+                               "combine_backward": rows.combine_backward,
+                               "dispatch_quant": rows.dispatch_quant,
+                               "dispatch_tokens": tokens.dispatch_tokens,
+                               "combine_tokens": tokens.combine_tokens})
+
+REGISTRY.register_a2a(A2ABackend(
+    name="deepep", namespace=NAMESPACE, supports=supports,
+    description=(f"DeepEP: tokens format on normal mode (worst-case static receive, "
+                 f"NVLink/RDMA) without gradients; rows in normal mode or, for "
+                 f"max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, low-latency mode")))
+
+__all__ = ["LOW_LATENCY", "LOW_LATENCY_MAX_TOKENS", "NAMESPACE", "NORMAL", "NOT_INSTALLED",
+           "DeepEPCommunicator", "choose_mode", "close_all", "communicator",
+           "fp8_transport_reason", "low_latency_mode_reason", "normal_mode_reason",
+           "open_communicators", "supports"]

@@ -1,0 +1,141 @@
+"""The rows format's ops on DeepEP (``moe::dispatch``, ``moe::dispatch_quant``,
+``moe::combine`` and their gradients): the layer's mode (`modes.choose_mode`, or one fixed
+with `communicator`) runs them, `normal` or `low_latency`.
+
+Both modes: static shapes, no host sync (unless ``ep_capacity`` is below the worst case:
+then dispatch checks, with one all-reduce and a host read, that no rank sends another more
+than ``C`` rows, and raises on all of them if one does), so no op needs the
+``cudagraph_unsafe`` tag and a layer captures in a CUDA graph in either mode. An idle rank
+joins every collective. Where DeepEP's fp8 path does not take the format
+(`modes.fp8_transport_reason`), rows travel in bf16 and are quantized on arrival: a row is a
+copy of its token, so they get the values quantizing before would give, in twice the bytes.
+Quantized layers have no gradient (``moe::dispatch_quant`` raises when asked).
+
+Legend: T tokens on this rank, H hidden size, K experts per token, E experts, E_l = E / P
+experts per rank, P ranks, C rows one rank may send another (the capacity), R = P * C rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops import quant
+from torch_moe_ops.backends.common.kernels.rows import combine_grads, weighted_rows
+from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.backends.deepep import low_latency, normal
+from torch_moe_ops.backends.deepep.buffer import (
+    check_tensor,
+    communicator,
+    communicators,
+    on,
+)
+from torch_moe_ops.backends.deepep.modes import LOW_LATENCY, NORMAL, fp8_transport_reason
+from torch_moe_ops.config import QuantSpec, worst_case_capacity
+
+
+def _rows_per_rank(topk_ids_TK: torch.Tensor, num_local: int, ep_size: int) -> torch.Tensor:
+    """``[P]``: the rows this rank sends each rank."""
+    ids_S = topk_ids_TK.reshape(-1).long()
+    dest_S = torch.where(ids_S < 0, ep_size, ids_S // num_local)
+    count_X = torch.zeros(ep_size + 1, dtype=torch.int64, device=ids_S.device)
+    return count_X.scatter_add_(0, dest_S, torch.ones_like(dest_S))[:ep_size]
+
+
+def _transport(src_R, group_name, ep_size, max_tokens_per_rank, hidden_size, top_k, dtype):
+    """The communicator that ran the dispatch of ``src_R``, and its normal-mode handle
+    (None in low-latency mode)."""
+    collectives.rank_in(group_name, ep_size)
+    for comm in communicators():
+        if comm.mode == NORMAL and comm.group_name == group_name:
+            handle = comm.recall(src_R)
+            if handle is not None:
+                return comm, handle
+    for comm in communicators():
+        if comm.mode == LOW_LATENCY and comm.matches(group_name, hidden_size, top_k,
+                                                      max_tokens_per_rank, dtype):
+            return comm, None
+    raise RuntimeError("src_rows must be the tensor that a2a backend 'deepep''s dispatch returned "
+                       f"on this rank (group {group_name!r}): its normal-mode DeepEP handle lives "
+                       "as long as that tensor's storage, and no low-latency communicator matches "
+                       f"(H={hidden_size}, K={top_k}, max_tokens_per_rank={max_tokens_per_rank})")
+
+
+def _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+              max_tokens_per_rank, capacity, spec=None):
+    """Dispatch's six outputs, and with ``spec`` the rows in fp8 and ``x_scale``."""
+    check_tensor("hidden", hidden_TH)
+    num_tokens, top_k = topk_ids_TK.shape
+    num_local = num_experts // ep_size
+    collectives.rank_in(group_name, ep_size)
+    with on(hidden_TH.device):
+        comm = communicator(group_name, hidden_TH.shape[1], num_experts, top_k,
+                            max_tokens_per_rank, hidden_TH.dtype, device=hidden_TH.device)
+        comm.check_tokens(num_tokens)
+        if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
+            collectives.check_capacity(_rows_per_rank(topk_ids_TK, num_local, ep_size), capacity,
+                                       group_name,
+                                       "a rank sends another more rows than the capacity")
+        run = low_latency.dispatch if comm.mode == LOW_LATENCY else normal.dispatch
+        args = (comm, hidden_TH, topk_weights_TK, topk_ids_TK, ep_size * capacity)
+        if spec is None or fp8_transport_reason(comm.mode, spec, hidden_TH.shape[1]) is None:
+            return run(*args, spec)
+        # A row is a copy of its token: quantized here, it gets the values quantizing
+        # the token before it left would have given.
+        x_RH, *routing = run(*args)
+        q_RH, x_scale = quant.quantize_activations(x_RH, spec)
+        return (q_RH, *routing, x_scale)
+
+
+def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+             max_tokens_per_rank, capacity):
+    return _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, capacity)
+
+
+def dispatch_quant(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, weight_format,
+                   activation_format, block_size, ep_size, group_name, max_tokens_per_rank,
+                   capacity):
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    return _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, capacity, spec)
+
+
+def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
+    check_tensor("y_rows", y_RH)
+    num_tokens, top_k = slot_map_TK.shape
+    with on(y_RH.device):
+        comm, handle = _transport(src_R, group_name, ep_size, max_tokens_per_rank,
+                                  y_RH.shape[1], top_k, y_RH.dtype)
+        rows_RH = weighted_rows(y_RH, weight_R, src_R)
+        if handle is None:
+            return low_latency.combine(comm, rows_RH, src_R, slot_map_TK)
+        return normal.combine(comm, handle, rows_RH, src_R, num_tokens, top_k)
+
+
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+                      max_tokens_per_rank):
+    check_tensor("grad_x_rows", grad_x_RH)
+    num_tokens, top_k = slot_map_TK.shape
+    with on(grad_x_RH.device):
+        comm, handle = _transport(src_R, group_name, ep_size, max_tokens_per_rank,
+                                  grad_x_RH.shape[1], top_k, grad_x_RH.dtype)
+        if handle is None:
+            return (low_latency.combine(comm, grad_x_RH, src_R, slot_map_TK),
+                    low_latency.weight_grads(comm, grad_weight_R, src_R, slot_map_TK))
+        grad_hidden_TH, grad_weights_TK = normal.combine(comm, handle, grad_x_RH, src_R,
+                                                          num_tokens, top_k, grad_weight_R)
+        return grad_hidden_TH, grad_weights_TK.float()
+
+
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+                     max_tokens_per_rank):
+    check_tensor("y_rows", y_RH)
+    top_k = slot_map_TK.shape[1]
+    with on(y_RH.device):
+        comm, handle = _transport(src_R, group_name, ep_size, max_tokens_per_rank,
+                                  y_RH.shape[1], top_k, y_RH.dtype)
+        if handle is None:
+            grad_RH = low_latency.send_out(comm, grad_out_TH, src_R, slot_map_TK)
+        else:
+            grad_RH = normal.send_out(comm, handle, grad_out_TH, src_R, top_k)
+        return combine_grads(grad_RH, y_RH, weight_R, src_R)

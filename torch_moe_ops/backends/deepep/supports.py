@@ -1,0 +1,60 @@
+"""Whether the ``deepep`` a2a backend runs a layer here (the registry's ``supports``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_moe_ops.backends.deepep.buffer import import_deep_ep
+from torch_moe_ops.backends.deepep.modes import (
+    DTYPE,
+    choose_mode,
+    low_latency_mode_reason,
+    mode_reason,
+    normal_mode_reason,
+)
+
+
+def supports(spec, problem, device) -> str | None:
+    """None where DeepEP runs ``problem`` on ``device``, else why not. A layer without
+    gradients (and not quantized) takes the tokens format, which runs normal mode whatever
+    its token count; others the rows format in the mode `choose_mode` gives."""
+    if not dist.is_available():
+        return "this torch has no torch.distributed"
+    deep_ep, reason = import_deep_ep()
+    if reason is not None:
+        return reason
+    if device.type != "cuda":
+        return f"needs CUDA GPUs (DeepEP's NVLink/RDMA kernels), got device {device}"
+    if not torch.cuda.is_available():
+        return "needs CUDA GPUs (DeepEP's NVLink/RDMA kernels): this torch sees none"
+    if problem.ep_size is not None and problem.ep_size < 2:
+        return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
+    if problem.dtype != DTYPE:
+        return (f"DeepEP moves bfloat16 activations (bf16, or fp8 quantized from bf16), got "
+                f"{problem.dtype}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if deep_ep.Buffer.is_sm90_compiled() and torch.cuda.get_device_capability(index) < (9, 0):
+        return (f"this DeepEP build targets sm90 and GPU {index} is "
+                f"sm{''.join(map(str, torch.cuda.get_device_capability(index)))}")
+    return shape_reason(problem)
+
+
+def shape_reason(problem) -> str | None:
+    """Why DeepEP's kernels cannot run the problem's shape (None: they can)."""
+    num_local = problem.num_local_experts
+    if num_local is None and problem.num_experts is not None and problem.ep_size:
+        num_local = problem.num_experts // problem.ep_size
+    shape = (problem.ep_size, problem.hidden_size, problem.top_k)
+    if problem.training is False and problem.quant is None:
+        reason = normal_mode_reason(*shape, num_local)
+        return None if reason is None else (f"layers without gradients take the tokens "
+                                            f"format, on DeepEP's normal mode: {reason}")
+    if problem.max_tokens_per_rank is None:
+        normal = normal_mode_reason(*shape, num_local)
+        low_latency = low_latency_mode_reason(*shape, None)
+        if normal is not None and low_latency is not None:
+            return f"{normal}; {low_latency}"
+        return None
+    mode = choose_mode(*shape, problem.max_tokens_per_rank)
+    return mode_reason(mode, *shape, num_local, problem.max_tokens_per_rank)
