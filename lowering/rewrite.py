@@ -158,7 +158,7 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     plans = layer_plans(gm, spec)
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
-            plan.a2a.prepare(*_example_args(node)[:7])
+            plan.a2a.prepare(plan.format, *_example_args(node)[:7])
     tokens = _lower_tokens_chains(gm, plans, spec)
     changed = bool(tokens)
     for node, plan in plans.items():

@@ -444,7 +444,7 @@ def test_build_without_flashinfer_says_why(monkeypatch):
 
 def test_registry_row():
     flashinfer, others = REGISTRY.experts["flashinfer"], REGISTRY.experts
-    assert flashinfer.namespace == "moe_flashinfer" and flashinfer.layout == "rows"
+    assert flashinfer.namespace == "moe_flashinfer" and flashinfer.formats == ("tokens", "rows")
     assert flashinfer.priority < min(others["triton"].priority, others["grouped_mm"].priority)
     assert flashinfer.backward is None and flashinfer.quantized_rows == ()
     with pytest.raises(ValueError, match="experts backend 'flashinfer' is not available: "

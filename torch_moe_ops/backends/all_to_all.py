@@ -162,11 +162,13 @@ def _send_positions_tokens(topk_ids_TK, num_experts, ep_size, max_tokens):
     block (-1: it does not go there) and the token at each send position (-1: padding)."""
     num_tokens = topk_ids_TK.shape[0]
     device = topk_ids_TK.device
-    ranks_TK = torch.where(topk_ids_TK < 0, ep_size, topk_ids_TK // (num_experts // ep_size))
-    goes_TP = torch.zeros((num_tokens, ep_size + 1), dtype=torch.int32, device=device).scatter_(
-        1, ranks_TK.long(), 1)[:, :ep_size]
-    block_P = torch.arange(ep_size, device=device, dtype=torch.int32) * max_tokens
-    send_position_TP = torch.where(goes_TP > 0, torch.cumsum(goes_TP, 0) - 1 + block_P, -1)
+    rank_P = torch.arange(ep_size, device=device, dtype=torch.int32)
+    # A comparison, not a scatter into [T, P + 1]: Inductor (torch 2.11) failed to generate
+    # the training graph's code for that scatter's int32 buffer.
+    ranks_TK = torch.where(topk_ids_TK < 0, -1, topk_ids_TK // (num_experts // ep_size))
+    goes_TP = (ranks_TK.unsqueeze(2) == rank_P).any(1).to(torch.int32)
+    send_position_TP = torch.where(goes_TP > 0,
+                                   torch.cumsum(goes_TP, 0) - 1 + rank_P * max_tokens, -1)
     tokens_TP = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, ep_size)
     token_of_position_N = scatter_index(tokens_TP.reshape(-1), send_position_TP.reshape(-1),
                                         ep_size * max_tokens)

@@ -50,7 +50,6 @@ from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized
 from torch_moe_ops.backends.common.transport.token_routing import (
     received_routing,
     routing_columns,
-    send_with_routing,
 )
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
@@ -144,9 +143,10 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
     def send(values_TX):
         return _gather_padded(values_TX, max_tokens_per_rank, 0, group_name, ep_size)
 
-    x_NH, columns_NX = send_with_routing(send, hidden_TH,
-                                         routing_columns(topk_ids_TK, topk_weights_TK),
-                                         ep_size * max_tokens_per_rank)
+    # Rows and routing in two messages whatever their size: the all-gather of the rows
+    # writes the receive buffer itself, where one message would add a copy on each side.
+    x_NH = send(hidden_TH)
+    columns_NX = send(routing_columns(topk_ids_TK, topk_weights_TK))
     return (x_NH, *received_routing(columns_NX, topk_ids_TK.shape[1], rank,
                                     num_experts // ep_size))
 

@@ -169,11 +169,12 @@ class A2ABackend:
     namespace: str
     supports: SupportsFn
     description: str
-    # ``prepare(hidden, topk_weights, topk_ids, num_experts, ep_size, group_name,
-    # max_tokens_per_rank)`` (a dispatch's arguments, fake tensors): opens the transport
-    # state a layer of those sizes needs. The lowering calls it when it plans the layer, on
-    # every rank alike and outside any captured region (CUDA graphs, or the memory pool of
-    # their warm-up runs, which state made there would outlive).
+    # ``prepare(format, hidden, topk_weights, topk_ids, num_experts, ep_size, group_name,
+    # max_tokens_per_rank)`` (the planned format and a dispatch's arguments, fake tensors):
+    # opens the transport state a layer of those sizes needs in that format. The lowering
+    # calls it when it plans the layer, on every rank alike and outside any captured region
+    # (CUDA graphs, or the memory pool of their warm-up runs, which state made there would
+    # outlive).
     prepare: Callable[..., None] | None = None
 
     @property

@@ -25,6 +25,7 @@ from torch_moe_ops.backends.deepep.buffer import (
     DeepEPCommunicator,
     close_all,
     communicator,
+    on,
     open_communicators,
 )
 from torch_moe_ops.backends.deepep.modes import (
@@ -50,8 +51,21 @@ define_backend_ops(NAMESPACE, {"dispatch": rows.dispatch, "combine": rows.combin
                                "dispatch_tokens": tokens.dispatch_tokens,
                                "combine_tokens": tokens.combine_tokens})
 
+def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+            max_tokens_per_rank) -> None:
+    """The layer's communicator in the mode its format runs (tokens: normal mode), opened
+    when the layer is compiled: made in a warm-up run of ``mode="reduce-overhead"``, its
+    tensors would stay in the CUDA graphs' memory pool."""
+    if hidden_TH.device.type != "cuda":
+        return
+    with on(hidden_TH.device):
+        communicator(group_name, hidden_TH.shape[1], num_experts, topk_ids_TK.shape[1],
+                     max_tokens_per_rank, hidden_TH.dtype,
+                     mode=NORMAL if fmt == "tokens" else "auto", device=hidden_TH.device)
+
+
 REGISTRY.register_a2a(A2ABackend(
-    name="deepep", namespace=NAMESPACE, supports=supports,
+    name="deepep", namespace=NAMESPACE, supports=supports, prepare=prepare,
     description=(f"DeepEP: tokens format on normal mode (worst-case static receive, "
                  f"NVLink/RDMA) without gradients; rows in normal mode or, for "
                  f"max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, low-latency mode")))
