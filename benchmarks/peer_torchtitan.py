@@ -31,6 +31,11 @@ applies expert parallelism to it, without the model around it:
   ``capture_scalar_outputs`` (and ``skip_fwd_side_effects_in_bwd_under_checkpoint``
   where torch has it) on, then ``module.compile(backend=..., fullgraph=True)``.
 
+torch older than torchtitan 0.3.0 expects: torch 2.11 lacks
+``torch.compiler._is_non_strict_tracing`` (whether a non-strict ``make_fx`` export trace is
+running), which torchtitan's all-to-all dispatcher asks when it runs eagerly;
+`torch_shims` adds it answering False (nothing here traces that way) and names it.
+
 Not applied: FSDP (torchtitan wraps the experts in FSDP over ``efsdp``, of size 1 here,
 for mixed precision; the weights here are bf16 already), activation checkpointing, and
 the optimizer hook that updates the load-balancing bias.
@@ -72,8 +77,8 @@ def version() -> str | None:
 def missing_reason() -> str | None:
     """Why torchtitan's MoE modules cannot be imported here, or None."""
     try:
-        import torchtitan.distributed.compile  # noqa: F401
-        import torchtitan.models.common.config_utils  # noqa: F401
+        import torchtitan.distributed.compile
+        import torchtitan.models.common.config_utils
         import torchtitan.models.common.moe_sharding  # noqa: F401
     except ImportError as error:
         return (f"torchtitan's MoE modules do not import ({type(error).__name__}: {error}); "
@@ -82,10 +87,22 @@ def missing_reason() -> str | None:
     return None
 
 
+_SHIMS: list[str] = []
+
+
+def torch_shims() -> list[str]:
+    """What this torch lacks of torchtitan's needs, each added as torch 2.13 has it (once
+    per process): their names."""
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        torch.compiler._is_non_strict_tracing = lambda: False
+        _SHIMS.append("torch.compiler._is_non_strict_tracing (returns False)")
+    return list(_SHIMS)
+
+
 @functools.cache
 def _parallel_dims(world: int, device_type: str):
     """One ``ParallelDims`` (and its meshes) per process: each build makes process groups."""
-    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import parallel_dims
     from torchtitan.distributed import utils as dist_utils
 
     # torchtitan picks "cuda" where no accelerator is found; the CPU check runs on "cpu".
