@@ -34,9 +34,11 @@ its error in its row.
 
 Every collective is bounded by ``--timeout-s``; a row starts only while the run is
 within ``--budget-s`` (the rest are listed as skipped). torchtitan's compiled rows run
-last: on torch 2.11 its compiled dispatch can read the token splits before their copy
-to the host lands, a rank then fails a runtime assert or sends a wrong size, the ranks'
-collectives part, and the run ends at the timeout with every other row kept. Rank 0 writes
+last: on torch 2.11 (H200) its compiled layer passed its first step and then, in 3 cases
+of 4, read wrong token splits on a later one (a rank fails its runtime assert
+``Eq(u0 + u1, T*K)``, or sends a wrong size: 229376 rows where 32768 were routed); the
+ranks' collectives can then part, and the run ends at the timeout with every other row
+kept. Rank 0 writes
 ``ep_train.json``, ``ep_train.md`` and ``summary.txt`` (the short table it prints
 last) to ``--out`` after every row.
 """
