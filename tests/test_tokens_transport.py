@@ -24,7 +24,7 @@ from torch_moe_ops.ops import op_overload
 H, I, K = 16, 8, 3
 MAX_TOKENS = 6
 # Tokens on each rank: uneven, one rank idle.
-TOKENS_PER_RANK = {2: (5, 0), 3: (6, 0, 3)}
+TOKENS_PER_RANK = {2: (5, 0), 3: (6, 0, 3), 4: (6, 0, 3, 1), 8: (6, 0, 3, 1, 6, 2, 0, 5)}
 NAMESPACES = {"all_to_all": "moe_all_to_all", "allgather": "moe_allgather"}
 # Each routing a case of its own: skipped slots, every slot on rank 0's experts, a token
 # choosing one expert in several slots, one expert for every first slot.
@@ -200,7 +200,7 @@ def _run_cases(rank, world_size, a2a):
     _check_one_rank_failure_fails_all(rank, world_size, a2a)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 @pytest.mark.parametrize("a2a", sorted(NAMESPACES))
 def test_tokens_chain_matches_single_process(a2a, world_size):
     run_on_ranks(world_size, _run_cases, a2a)
