@@ -36,13 +36,9 @@ takes as much memory as ``w13`` (and ``b13``, and the block scales of fp8
 ``w13``). The first call of a layer makes it, outside CUDA-graph capture (a
 miss during capture raises: run the layer once first).
 
-With expert parallelism it reads the rows every a2a backend delivers (no
-adapter). No fused pair is registered: DeepEP's normal-mode receive buffers
-(tokens, local ids with -1, weights) are what ``cutlass_fused_moe`` takes as
-they are, and its output what ``Buffer.combine`` sums, so a fused
-``(deepep, flashinfer)`` would skip deepep's sort, row gather and per-token sum;
-but the ops between dispatch, experts and combine carry rows of one expert each,
-and the lowering has no rewrite of that chain into one fused op yet.
+With expert parallelism it reads what the planned format delivers: the tokens format's
+receive buffers through its ``experts`` op (tokens, local ids with -1, weights: what
+``cutlass_fused_moe`` takes as they are), or rows through ``experts_rows``.
 
 No gradient of its own: a layer trained on it computes its gradient on the
 reference backend (the ``backward`` column of `available_backends()`), and it

@@ -7,7 +7,7 @@ in the workspace; positions past the count of tokens that came from their block 
 earlier calls left there. The experts read local ids, -1 for a slot that is not theirs.
 FlashInfer's round trip writes -1 at those positions with its own kernel
 (``moe_a2a_sanitize_expert_ids``, reading the receive counters); here the same pass also
-makes the ids local, so the fused pairs' transport runs no more kernels than FlashInfer's
+makes the ids local, so the tokens transport runs no more kernels than FlashInfer's
 own. On one H100 a round trip of 128 tokens (H=7168, K=8) took 16.3-20.9 us; the lookup
 this replaced (an int64 copy of the ids and a gather) added about 7 us to it.
 """

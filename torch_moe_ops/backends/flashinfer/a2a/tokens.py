@@ -1,5 +1,5 @@
-"""The tokens format's ops on FlashInfer's all-to-all (`ops.tokens`, the fused pairs'
-transport, for layers without gradients): ``dispatch_tokens`` hands over the receive
+"""The tokens format's ops on FlashInfer's all-to-all (`ops.tokens`, for layers without
+gradients): ``dispatch_tokens`` hands over the receive
 buffers as they are, views of the workspace with no copy, with the ids made local to this
 rank's experts (-1 at padding); ``combine_tokens`` hands the experts' output back to
 FlashInfer's combine. The buffers are the next dispatch's: inference only.
