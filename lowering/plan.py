@@ -82,6 +82,8 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
             skipped.append(f"{experts.name} does not read {fmt}")
         elif problem.training and not a2a.trains(fmt):
             skipped.append(f"{a2a.name} carries no gradient in {fmt}")
+        elif a2a.format_reason is not None and (why := a2a.format_reason(fmt, problem)):
+            skipped.append(f"{a2a.name} cannot move this layer in {fmt}: {why}")
         else:
             return fmt, "; ".join(skipped) or "the format that moves the fewest bytes"
     raise ValueError(f"a2a backend {a2a.name!r} and experts backend {experts.name!r} share no "

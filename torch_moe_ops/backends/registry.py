@@ -176,6 +176,10 @@ class A2ABackend:
     # (CUDA graphs, or the memory pool of their warm-up runs, which state made there would
     # outlive).
     prepare: Callable[..., None] | None = None
+    # ``format_reason(format, problem)``: why this backend cannot move ``problem``'s layer in
+    # ``format`` although it defines its ops (a mode of its engine that does not run the
+    # shape), or None; absent where every format it defines runs every layer ``supports``.
+    format_reason: Callable[[str, Problem], str | None] | None = None
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from torch_moe_ops.backends.deepep.modes import (
     low_latency_mode_reason,
     normal_mode_reason,
 )
-from torch_moe_ops.backends.deepep.supports import supports
+from torch_moe_ops.backends.deepep.supports import format_reason, supports
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.ops import define_backend_ops
 
@@ -66,6 +66,7 @@ def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, 
 
 REGISTRY.register_a2a(A2ABackend(
     name="deepep", namespace=NAMESPACE, supports=supports, prepare=prepare,
+    format_reason=format_reason,
     description=(f"DeepEP: tokens format on normal mode (worst-case static receive, "
                  f"NVLink/RDMA) without gradients; rows in normal mode or, for "
                  f"max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, low-latency mode")))

@@ -16,9 +16,8 @@ from torch_moe_ops.backends.deepep.modes import (
 
 
 def supports(spec, problem, device) -> str | None:
-    """None where DeepEP runs ``problem`` on ``device``, else why not. A layer without
-    gradients (and not quantized) takes the tokens format, which runs normal mode whatever
-    its token count; others the rows format in the mode `choose_mode` gives."""
+    """None where DeepEP runs ``problem`` on ``device`` in a format it could take, else why
+    not (`shape_reason`)."""
     if not dist.is_available():
         return "this torch has no torch.distributed"
     deep_ep, reason = import_deep_ep()
@@ -40,16 +39,16 @@ def supports(spec, problem, device) -> str | None:
     return shape_reason(problem)
 
 
-def shape_reason(problem) -> str | None:
-    """Why DeepEP's kernels cannot run the problem's shape (None: they can)."""
+def format_reason(fmt: str, problem) -> str | None:
+    """Why DeepEP cannot move ``problem``'s layer in format ``fmt`` (None: it can): tokens run
+    normal mode whatever the token count, rows the mode `choose_mode` gives."""
     num_local = problem.num_local_experts
     if num_local is None and problem.num_experts is not None and problem.ep_size:
         num_local = problem.num_experts // problem.ep_size
     shape = (problem.ep_size, problem.hidden_size, problem.top_k)
-    if problem.training is False and problem.quant is None:
+    if fmt == "tokens":
         reason = normal_mode_reason(*shape, num_local)
-        return None if reason is None else (f"layers without gradients take the tokens "
-                                            f"format, on DeepEP's normal mode: {reason}")
+        return None if reason is None else f"the tokens format runs normal mode: {reason}"
     if problem.max_tokens_per_rank is None:
         normal = normal_mode_reason(*shape, num_local)
         low_latency = low_latency_mode_reason(*shape, None)
@@ -58,3 +57,13 @@ def shape_reason(problem) -> str | None:
         return None
     mode = choose_mode(*shape, problem.max_tokens_per_rank)
     return mode_reason(mode, *shape, num_local, problem.max_tokens_per_rank)
+
+
+def shape_reason(problem) -> str | None:
+    """Why DeepEP's kernels cannot run the problem's shape in any format it could take
+    (None: they can). A layer without gradients (and not quantized) takes the tokens
+    format where normal mode runs it, else rows; others take rows."""
+    if problem.training is False and problem.quant is None:
+        reasons = [format_reason(fmt, problem) for fmt in ("tokens", "rows")]
+        return None if None in reasons else "; ".join(reasons)
+    return format_reason("rows", problem)

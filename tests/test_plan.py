@@ -1,0 +1,75 @@
+"""One plan per layer (`lowering.plan`): the format follows from what each backend's ops
+define, what trains, and what the transport's engine can run for the layer's shape.
+
+Legend: E experts, H hidden size, K experts per token, M max_tokens_per_rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec, QuantSpec
+from torch_moe_ops.lowering.plan import plan_layer
+
+BF16, CPU = torch.bfloat16, torch.device("cpu")
+
+
+def _problem(**fields) -> Problem:
+    layer = dict(num_experts=64, num_local_experts=32, hidden_size=2048, top_k=8, ep_size=2,
+                 max_tokens_per_rank=64, training=False)
+    layer.update(fields)
+    if "ep_size" in fields:
+        layer["num_local_experts"] = layer["num_experts"] // layer["ep_size"]
+    return Problem(BF16, **layer)
+
+
+@pytest.fixture
+def deepep_runs_here(monkeypatch):
+    """DeepEP's shape rules as they are, without DeepEP or a GPU."""
+    deepep = REGISTRY.a2a["deepep"]
+    monkeypatch.setitem(REGISTRY.a2a, "deepep",
+                        dataclasses.replace(deepep, supports=lambda *_: None))
+
+
+@pytest.mark.parametrize("fields, fmt, why", [
+    ({}, "tokens", "fewest bytes"),
+    ({"training": True}, "rows", "deepep carries no gradient in tokens"),
+    ({"quant": QuantSpec("fp8_channel")}, "rows", "quantized layer"),
+    # Normal mode runs 2, 4 or 8 ranks of one host: 3 ranks take low-latency rows.
+    ({"ep_size": 3, "num_experts": 63}, "rows", "the tokens format runs normal mode"),
+], ids=["inference", "training", "quantized", "three_ranks"])
+def test_deepep_layers_take_the_format_its_engine_runs(deepep_runs_here, fields, fmt, why):
+    plan = plan_layer(BackendSpec(a2a="deepep", experts="reference"), _problem(**fields), CPU)
+    assert plan.format == fmt and why in plan.format_reason, plan
+
+
+@pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])
+@pytest.mark.parametrize("training", [False, True])
+def test_torch_distributed_layers_take_tokens_training_or_not(a2a, training):
+    plan = plan_layer(BackendSpec(a2a=a2a, experts="reference"), _problem(training=training),
+                      CPU)
+    assert (plan.a2a.name, plan.format, plan.experts.name) == (a2a, "tokens", "reference")
+
+
+def test_the_auto_candidates_refused_are_listed_with_their_reasons():
+    plan = plan_layer(BackendSpec(a2a="allgather"), _problem(), CPU)
+    refused = {name: reason for kind, name, reason in plan.refused if kind == "experts"}
+    assert plan.experts.name not in refused and "triton" in refused and refused["triton"]
+
+
+def test_one_device_layers_have_no_format():
+    plan = plan_layer(BackendSpec(), Problem(BF16, num_local_experts=8, hidden_size=64,
+                                             top_k=2), CPU)
+    assert plan.format is None and plan.a2a.name == "none"
+
+
+def test_deepep_serves_layers_its_normal_mode_cannot_run_in_rows():
+    from torch_moe_ops.backends.deepep.supports import shape_reason
+
+    three_ranks = _problem(ep_size=3, num_experts=63)
+    assert shape_reason(three_ranks) is None
+    assert "normal mode" in shape_reason(dataclasses.replace(three_ranks, top_k=64))
