@@ -185,3 +185,28 @@ def recording_backend(sequences: list, **options):
         return compiled
 
     return backend
+
+
+def trained_and_served(single, sharded, x_NH, mine: slice, **options) -> tuple[str, str]:
+    """``sharded`` compiled with ``tmo.backend(inner="aot_eager", **options)`` on this rank's
+    tokens ``x_NH[mine]``: with gradients (output and input gradient), then without
+    (output), each against ``single`` on every token (bf16 bounds). Returns the lowered op
+    sequences of the two (with gradients, without)."""
+    x_ref = x_NH.clone().requires_grad_()
+    ref_NH = single(x_ref)
+    ref_NH.float().square().sum().backward()
+    sequences = []
+    compiled = torch.compile(sharded, backend=recording_backend(sequences, inner="aot_eager",
+                                                                **options),
+                             fullgraph=True, dynamic=False)
+    x_TH = x_NH[mine].clone().requires_grad_()
+    out_TH = compiled(x_TH)
+    out_TH.float().square().sum().backward()
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
+    trained = sequences[-1]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_TH = compiled(x_NH[mine])
+    check_bf16_out(out_TH, ref_NH[mine].detach())
+    return trained, sequences[-1]

@@ -39,8 +39,8 @@ from ep_problems import (
     check_bf16_out,
     draw_problem,
     leaves,
-    recording_backend,
     token_slice,
+    trained_and_served,
 )
 from torch_moe_ops.backends.deepep import fp8_transport_reason
 from torch_moe_ops.backends.registry import REGISTRY
@@ -248,26 +248,10 @@ def _check_tokens_compiled(rank, world_size, deepep, max_tokens):
     sharded.load_full_weights(single.state_dict())
     x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
                        generator=torch.Generator().manual_seed(9)).bfloat16()
-    mine = _my_tokens(rank, world_size)
-    x_ref = x_NH.clone().requires_grad_()
-    ref_NH = single(x_ref)
-    ref_NH.float().square().sum().backward()
-    sequences = []
-    backend = recording_backend(sequences, a2a="deepep", experts="reference", inner="aot_eager")
-    compiled = torch.compile(sharded, backend=backend, fullgraph=True, dynamic=False)
-    x_TH = x_NH[mine].clone().requires_grad_()
-    out_TH = compiled(x_TH)
-    out_TH.float().square().sum().backward()
-    check_bf16_out(out_TH, ref_NH[mine].detach())
-    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
-    assert "moe_deepep::dispatch\n" in sequences[-1], sequences[-1]
-    assert "dispatch_tokens" not in sequences[-1], sequences[-1]
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out_TH = compiled(x_NH[mine])
-    check_bf16_out(out_TH, ref_NH[mine].detach())
-    assert sequences[-1] == "moe_reference::route\n" + "\n".join(TOKENS_OPS), sequences[-1]
+    trained, served = trained_and_served(single, sharded, x_NH, _my_tokens(rank, world_size),
+                                         a2a="deepep", experts="reference")
+    assert "moe_deepep::dispatch\n" in trained and "dispatch_tokens" not in trained, trained
+    assert served == "moe_reference::route\n" + "\n".join(TOKENS_OPS), served
     modes = {comm.mode for comm in deepep.open_communicators()}
     assert modes == {"normal", deepep.choose_mode(world_size, H, 2, max_tokens)}, modes
 

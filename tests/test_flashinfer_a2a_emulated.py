@@ -33,8 +33,8 @@ from ep_problems import (
     check_bf16_out,
     draw_problem,
     leaves,
-    recording_backend,
     token_slice,
+    trained_and_served,
 )
 
 H, I, M = 16, 8, 6
@@ -173,28 +173,11 @@ def _check_compiled(rank):
     sharded.load_full_weights(single.state_dict())
     x_NH = torch.randn(sum(TOKENS_PER_RANK), H,
                        generator=torch.Generator().manual_seed(9)).bfloat16()
-    mine = _mine(rank)
-    x_ref = x_NH.clone().requires_grad_()
-    ref_NH = single(x_ref)
-    ref_NH.float().square().sum().backward()
-
-    sequences = []
-    backend = recording_backend(sequences, experts="cpu", a2a="flashinfer", inner="aot_eager")
-    compiled = torch.compile(sharded, backend=backend, fullgraph=True, dynamic=False)
-    x_TH = x_NH[mine].clone().requires_grad_()
-    out_TH = compiled(x_TH)
-    out_TH.float().square().sum().backward()
-    check_bf16_out(out_TH, ref_NH[mine].detach())
-    check_bf16_grad(x_TH.grad, x_ref.grad[mine])
-    assert "moe_flashinfer_a2a::dispatch\n" in sequences[-1], sequences[-1]
-    assert "dispatch_tokens" not in sequences[-1]
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out_TH = compiled(x_NH[mine])
-    check_bf16_out(out_TH, ref_NH[mine].detach())
-    assert all(op in sequences[-1] for op in FUSED_OPS), sequences[-1]
-    assert "moe::" not in sequences[-1] and "experts_rows" not in sequences[-1]
+    trained, served = trained_and_served(single, sharded, x_NH, _mine(rank), experts="cpu",
+                                         a2a="flashinfer")
+    assert "moe_flashinfer_a2a::dispatch\n" in trained and "dispatch_tokens" not in trained
+    assert all(op in served for op in FUSED_OPS), served
+    assert "moe::" not in served and "experts_rows" not in served
 
 
 def _cases(rank, world_size):
