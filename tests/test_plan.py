@@ -73,3 +73,13 @@ def test_deepep_serves_layers_its_normal_mode_cannot_run_in_rows():
     three_ranks = _problem(ep_size=3, num_experts=63)
     assert shape_reason(three_ranks) is None
     assert "normal mode" in shape_reason(dataclasses.replace(three_ranks, top_k=64))
+
+
+def test_the_names_a_spec_accepts_are_the_registered_backends():
+    # BackendSpec validates at construction (config.py, below the backends): its lists of
+    # names must be the registry's, plus "auto".
+    from torch_moe_ops.config import A2A_BACKEND_NAMES, EXPERTS_BACKEND_NAMES, ROUTE_BACKEND_NAMES
+
+    assert set(EXPERTS_BACKEND_NAMES) == {"auto", *REGISTRY.experts}
+    assert set(A2A_BACKEND_NAMES) == set(REGISTRY.a2a)
+    assert set(ROUTE_BACKEND_NAMES) == {"auto", *REGISTRY.route}
