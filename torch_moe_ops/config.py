@@ -52,11 +52,14 @@ def _check_positive_int(field: str, value: object) -> None:
         _fail(field, value, "a positive int")
 
 
-def _check_choice(field: str, value: object, allowed: tuple) -> None:
+def _check_choice(field: str, value: object, allowed: tuple, suggest: bool = False) -> None:
+    """``suggest``: name the closest allowed value (for names a user spells, like backends';
+    not for formats, where a near spelling is another format: nvfp4 is no mxfp4)."""
     if value not in allowed:
         expected = "one of " + ", ".join(repr(a) for a in allowed)
         names = [a for a in allowed if isinstance(a, str)]
-        close = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
+        close = (difflib.get_close_matches(value, names, n=1)
+                 if suggest and isinstance(value, str) else [])
         _fail(field, value, expected, f" (did you mean {close[0]!r}?)" if close else "")
 
 
@@ -330,7 +333,7 @@ class BackendSpec:
     route: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES)
-        _check_choice("a2a", self.a2a, A2A_BACKEND_NAMES)
-        _check_choice("route", self.route, ROUTE_BACKEND_NAMES)
+        _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES, suggest=True)
+        _check_choice("a2a", self.a2a, A2A_BACKEND_NAMES, suggest=True)
+        _check_choice("route", self.route, ROUTE_BACKEND_NAMES, suggest=True)
         _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
