@@ -19,8 +19,6 @@ from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.plan import LayerPlan
 from torch_moe_ops.lowering.rewrite import generic_op, layer_plans, lower
 
-_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
-
 
 def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype
                    ) -> tuple[int, int]:
@@ -33,8 +31,8 @@ def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtyp
     if fmt is None or not problem.ep_size or problem.ep_size < 2:
         return 0, 0
     peers, hidden = problem.ep_size - 1, problem.hidden_size
-    row_out = hidden * _BYTES.get(dispatch_dtype, 2)
-    row_back = hidden * _BYTES.get(problem.dtype, 2)
+    row_out = hidden * dispatch_dtype.itemsize
+    row_back = hidden * problem.dtype.itemsize
     if fmt == "tokens":
         rows = problem.max_tokens_per_rank
         return peers * rows * (row_out + 8 * problem.top_k), peers * rows * row_back
@@ -47,7 +45,8 @@ class LayerReport:
 
     plan: LayerPlan
     route: LayerPlan | None
-    dispatch_dtype: str
+    dispatch_dtype: torch.dtype
+    dispatch_rule: str
 
     def __str__(self) -> str:
         p, plan = self.plan.problem, self.plan
@@ -63,16 +62,11 @@ class LayerReport:
         lines.append(f"  experts: {plan.experts.name}" + _refused(plan))
         lines.append(f"  a2a:     {plan.a2a.name}")
         if plan.format is not None:
-            sent, back = bytes_per_call(p, plan.format, _dtype(self.dispatch_dtype, p.dtype))
+            sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype)
             lines += [f"  format:  {plan.format} ({plan.format_reason})",
-                      f"  dispatch dtype: {self.dispatch_dtype}",
+                      f"  dispatch dtype: {self.dispatch_dtype} ({self.dispatch_rule})",
                       f"  bytes each rank sends per call: dispatch {sent:,}, combine {back:,}"]
         return "\n".join(lines)
-
-
-def _dtype(text: str, default: torch.dtype) -> torch.dtype:
-    name = text.split(" ")[0].removeprefix("torch.")
-    return getattr(torch, name, default)
 
 
 def _refused(plan: LayerPlan) -> str:
@@ -107,10 +101,10 @@ def _reports(gm: fx.GraphModule, spec: BackendSpec) -> list[LayerReport]:
         lower(body, spec)
         for index, (node, plan) in enumerate(layers):
             chosen = node.meta.get("moe_dispatch_dtype")
-            dispatch = (f"{chosen.dtype} ({chosen.rule})" if chosen is not None
-                        else str(plan.problem.dtype))
-            found.append(LayerReport(plan, routes[index] if index < len(routes) else None,
-                                     dispatch))
+            found.append(LayerReport(
+                plan, routes[index] if index < len(routes) else None,
+                chosen.dtype if chosen is not None else plan.problem.dtype,
+                chosen.rule if chosen is not None else "one device: no dispatch"))
     return found
 
 
