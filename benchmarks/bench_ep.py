@@ -28,7 +28,7 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    own tests (tests/test_intranode.py, tests/test_low_latency.py) run at the same sizes in
    the same call (`scripts/ep_gpu_check.sh`), and are its yardstick. ``flashinfer`` (where
    flashinfer-python runs): its rows ops as a captured dispatch + combine pair, eager only
-   (they stay whole in a compiled graph); then its fused pairs' transport, ``dispatch_tokens``
+   (they stay whole in a compiled graph); then its tokens transport, ``dispatch_tokens``
    + ``combine_tokens`` with the receive buffers sent back untouched (mode ``tokens``), and
    FlashInfer's own round trip, ``MoeAlltoAll.dispatch`` (with its id sanitizer) +
    ``.combine`` of the same payloads called directly, captured alike: its yardstick (target:
@@ -115,7 +115,7 @@ CAPACITY_A2A_NAMES = ("all_to_all",)
 # Those whose tokens format is timed (the format the lowering takes where it can).
 TOKENS_A2A_NAMES = ("all_to_all", "allgather", "deepep", "flashinfer")
 TARGET_TRANSPORT = 1.25
-# The flashinfer fused pairs' transport against FlashInfer's own round trip.
+# The flashinfer tokens transport against FlashInfer's own round trip.
 TARGET_FLASHINFER = 1.05
 TARGET_LAYER = 1.1
 DTYPE_BYTES = 2
@@ -410,7 +410,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
     """FlashInfer's own round trip, the yardstick of the flashinfer backend:
-    ``MoeAlltoAll.dispatch`` of the payloads the fused pairs send (activations, fp32 weights,
+    ``MoeAlltoAll.dispatch`` of the payloads the tokens transport sends (activations, fp32 weights,
     int32 ids, which its sanitizer marks at padding, as SGLang runs it) and
     ``MoeAlltoAll.combine`` of the received activations, called directly on a workspace of
     its own, captured as a pair; checked once."""

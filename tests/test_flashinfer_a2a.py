@@ -1,6 +1,6 @@
 """The ``flashinfer`` a2a backend without GPUs or flashinfer: the workspace arithmetic and
-its refusal, the shapes the kernels take, `supports` reasons, the fused pairs in the
-registry and the lowering's choice between them and rows, the tokens format's contract,
+its refusal, the shapes the kernels take, `supports` reasons, the formats it declares and
+the plan's choice between tokens and rows, the tokens format's contract,
 and the bookkeeping that turns receive positions into rows.
 
 Multi-rank behaviour (on a CPU stand-in of flashinfer) is tests/test_flashinfer_a2a_emulated.py,

@@ -1,7 +1,7 @@
 """The ``flashinfer`` a2a backend's bookkeeping on CPU processes (gloo), with
 ``flashinfer.comm`` replaced by tests/flashinfer_a2a_emulator.py: every rank's outputs
 and gradients equal the single-process reference (bf16 bounds) in the rows format and the
-tokens format of the fused pairs, with an idle rank, skipped slots, every slot on one rank,
+tokens format, with an idle rank, skipped slots, every slot on one rank,
 a capacity below the worst case and tokens arriving in a random order; a workspace that
 does not fit is refused on every rank; compiled layers train through rows and serve
 through the fused tokens chain; every workspace is freed.
@@ -166,7 +166,7 @@ def _moe_config(ep_size):
 def _check_compiled(rank):
     """A `MoE` sharded over the group and compiled with ``a2a="flashinfer"`` against the
     same layer in one process: with gradients through rows (output and input gradient),
-    without through the fused pair's tokens chain."""
+    without through the tokens chain."""
     torch.manual_seed(5)
     single = tmo.MoE(_moe_config(1), dtype=torch.bfloat16)
     sharded = tmo.MoE(_moe_config(WORLD), dtype=torch.bfloat16, ep_group=dist.group.WORLD)

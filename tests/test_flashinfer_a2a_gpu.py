@@ -1,6 +1,6 @@
 """The ``flashinfer`` a2a backend on 2 GPUs over NCCL, on flashinfer-python's kernels:
 every rank's outputs and gradients equal the single-process reference on the same tokens
-and weights (bf16 bounds) in the rows format and in the fused pair's tokens format (with
+and weights (bf16 bounds) in the rows format and in the tokens format (with
 the triton experts), with one rank idle, in captured CUDA graphs replayed on new inputs,
 and as the a2a of a `MoE` compiled by Inductor (forward and backward through rows; forward
 under ``mode="reduce-overhead"`` through the fused chain); a workspace no GPU holds is
