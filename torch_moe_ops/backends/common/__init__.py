@@ -4,7 +4,8 @@
   between frames, the gated activations, the grouped GEMMs and their gradient, the
   Triton epilogues) and how a traced backend body launches Triton kernels.
 - `transport`: moving tokens between ranks (torch.distributed's collectives, the
-  keyed cache of communicators, fp8 dispatch on any rows transport).
+  keyed cache of communicators, fp8 dispatch on any rows transport, the routing beside
+  each token of the tokens format).
   `transport.collectives` defines the ops of namespace ``moe_collectives`` (one op
   per collective, with an ordered effect, for traced backend bodies).
 

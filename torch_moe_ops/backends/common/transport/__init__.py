@@ -5,4 +5,5 @@
 - `communicators`: the one keyed cache of transport state a backend may keep.
 - `quantized_dispatch`: fp8 dispatch (``dispatch_quant``) on any a2a backend's
   ``dispatch`` that moves rows as bytes.
+- `token_routing`: the ids and weights that travel beside each token in the tokens format.
 """
