@@ -18,7 +18,8 @@ the CPU.
 - ``flashinfer.jit.env``: ``FLASHINFER_JIT_DIR`` (the tests point it at a temporary
   folder) and ``get_aot_artifacts`` (none, unless a test adds one).
 - ``flashinfer.jit.fused_moe``: ``gen_cutlass_fused_moe_sm90_module`` returns a spec
-  whose ``build`` writes the module's library and is recorded in `BUILDS`.
+  whose ``build`` writes the module's library and is recorded in `BUILDS`;
+  ``flashinfer.jit.gemm.cutlass.generate_kernels``: a generator of no kernels.
 
 What it cannot tell is whether FlashInfer's kernels behave as documented: the
 ``gpu`` tests of tests/test_flashinfer_experts.py run the real one.
@@ -26,6 +27,7 @@ What it cannot tell is whether FlashInfer's kernels behave as documented: the
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.machinery
 import math
@@ -149,11 +151,14 @@ def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_exp
     return [output]
 
 
+@dataclasses.dataclass
 class JitSpec:
     """What ``gen_cutlass_fused_moe_sm90_module`` returns: its build writes the library."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    name: str
+    sources: list = dataclasses.field(default_factory=list)
+    extra_include_dirs: list = dataclasses.field(default_factory=list)
+    extra_ldflags: list | None = None
 
     def get_library_path(self) -> Path:
         return jit_env.FLASHINFER_JIT_DIR / self.name / f"{self.name}.so"
@@ -184,19 +189,34 @@ def get_aot_artifacts(name: str) -> tuple:
 
 
 jit_env = _module("flashinfer.jit.env", FLASHINFER_JIT_DIR=Path("/nonexistent"),
+                  FLASHINFER_GEN_SRC_DIR=Path("/nonexistent"),
                   get_aot_artifacts=get_aot_artifacts)
+# FlashInfer's kernel generator, generating no kernels.
+generate_kernels = _module("flashinfer.jit.gemm.cutlass.generate_kernels",
+                           generate_gemm_operations=lambda output_dir, architectures: None,
+                           generate_sm90_operations=lambda enabled: [],
+                           generate_sm80_operations=lambda enabled: [])
 MODULES = {
     "flashinfer": _module("flashinfer"),
     "flashinfer.fused_moe": _module("flashinfer.fused_moe", ActivationType=ActivationType,
                                     cutlass_fused_moe=cutlass_fused_moe),
+    # Where cutlass_fused_moe finds its sm90 spec.
+    "flashinfer.fused_moe.core": _module(
+        "flashinfer.fused_moe.core",
+        gen_cutlass_fused_moe_sm90_module=gen_cutlass_fused_moe_sm90_module),
     "flashinfer.jit": _module("flashinfer.jit", env=jit_env),
     "flashinfer.jit.env": jit_env,
+    "flashinfer.jit.gemm": _module("flashinfer.jit.gemm"),
+    "flashinfer.jit.gemm.cutlass": _module("flashinfer.jit.gemm.cutlass",
+                                           generate_kernels=generate_kernels),
+    "flashinfer.jit.gemm.cutlass.generate_kernels": generate_kernels,
     "flashinfer.jit.fused_moe": _module(
         "flashinfer.jit.fused_moe",
         gen_cutlass_fused_moe_sm90_module=gen_cutlass_fused_moe_sm90_module,
         _should_enable_sm90_moe_prebuilt_d_descriptor=lambda: False),
 }
 MODULES["flashinfer"].fused_moe = MODULES["flashinfer.fused_moe"]
+MODULES["flashinfer.fused_moe"].core = MODULES["flashinfer.fused_moe.core"]
 MODULES["flashinfer"].jit = MODULES["flashinfer.jit"]
 MODULES["flashinfer.jit"].fused_moe = MODULES["flashinfer.jit.fused_moe"]
 
@@ -205,6 +225,7 @@ def install(jit_dir: Path) -> None:
     """Make ``import flashinfer`` import this stand-in (for the rest of the process:
     tests use `monkeypatch` to undo it), its JIT cache in ``jit_dir``, nothing built."""
     jit_env.FLASHINFER_JIT_DIR = Path(jit_dir)
+    jit_env.FLASHINFER_GEN_SRC_DIR = Path(jit_dir) / "generated"
     BUILDS.clear()
     CALLS.clear()
     AOT_ARTIFACTS.clear()

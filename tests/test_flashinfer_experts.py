@@ -52,6 +52,9 @@ CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
 FP8_BLOCK = QuantSpec("fp8_block")
+# The trimmed module's name (cutlass_spec), off an H20.
+MODULE = "torch_moe_ops_fused_moe_90"
+AOT_PATH = Path(f"/aot/{MODULE}.so")
 BUILD_HINT = ("build it once with `python -m torch_moe_ops.backends.flashinfer build` (or "
               "`scripts/flashinfer_build.sh`, detached), or set "
               "TORCH_MOE_OPS_FLASHINFER_BUILD=1 to let the first call build it")
@@ -299,8 +302,8 @@ def test_supports_off_a_gpu():
 
 
 def test_supports_says_how_to_build_the_module(emulated, gpu):
-    assert reason() == ("FlashInfer's SM90 fused-MoE module (fused_moe_90) is not built, and "
-                        "building it takes about 45 minutes on 16 cores, so no call builds it "
+    assert reason() == (f"the SM90 fused-MoE module ({MODULE}) is not built, and building it "
+                        f"takes long ({cutlass_module.BUILD_TIME}), so no call builds it "
                         f"implicitly: {BUILD_HINT}")
     assert emulated.BUILDS == []
 
@@ -309,8 +312,8 @@ def test_supports_once_built_or_opted_in(emulated, gpu, monkeypatch):
     monkeypatch.setenv(cutlass_module.BUILD_ENV, "1")
     assert reason() is None
     monkeypatch.delenv(cutlass_module.BUILD_ENV)
-    emulated.AOT_ARTIFACTS["fused_moe_90"] = Path("/aot/fused_moe_90.so")
-    assert reason() is None and cutlass_module.built_path() == Path("/aot/fused_moe_90.so")
+    emulated.AOT_ARTIFACTS[MODULE] = AOT_PATH
+    assert reason() is None and cutlass_module.built_path() == AOT_PATH
     assert emulated.BUILDS == []
 
 
@@ -401,30 +404,30 @@ assert flashinfer_emulator.BUILDS == [], flashinfer_emulator.BUILDS
 def test_build_builds_once_and_reports_progress(emulated, gpu):
     state = cutlass_module.progress()
     assert state.objects_total == 0 and "no build started" in str(state)
-    build_dir = emulated.jit_env.FLASHINFER_JIT_DIR / "fused_moe_90"
+    build_dir = emulated.jit_env.FLASHINFER_JIT_DIR / "torch_moe_ops_fused_moe_90"
     build_dir.mkdir(parents=True)
     objects = [build_dir / f"object{i}.cuda.o" for i in range(3)]
     (build_dir / "build.ninja").write_text("".join(
         f"build {path}: cuda_compile /src/{path.stem}.cu\n" for path in objects)
-        + f"build {build_dir / 'fused_moe_90.so'}: link {' '.join(map(str, objects))}\n")
+        + f"build {build_dir / 'torch_moe_ops_fused_moe_90.so'}: link {' '.join(map(str, objects))}\n")
     objects[0].write_bytes(b"")
     assert str(cutlass_module.progress()) == (
-        f"fused_moe_90: not built yet, 1 of 3 objects compiled in {build_dir}")
+        f"torch_moe_ops_fused_moe_90: not built yet, 1 of 3 objects compiled in {build_dir}")
     path = tmo.backends.flashinfer.build(verbose=False)
-    assert path == build_dir / "fused_moe_90.so" and emulated.BUILDS == ["fused_moe_90"]
-    assert str(cutlass_module.progress()) == f"fused_moe_90: built, {path}"
+    assert path == build_dir / f"{MODULE}.so" and emulated.BUILDS == [MODULE]
+    assert str(cutlass_module.progress()) == f"torch_moe_ops_fused_moe_90: built, {path}"
     assert reason() is None
 
 
 def test_build_leaves_an_installed_module_alone(emulated):
-    emulated.AOT_ARTIFACTS["fused_moe_90"] = Path("/aot/fused_moe_90.so")
-    assert cutlass_module.build() == Path("/aot/fused_moe_90.so") and emulated.BUILDS == []
+    emulated.AOT_ARTIFACTS[MODULE] = AOT_PATH
+    assert cutlass_module.build() == AOT_PATH and emulated.BUILDS == []
 
 
 def test_command_line(emulated, capsys):
     assert cutlass_module.main(["status"]) == 3
-    assert "fused_moe_90: not built" in capsys.readouterr().out
-    assert cutlass_module.main(["build"]) == 0 and emulated.BUILDS == ["fused_moe_90"]
+    assert "torch_moe_ops_fused_moe_90: not built" in capsys.readouterr().out
+    assert cutlass_module.main(["build"]) == 0 and emulated.BUILDS == ["torch_moe_ops_fused_moe_90"]
     assert cutlass_module.main(["status"]) == 0
     assert cutlass_module.main([]) == 2 and "usage:" in capsys.readouterr().err
     assert cutlass_module.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out

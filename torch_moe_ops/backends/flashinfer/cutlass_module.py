@@ -1,10 +1,14 @@
-"""FlashInfer's SM90 CUTLASS fused-MoE JIT module: whether it is built, building it on
-purpose, and how far a build has got. Nothing here builds unless `build` is called.
+"""The SM90 CUTLASS fused-MoE JIT module the ``flashinfer`` experts backend runs:
+whether it is built, building it on purpose, how far a build has got, and pointing
+FlashInfer's ``cutlass_fused_moe`` at it. Nothing here builds unless `build` is called.
 
 FlashInfer compiles the kernels of ``cutlass_fused_moe`` into one JIT module on first
-use: on sm90 ``fused_moe_90`` (``fused_moe_90_h20_prebuilt_d`` on an H20), about 250
-CUDA objects that take about 45 minutes on 16 cores. So the ``flashinfer`` experts
-backend never lets a call start that build by surprise: its ``supports`` refuses
+use: on sm90 ``fused_moe_90``, 248 CUDA objects for every dtype pair, about 45
+minutes on 16 cores. This package builds a trimmed copy instead,
+``torch_moe_ops_fused_moe_90`` (`cutlass_spec`: bf16, fp8 128 x 128 blocks and
+mxfp4 W4A16 only, 54 objects), and `use_trimmed_module` makes ``cutlass_fused_moe``
+load it, so FlashInfer's full module is never built. Its build is still long, so the
+``flashinfer`` experts backend never lets a call start it by surprise: its ``supports`` refuses
 until the module is built (`not_built_reason`), unless ``TORCH_MOE_OPS_FLASHINFER_BUILD=1``
 opts in to building on first use. Building it on purpose, on the GPU machine that
 will run it (nvcc and ninja needed; the target is that GPU's architecture, or
@@ -30,15 +34,14 @@ import os
 import sys
 from pathlib import Path
 
-from torch_moe_ops.backends.flashinfer import library
+from torch_moe_ops.backends.flashinfer import cutlass_spec, library
 
 BUILD_ENV = "TORCH_MOE_OPS_FLASHINFER_BUILD"
-SM90_MODULE = "fused_moe_90"
-# FlashInfer's variant of the module for the H20 (flashinfer.jit.fused_moe).
-H20_MODULE = "fused_moe_90_h20_prebuilt_d"
 BUILD_COMMAND = "python -m torch_moe_ops.backends.flashinfer build"
 DETACHED_COMMAND = "scripts/flashinfer_build.sh"
-BUILD_TIME = "about 45 minutes on 16 cores"
+# The trimmed module's build time has not been measured; FlashInfer's full one
+# took about 45 minutes on 16 cores.
+BUILD_TIME = "not measured yet (FlashInfer's full module: about 45 minutes on 16 cores)"
 
 
 def build_opted_in() -> bool:
@@ -47,11 +50,23 @@ def build_opted_in() -> bool:
 
 
 def module_name() -> str:
-    """The name FlashInfer gives its SM90 fused-MoE module for the current GPU."""
-    from flashinfer.jit import fused_moe as jit_fused_moe
+    """The trimmed module's name for the current GPU (`cutlass_spec.module_name`)."""
+    return cutlass_spec.module_name()
 
-    h20 = getattr(jit_fused_moe, "_should_enable_sm90_moe_prebuilt_d_descriptor", None)
-    return H20_MODULE if h20 is not None and h20() else SM90_MODULE
+
+def use_trimmed_module() -> None:
+    """Make FlashInfer's ``cutlass_fused_moe`` build and load the trimmed module on sm90
+    in place of its full one, from its next first load on (it keeps a module once
+    loaded). Only the backend's three pairs run there (`cutlass_spec`)."""
+    from flashinfer.fused_moe import core
+
+    # cutlass_fused_moe reaches its sm90 spec through this name of its module.
+    core.gen_cutlass_fused_moe_sm90_module = _trimmed_sm90_spec
+
+
+def _trimmed_sm90_spec(use_fast_build: bool = False):
+    # use_fast_build compiles the same kernels (cutlass_spec.trimmed_spec): not read.
+    return cutlass_spec.trimmed_spec()
 
 
 def built_path() -> Path | None:
@@ -64,16 +79,16 @@ def not_built_reason() -> str | None:
     ``None`` where the module is built or building on first use is opted in."""
     if build_opted_in() or built_path() is not None:
         return None
-    return (f"FlashInfer's SM90 fused-MoE module ({module_name()}) is not built, and "
-            f"building it takes {BUILD_TIME}, so no call builds it implicitly: build it "
+    return (f"the SM90 fused-MoE module ({module_name()}) is not built, and building it "
+            f"takes long ({BUILD_TIME}), so no call builds it implicitly: build it "
             f"once with `{BUILD_COMMAND}` (or `{DETACHED_COMMAND}`, detached), or set "
             f"{BUILD_ENV}=1 to let the first call build it")
 
 
 def build(verbose: bool = True) -> Path:
-    """Compile FlashInfer's SM90 fused-MoE module into its JIT cache (about 45 minutes
-    on 16 cores; a module already built is only checked, in seconds), load it once,
-    and return the library's path. ``verbose`` prints ninja's progress (``[n/N]``
+    """Compile the trimmed SM90 fused-MoE module (`cutlass_spec.trimmed_spec`) into
+    FlashInfer's JIT cache (a module already built is only checked, in seconds), load
+    it once, and return the library's path. ``verbose`` prints ninja's progress (``[n/N]``
     per object).
 
     Raises RuntimeError where flashinfer-python does not import.
@@ -85,11 +100,9 @@ def build(verbose: bool = True) -> Path:
     path = built_path()
     if path is not None and path != _build_dir(name) / f"{name}.so":
         return path  # An installed AOT package's: nothing to compile.
-    from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
-
-    # The flags FlashInfer's cutlass_fused_moe builds it with (use_fast_build=False):
-    # another set would be rebuilt by the first call.
-    spec = gen_cutlass_fused_moe_sm90_module()
+    # The spec use_trimmed_module gives cutlass_fused_moe: another set of flags would
+    # be rebuilt by the first call.
+    spec = cutlass_spec.trimmed_spec()
     spec.build(verbose=verbose, need_lock=True)
     spec.load()
     return spec.get_library_path()
@@ -140,7 +153,7 @@ def progress() -> BuildProgress:
 
 USAGE = f"""usage: python -m torch_moe_ops.backends.flashinfer {{build,status}}
 
-  build   compile FlashInfer's SM90 fused-MoE module ({BUILD_TIME}) into its JIT cache,
+  build   compile the trimmed SM90 fused-MoE module ({BUILD_TIME}) into FlashInfer's JIT cache,
           in the foreground ({DETACHED_COMMAND} runs it detached, logging to a file)
   status  whether it is built, or how many of its objects a build has compiled"""
 

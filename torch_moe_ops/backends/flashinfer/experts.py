@@ -306,6 +306,7 @@ def _run(x_NH, weights_NK, ids_NK, prepared: PreparedWeights, activation, alpha,
         return out_NH
     from flashinfer.fused_moe import cutlass_fused_moe
 
+    cutlass_module.use_trimmed_module()
     cutlass_fused_moe(x_NH.contiguous(), ids_NK.to(torch.int32).contiguous(),
                       weights_NK.float().contiguous(), prepared.fc1, prepared.fc2,
                       x_NH.dtype, prepared.quant_scales, fc1_expert_biases=prepared.fc1_bias,
