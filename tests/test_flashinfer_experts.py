@@ -409,7 +409,7 @@ def test_build_builds_once_and_reports_progress(emulated, gpu):
     objects = [build_dir / f"object{i}.cuda.o" for i in range(3)]
     (build_dir / "build.ninja").write_text("".join(
         f"build {path}: cuda_compile /src/{path.stem}.cu\n" for path in objects)
-        + f"build {build_dir / 'torch_moe_ops_fused_moe_90.so'}: link {' '.join(map(str, objects))}\n")
+        + f"build {build_dir / (MODULE + '.so')}: link {' '.join(map(str, objects))}\n")
     objects[0].write_bytes(b"")
     assert str(cutlass_module.progress()) == (
         f"torch_moe_ops_fused_moe_90: not built yet, 1 of 3 objects compiled in {build_dir}")
