@@ -263,13 +263,10 @@ def communicator(group_name: str, hidden_size: int, num_experts: int, top_k: int
 def opened(group_name: str, hidden_size: int, num_experts: int, top_k: int,
            max_tokens_per_rank: int, dtype: torch.dtype, mode: str) -> DeepEPCommunicator:
     """The open communicator of this shape and mode: a combine follows its dispatch."""
-    key = _key(group_name, hidden_size, num_experts, top_k, max_tokens_per_rank, dtype, mode)
-    if key not in _COMMUNICATORS:
-        raise RuntimeError(f"a2a backend 'deepep': no {mode} communicator is open for group "
-                           f"{group_name!r}, H={hidden_size}, E={num_experts}, K={top_k}, "
-                           f"max_tokens_per_rank={max_tokens_per_rank}, {dtype}: a combine "
-                           "follows this backend's dispatch of the same layer")
-    return _COMMUNICATORS[key]
+    return _COMMUNICATORS.opened(
+        _key(group_name, hidden_size, num_experts, top_k, max_tokens_per_rank, dtype, mode),
+        "deepep", f"mode {mode} on group {group_name!r}, H={hidden_size}, E={num_experts}, "
+        f"K={top_k}, max_tokens_per_rank={max_tokens_per_rank}, {dtype}")
 
 
 close_all = _COMMUNICATORS.close_all

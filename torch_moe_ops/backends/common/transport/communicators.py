@@ -13,6 +13,16 @@ class Communicators(dict):
         if self.get(key) is communicator:
             del self[key]
 
+    def opened(self, key: tuple, backend: str, shape: str):
+        """The communicator filed under ``key``: the one the dispatch of this layer opened,
+        which its combine and gradients follow; ``backend`` and ``shape`` name it in the
+        error where none is open."""
+        if key not in self:
+            raise RuntimeError(f"a2a backend {backend!r}: no communicator is open for {shape}: "
+                               "combine and the gradients follow this backend's dispatch of "
+                               "the same layer")
+        return self[key]
+
     def close_all(self) -> None:
         """Close every open communicator, in the same order on every rank (collective)."""
         for key in sorted(self):

@@ -241,12 +241,9 @@ def opened(group_name, ep_size, hidden_size, top_k, max_tokens_per_rank, dtype
            ) -> FlashInferCommunicator:
     """The communicator a dispatch of this shape opened: combine and the gradients follow one."""
     collectives.rank_in(group_name, ep_size)
-    key = _key(group_name, hidden_size, top_k, max_tokens_per_rank, dtype)
-    if key not in _COMMUNICATORS:
-        raise RuntimeError(f"a2a backend 'flashinfer': no communicator is open for group "
-                           f"{group_name!r}, H={hidden_size}, K={top_k}, max_tokens_per_rank="
-                           f"{max_tokens_per_rank}, {dtype}: combine and the gradients follow "
-                           "this backend's dispatch of the same layer")
-    return _COMMUNICATORS[key]
+    return _COMMUNICATORS.opened(
+        _key(group_name, hidden_size, top_k, max_tokens_per_rank, dtype), "flashinfer",
+        f"group {group_name!r}, H={hidden_size}, K={top_k}, max_tokens_per_rank="
+        f"{max_tokens_per_rank}, {dtype}")
 
 
