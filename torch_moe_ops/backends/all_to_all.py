@@ -175,27 +175,25 @@ def _send_positions_tokens(topk_ids_TK, num_experts, ep_size, max_tokens):
     return send_position_TP.to(torch.int32), token_of_position_N
 
 
-def _to_positions(values_TX, topk_ids_TK, num_experts, ep_size, group_name, max_tokens):
+def _to_positions(values_TX, token_of_position_N, group_name, ep_size):
     """``[N, ...]`` of ``values`` as each token's receivers get them."""
-    _, token_of_position_N = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
-                                                    max_tokens)
     return collectives.all_to_all(gather_rows(values_TX, token_of_position_N), group_name,
                                   ep_size)
 
 
-def _home(values_NX, topk_ids_TK, num_experts, ep_size, group_name, max_tokens):
+def _home(values_NX, send_position_TP, group_name, ep_size):
     """``[T, ...]``: each token's rows of ``values`` from the ranks it went to, summed."""
-    send_position_TP, _ = _send_positions_tokens(topk_ids_TK, num_experts, ep_size, max_tokens)
     return sum_slots(collectives.all_to_all(values_NX, group_name, ep_size), send_position_TP)
 
 
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
                     max_tokens_per_rank):
     rank = collectives.rank_in(group_name, ep_size)
+    _, token_of_position_N = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
+                                                    max_tokens_per_rank)
 
     def send(values_TX):
-        return _to_positions(values_TX, topk_ids_TK, num_experts, ep_size, group_name,
-                             max_tokens_per_rank)
+        return _to_positions(values_TX, token_of_position_N, group_name, ep_size)
 
     x_NH, columns_NX = send_with_routing(send, hidden_TH,
                                          routing_columns(topk_ids_TK, topk_weights_TK),
@@ -206,21 +204,26 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    return _home(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank)
+    send_position_TP, _ = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
+                                                 max_tokens_per_rank)
+    return _home(y_NH, send_position_TP, group_name, ep_size)
 
 
 def dispatch_tokens_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_experts, ep_size,
                              group_name, max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    args = (topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank)
-    return _home(grad_x_NH, *args), _home(grad_weights_NK, *args)
+    send_position_TP, _ = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
+                                                 max_tokens_per_rank)
+    return (_home(grad_x_NH, send_position_TP, group_name, ep_size),
+            _home(grad_weights_NK, send_position_TP, group_name, ep_size))
 
 
 def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
                             max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    return _to_positions(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
-                         max_tokens_per_rank)
+    _, token_of_position_N = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
+                                                    max_tokens_per_rank)
+    return _to_positions(grad_out_TH, token_of_position_N, group_name, ep_size)
 
 
 KERNELS = {"dispatch": dispatch, "combine": combine,
