@@ -87,12 +87,15 @@ import unittest.mock
 import warnings
 from collections.abc import Callable
 
+import peer_deepep
 import torch
 import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from torch_moe_ops.backends import deepep
 from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.backends.deepep import modes as deepep_modes
+from torch_moe_ops.backends.deepep.modes import LOW_LATENCY_MAX_TOKENS
 from torch_moe_ops.backends.flashinfer import a2a as flashinfer_a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as flashinfer_sizes
 from torch_moe_ops.backends.flashinfer import library as flashinfer_library
@@ -117,6 +120,8 @@ TOKENS_A2A_NAMES = ("all_to_all", "allgather", "deepep", "flashinfer")
 TARGET_TRANSPORT = 1.25
 # The flashinfer tokens transport against FlashInfer's own round trip.
 TARGET_FLASHINFER = 1.05
+# The deepep backend against DeepEP's own round trip (peer_deepep).
+TARGET_DEEPEP = 1.15
 TARGET_LAYER = 1.1
 DTYPE_BYTES = 2
 
@@ -449,6 +454,40 @@ def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
             "workspace_bytes": workspace_bytes}
 
 
+def low_latency_runs(run: Run, sizes: Sizes, num_experts: int, tokens: int) -> bool:
+    """Whether DeepEP's yardstick at these sizes is its low-latency mode (decode sizes its
+    low-latency kernels take), else normal mode."""
+    return tokens <= LOW_LATENCY_MAX_TOKENS and deepep_modes.mode_reason(
+        deepep_modes.LOW_LATENCY, run.world, sizes.hidden, sizes.top_k,
+        num_experts // run.world, tokens) is None
+
+
+def time_deepep_raw(run: Run, sizes: Sizes, case: tuple[int, int, str]) -> dict:
+    """DeepEP's own round trip through its Python API (`peer_deepep`), the yardstick of the
+    deepep backend: normal mode (default config and the best of a chunk-size sweep) or
+    low-latency mode, on the routing the backend's cases get; checked once."""
+    num_experts, tokens, mode = case
+    routing = random_routing(run, sizes, tokens, num_experts, seed=1)
+
+    def capture_and_time(pair):
+        error = relative_error(pair(), round_trip_expected(routing[0], routing[2],
+                                                           num_experts, run.world))
+        if error > 1e-2:
+            raise RuntimeError(f"DeepEP's own {mode} round trip is off: relative error {error}")
+        replay, _ = run.capture(pair)
+        (total_s,) = run.time([replay])
+        return total_s
+
+    timed = peer_deepep.time_normal if mode == "normal" else peer_deepep.time_low_latency
+    row = timed(run, sizes, (num_experts, tokens), routing, capture_and_time)
+    release_communicators("deepep")
+    sent = bytes_sent("deepep", run, sizes, tokens, 0)
+    if "total_us" in row:
+        row.update(bytes_sent=sent, gb_per_s=sent / row["total_us"] / 1e3,
+                   there_us=None, back_us=None)
+    return row
+
+
 def time_tokens(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int,
                 compiled: bool) -> dict:
     """The tokens format's transport (what the lowering takes): ``dispatch_tokens``, then
@@ -581,13 +620,25 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
                     row = time_tokens(run, sizes, a2a, num_experts, tokens, compiled)
                     release_communicators(a2a)
                     run.release()
-                    # Judged against one row per token per peer (flashinfer: its own round trip).
-                    judged(row, raw_case(("flashinfer", num_experts, tokens),
-                                         time_flashinfer_raw, (num_experts, tokens),
-                                         f"flashinfer, E={num_experts}, T={tokens}")
-                           if a2a == "flashinfer" else
-                           raw_case(("a2a", tokens), time_raw_all_to_all, tokens,
-                                    f"one row per token per peer, T={tokens}"))
+                    # Judged against one row per token per peer; flashinfer and deepep
+                    # against their engine's own round trip (deepep: low-latency at decode
+                    # sizes, normal mode above, each also timed in the other mode).
+                    if a2a == "flashinfer":
+                        base = raw_case(("flashinfer", num_experts, tokens),
+                                        time_flashinfer_raw, (num_experts, tokens),
+                                        f"flashinfer, E={num_experts}, T={tokens}")
+                    elif a2a == "deepep":
+                        modes = ["normal"] + (["low_latency"] if low_latency_runs(
+                            run, sizes, num_experts, tokens) else [])
+                        bases = [raw_case(("deepep", num_experts, tokens, m), time_deepep_raw,
+                                          (num_experts, tokens, m),
+                                          f"deepep {m}, E={num_experts}, T={tokens}")
+                                 for m in modes]
+                        base = bases[-1]
+                    else:
+                        base = raw_case(("a2a", tokens), time_raw_all_to_all, tokens,
+                                        f"one row per token per peer, T={tokens}")
+                    judged(row, base)
             raw_case(("a2a", even), time_raw_all_to_all, even, f"even share, T={tokens}")
 
 
@@ -684,8 +735,11 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
                    "capacity": cfg.rows_per_rank if fmt == "rows" else tokens, **local,
                    **time_layer(run, sizes, moe, a2a, tokens)}
             # The engine's own round trip of what the plan's format moves.
+            deepep_mode = ("low_latency" if low_latency_runs(run, sizes, cfg.num_experts, tokens)
+                           else "normal")
             key = {"allgather": ("ag+rs", tokens),
-                   "flashinfer": ("flashinfer", cfg.num_experts, tokens)}.get(
+                   "flashinfer": ("flashinfer", cfg.num_experts, tokens),
+                   "deepep": ("deepep", cfg.num_experts, tokens, deepep_mode)}.get(
                 a2a, ("a2a", tokens if fmt == "tokens" else cfg.rows_per_rank))
             if key in raw:
                 row["raw_us"] = raw[key]["total_us"]
@@ -723,7 +777,8 @@ def layer_line(row: dict) -> str:
 def transport_table(rows: list[dict]) -> str:
     lines = [(f"| a2a | mode | E | T/rank | C (worst) | dispatch us | combine us | total us | "
               f"MB sent | GB/s | raw us | vs raw (all_to_all target <= {TARGET_TRANSPORT} "
-              f"vs NCCL; flashinfer tokens <= {TARGET_FLASHINFER} vs MoeAlltoAll) | rel err | "
+              f"vs NCCL; flashinfer tokens <= {TARGET_FLASHINFER} vs MoeAlltoAll; deepep tokens <= "
+              f"{TARGET_DEEPEP} vs DeepEP's own) | rel err | "
               f"note |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -752,7 +807,10 @@ def raw_table(raw: dict) -> str:
     lines = ["| collective | for | rows per peer | there us | back us | total us | MB | GB/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in raw.values():
-        lines.append(f"| {r['collective']} | {r['for']} | {r['rows_per_peer']} | "
+        tuned = (f" (default config {r['default_us']:.1f} us; NVL chunks "
+                 f"{r['dispatch_chunk']}/{r['combine_chunk']}: {r['tuned_us']:.1f} us)"
+                 if "tuned_us" in r else "")
+        lines.append(f"| {r['collective']}{tuned} | {r['for']} | {r['rows_per_peer']} | "
                      f"{_fmt(r['there_us'])} | "
                      f"{_fmt(r['back_us'])} | {r['total_us']:.1f} | "
                      f"{r['bytes_sent'] / 1e6:.1f} | {r['gb_per_s']:.1f} |")
