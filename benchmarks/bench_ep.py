@@ -919,6 +919,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--replays", type=int, default=0, help="timed replays (0: default)")
     parser.add_argument("--capacity-factor", type=float, default=1.25,
                         help="the smaller all_to_all capacity, in even shares T*K/P")
+    parser.add_argument("--experts", default="",
+                        help="comma-separated expert counts of the transport phase "
+                             "(default: 64,256; smoke: 8)")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer phase")
     parser.add_argument("--tokens-only", action="store_true",
                         help="time only the tokens format of the backends that have it")
@@ -963,6 +966,8 @@ def main(argv=None) -> None:
     check_launch(args)
     run = Run(args)
     sizes = SMOKE if args.smoke else FULL
+    if args.experts:
+        sizes = dataclasses.replace(sizes, experts=tuple(int(e) for e in args.experts.split(",")))
     try:
         a2a_names = available_a2a(run, sizes)
         run.log(f"a2a backends: {', '.join(a2a_names) or 'none'}; skipped: "

@@ -1,60 +1,99 @@
 #!/usr/bin/env bash
-# Expert parallelism on 2 GPUs in one call: install, DeepEP built from .peers/DeepEP
-# with its own intranode and low-latency tests at the benchmark's sizes (where the
-# source is there), the multigpu tests (NCCL, two processes each), then
-# benchmarks/bench_ep.py on 2 ranks; each step under `timeout`.
-# DEEPEP=0, TESTS=0 or BENCH=0 skips a step (DEEPEP_TESTS=0 only DeepEP's tests); TEST_SECONDS and BENCH_SECONDS bound them,
-# PYTEST_ARGS and BENCH_ARGS are passed on. Logs and results go to $OUT when it is
-# set; a short summary is printed last. NVLink multicast stays off in every process.
-# The default bounds (240 s + 330 s) keep the whole call under 10 minutes.
+# Expert parallelism on the GPUs of one host in one call: install, DeepEP built from
+# .peers/DeepEP (where the source is there; with its own intranode and low-latency tests
+# at the benchmark's sizes if DEEPEP_TESTS=1), the multigpu tests (NCCL), then
+# benchmarks/bench_ep.py at each world size in NPROCS; each step under `timeout`.
+#
+#   DEEPEP=0, TESTS=0, BENCH=0        skip a step
+#   DEEPEP_TESTS=1                    also DeepEP's own tests (default off: bench_ep times
+#                                     DeepEP's own round trip in the same run)
+#   NPROCS="2 4"                      world sizes of the benchmark (default: 2)
+#   TEST_SPLIT=1                      the 4-rank tests ([P4]) in a second pytest process
+#                                     beside the others (both bounded by TEST_SECONDS)
+#   TEST_SECONDS, BENCH_SECONDS       bounds (the benchmark's is per world size)
+#   PYTEST_ARGS, TEST_PATHS, BENCH_ARGS  passed on
+#   FI_BUILD=1                        start the flashinfer experts module's build detached
+#                                     first (scripts/flashinfer_build.sh), report it last
+#
+# Logs go to $LOGS (default /tmp/ep_logs); $OUT gets only the results (ep_P<n>.md, .json)
+# and the tests' log, so that what comes back stays within a few files. A short summary
+# is printed last. NVLink multicast stays off in every process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
-mkdir -p "$OUT"
+LOGS="${LOGS:-/tmp/ep_logs}"
+mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source scripts/install_on_device.sh
 python3 -c "import torch; n = torch.cuda.device_count(); print('torch', torch.__version__, 'NCCL', torch.cuda.nccl.version() if n else '-', n, 'x', torch.cuda.get_device_name() if n else 'no GPU')"
+if [ "${FI_BUILD:-0}" = 1 ]; then
+  LOG="$LOGS/flashinfer_build.log" bash scripts/flashinfer_build.sh start
+fi
 status=0
 tests="not run"
-bench="not run"
+bench=""
 deepep="not run"
 if [ "${DEEPEP:-1}" = 1 ] && [ -f .peers/DeepEP/setup.py ]; then
-  if timeout -k 10 300 bash scripts/build_deepep.sh >"$OUT/deepep_build.log" 2>&1; then
+  if timeout -k 10 300 bash scripts/build_deepep.sh >"$LOGS/deepep_build.log" 2>&1; then
     export PYTHONPATH="$PWD/.peers/DeepEP${PYTHONPATH:+:$PYTHONPATH}"
-    deepep="built"
-    if [ "${DEEPEP_TESTS:-1}" = 1 ]; then
-      # DeepEP's own tests, the yardstick of the deepep backend: normal mode at prefill,
-      # low-latency mode at decode sizes, 2 ranks, H=7168, top-8.
-      for test in "test_intranode.py --num-tokens 4096" "test_low_latency.py --num-tokens 128"; do
-        for experts in ${DEEPEP_EXPERTS:-256}; do
-          log="$OUT/deepep_${test%%.py*}_E$experts.log"
+    deepep="built ($(grep -o 'built in [0-9]* s' "$LOGS/deepep_build.log" | tail -1))"
+    if [ "${DEEPEP_TESTS:-0}" = 1 ]; then
+      for nproc in ${NPROCS:-2}; do
+        for test in "test_intranode.py --num-tokens 4096" "test_low_latency.py --num-tokens 128"; do
+          log="$LOGS/deepep_${test%%.py*}_P$nproc.log"
           (cd .peers/DeepEP && timeout -k 10 "${DEEPEP_TEST_SECONDS:-120}" python3 tests/$test \
-            --num-processes 2 --hidden 7168 --num-topk 8 --num-experts "$experts") >"$log" 2>&1
-          deepep="$deepep; ${test%%.py*} E=$experts rc=$?"
-          grep -E "Best|passed|bandwidth|GB/s" "$log" | tail -8
+            --num-processes "$nproc" --hidden 7168 --num-topk 8 --num-experts 256) >"$log" 2>&1
+          deepep="$deepep; ${test%%.py*} P=$nproc rc=$?"
+          grep -E "Best|passed|bandwidth|GB/s" "$log" | tail -4
         done
       done
     fi
   else
-    deepep="build failed: $(tail -3 "$OUT/deepep_build.log" | tr '\n' ' ')"
+    deepep="build failed: $(tail -3 "$LOGS/deepep_build.log" | tr '\n' ' ')"
   fi
 fi
+run_tests() {  # name, extra pytest args
+  timeout -k 30 "${TEST_SECONDS:-240}" python3 -m pytest -q -m multigpu -p no:cacheprovider \
+    --durations=15 ${PYTEST_ARGS:-} "${@:2}" ${TEST_PATHS:-tests graph_tests} >"$LOGS/tests_$1.log" 2>&1
+  echo "$1 rc=$?: $(grep -E '(passed|failed|skipped|error)' "$LOGS/tests_$1.log" | tail -1)" \
+    >"$LOGS/tests_$1.status"
+}
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout -k 30 "${TEST_SECONDS:-240}" python3 -m pytest -q -m multigpu -p no:cacheprovider --durations=10 ${PYTEST_ARGS:-} ${TEST_PATHS:-tests graph_tests} 2>&1 | tee "$OUT/ep_tests.log" | tail -40
-  rc=${PIPESTATUS[0]}
-  tests="rc=$rc: $(grep -E '(passed|failed|skipped|error)' "$OUT/ep_tests.log" | tail -1)"
-  [ "$rc" -eq 0 ] || status=1
+  if [ "${TEST_SPLIT:-0}" = 1 ]; then
+    run_tests P4 -k P4 & run_tests rest -k "not P4" & wait
+    tests="$(cat "$LOGS"/tests_P4.status "$LOGS"/tests_rest.status | tr '\n' ';')"
+  else
+    run_tests all
+    tests="$(cat "$LOGS"/tests_all.status)"
+  fi
+  cat "$LOGS"/tests_*.log >"$OUT/ep_tests.log"
+  grep -E "^(FAILED|ERROR)|[0-9.]+s (call|setup)" "$OUT/ep_tests.log" | head -40
+  case "$tests" in *"rc=0"*"rc=0"*|"all rc=0"*) ;; *) status=1 ;; esac
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout -k 30 "${BENCH_SECONDS:-330}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_ep.py --out "$OUT/ep" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ep.log" | tail -60
-  rc=${PIPESTATUS[0]}
-  bench="rc=$rc (timeout gives 124)"
-  [ "$rc" -eq 0 ] || status=1
+  for nproc in ${NPROCS:-2}; do
+    timeout -k 30 "${BENCH_SECONDS:-330}" python3 -m torch.distributed.run --standalone \
+      --nproc-per-node "$nproc" benchmarks/bench_ep.py --out "$LOGS/ep_P$nproc" ${BENCH_ARGS:-} \
+      >"$LOGS/bench_ep_P$nproc.log" 2>&1
+    rc=$?
+    grep -E "^\[|Error|error" "$LOGS/bench_ep_P$nproc.log" | tail -30
+    for f in ep.md ep.json; do
+      [ -f "$LOGS/ep_P$nproc/$f" ] && cp "$LOGS/ep_P$nproc/$f" "$OUT/ep_P$nproc.${f#ep.}"
+    done
+    bench="$bench P=$nproc rc=$rc;"
+    [ "$rc" -eq 0 ] || status=1
+  done
 fi
 echo
 echo "=== summary ==="
 echo "DeepEP: $deepep"
 echo "multigpu tests: $tests"
-echo "bench_ep.py: $bench"
-[ -f "$OUT/ep/summary.txt" ] && cat "$OUT/ep/summary.txt"
+echo "bench_ep.py (timeout gives 124):${bench:- not run}"
+for nproc in ${NPROCS:-2}; do
+  [ -f "$LOGS/ep_P$nproc/summary.txt" ] && { echo "--- P=$nproc"; tail -n +8 "$LOGS/ep_P$nproc/summary.txt"; }
+done
+if [ "${FI_BUILD:-0}" = 1 ]; then
+  echo "--- flashinfer experts module"
+  LOG="$LOGS/flashinfer_build.log" bash scripts/flashinfer_build.sh status | tail -4
+fi
 exit $status

@@ -41,7 +41,10 @@ case "${1:-start}" in
       echo "already building (process $(cat "$PID_FILE")); log: $LOG"
       exit 0
     fi
-    setsid nohup "$PYTHON" -m torch_moe_ops.backends.flashinfer build >"$LOG" 2>&1 </dev/null &
+    # The last line of the log says how long the build took.
+    setsid nohup bash -c "start=\$(date +%s); $PYTHON -m torch_moe_ops.backends.flashinfer build; \
+      echo \"build exited \$? after \$(( \$(date +%s) - start )) s (MAX_JOBS=\${MAX_JOBS:-all}, \$(nproc) cores)\"" \
+      >"$LOG" 2>&1 </dev/null &
     echo $! >"$PID_FILE"
     echo "building FlashInfer's SM90 fused-MoE module in process $(cat "$PID_FILE"); log: $LOG"
     echo "progress: $0 status"

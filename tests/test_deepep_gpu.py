@@ -1,5 +1,6 @@
-"""The ``deepep`` a2a backend on 2 GPUs over NCCL: every rank's outputs and gradients
-equal the single-process reference on the same tokens and weights (bf16 bounds), in
+"""The ``deepep`` a2a backend on 2 GPUs, and on 4 where there are 4, over NCCL: every
+rank's outputs and gradients equal the single-process reference on the same tokens and
+weights (bf16 bounds), in
 DeepEP's normal and low-latency modes, with one rank idle, in a captured CUDA graph
 replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
 backward, through the rows format; and forward under ``mode="reduce-overhead"``, through
@@ -52,9 +53,10 @@ from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 from torch_moe_ops.lowering.rewrite import moe_op_sequence
 
-WORLD = 2
-# One rank full, one idle.
-TOKENS_PER_RANK = (5, 0)
+# Each test runs on 2 ranks, and on 4 where there are 4 GPUs.
+WORLD_SIZES = (2, 4)
+# Tokens on each rank, per world size: one rank full, one idle (at 4: uneven besides).
+TOKENS_PER_RANK = {2: (5, 0), 4: (5, 0, 2, 4)}
 # H: one of the sizes DeepEP's low-latency kernels are compiled for.
 H, I, E, K = 2048, 64, 8, 2
 M_NORMAL, M_LOW_LATENCY = 8, 6
@@ -79,34 +81,48 @@ DEADLINE_S = 480
 QUANT_DEADLINE_S = 590
 
 REASON = deepep.supports(BackendSpec(a2a="deepep"),
-                         Problem(torch.bfloat16, ep_size=WORLD, hidden_size=H, top_k=K),
+                         Problem(torch.bfloat16, ep_size=2, hidden_size=H, top_k=K),
                          torch.device("cuda"))
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(REASON is not None, reason=f"a2a 'deepep': {REASON}")]
 
 
+def _world() -> int:
+    return dist.get_world_size()
+
+
+def _layout() -> tuple[int, ...]:
+    return TOKENS_PER_RANK[_world()]
+
+
+def _launch(world_size, fn, *args, deadline_s=DEADLINE_S) -> None:
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_on_ranks(world_size, fn, *args, backend="nccl", timeout=TIMEOUT, deadline_s=deadline_s)
+
+
 def _full_problem(seed: int, route: str):
     """Every rank's tokens and routing, and every expert's weights, drawn alike on all
     ranks, on this rank's GPU (`on_current_gpu`)."""
-    return on_current_gpu(*draw_problem(seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K))
+    return on_current_gpu(*draw_problem(seed, route, sum(_layout()), E, _world(), H, I, K))
 
 
 def _mine(rank: int) -> slice:
-    return token_slice(TOKENS_PER_RANK, rank)
+    return token_slice(_layout(), rank)
 
 
 def _local(rank: int) -> slice:
-    num_local = E // WORLD
+    num_local = E // _world()
     return slice(rank * num_local, (rank + 1) * num_local)
 
 
 def _rows_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens, capacity):
     """``moe_deepep::dispatch -> moe_reference::experts_rows -> moe_deepep::combine``:
     the output and the rows' experts and counts."""
-    ep_args = (WORLD, dist.group.WORLD.group_name, max_tokens)
+    ep_args = (_world(), dist.group.WORLD.group_name, max_tokens)
     x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_deepep.dispatch(
         hidden_TH, weights_TK, ids_TK, E, *ep_args, capacity)
-    assert x_RH.shape == (WORLD * capacity, H)
+    assert x_RH.shape == (_world() * capacity, H)
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
     out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
     return out_TH, expert_R, count_E
@@ -147,7 +163,7 @@ def _check_ops(rank, route, max_tokens, capacity):
 def _check_graph(rank, max_tokens):
     """dispatch -> experts_rows -> combine captured once in a CUDA graph and replayed on new
     inputs (`check_graph_replays`): the reference's output."""
-    capacity = max_tokens * min(K, E // WORLD)
+    capacity = max_tokens * min(K, E // _world())
     check_graph_replays(lambda *args: _rows_pipeline(*args, max_tokens, capacity)[0],
                         _full_problem, _mine(rank), _local(rank), STATIC)
 
@@ -172,7 +188,7 @@ def _check_module(rank, max_tokens):
     through the rows format."""
     single, sharded = _single_and_sharded(max_tokens, seed=5)
     device = single.w13.device
-    x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
+    x_NH = torch.randn(sum(_layout()), H, generator=torch.Generator().manual_seed(9))
     x_NH = x_NH.to(device, torch.bfloat16)
     mine, local = _mine(rank), sharded.local_experts
 
@@ -210,7 +226,7 @@ def _check_reduce_overhead(rank, max_tokens):
     with torch.no_grad():
         for seed in range(4):
             gen = torch.Generator().manual_seed(20 + seed)
-            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(device,
+            x_NH = torch.randn(sum(_layout()), H, generator=gen).to(device,
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
@@ -231,7 +247,7 @@ def _run_normal(rank, world_size):
     # max_tokens_per_rank this small would take the low-latency kernels: fix the mode.
     comm = deepep.communicator(group, H, E, K, M_NORMAL, torch.bfloat16, mode="normal")
     assert comm.mode == "normal"
-    worst = M_NORMAL * min(K, E // WORLD)
+    worst = M_NORMAL * min(K, E // _world())
     for route in ("random", "one_rank"):
         _check_ops(rank, route, M_NORMAL, worst)
     # A capacity below the worst case that the routing still fits.
@@ -246,7 +262,7 @@ def _run_normal(rank, world_size):
 
 
 def _run_low_latency(rank, world_size):
-    worst = M_LOW_LATENCY * min(K, E // WORLD)
+    worst = M_LOW_LATENCY * min(K, E // _world())
     for route in ("random", "one_rank"):
         _check_ops(rank, route, M_LOW_LATENCY, worst)
     # max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS and H among its sizes: low-latency.
@@ -261,22 +277,23 @@ def _run_low_latency(rank, world_size):
     deepep.close_all()
 
 
-def test_normal_mode_matches_single_process():
-    run_on_ranks(WORLD, _run_normal, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
+def test_normal_mode_matches_single_process(world_size):
+    _launch(world_size, _run_normal)
 
 
-def test_low_latency_mode_matches_single_process():
-    run_on_ranks(WORLD, _run_low_latency, backend="nccl", timeout=TIMEOUT,
-                 deadline_s=DEADLINE_S)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
+def test_low_latency_mode_matches_single_process(world_size):
+    _launch(world_size, _run_low_latency)
 
 
 def _tokens_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens):
     """``moe_deepep::dispatch_tokens -> moe_reference::experts -> moe_deepep::combine_tokens``:
     the receive buffers as DeepEP delivers them, this rank's ``[T, H]`` output."""
-    ep_args = (WORLD, dist.group.WORLD.group_name, max_tokens)
+    ep_args = (_world(), dist.group.WORLD.group_name, max_tokens)
     x_NH, weights_NK, local_NK = torch.ops.moe_deepep.dispatch_tokens(hidden_TH, weights_TK,
                                                                        ids_TK, E, *ep_args)
-    assert x_NH.shape == (WORLD * max_tokens, H) and local_NK.dtype == torch.int32
+    assert x_NH.shape == (_world() * max_tokens, H) and local_NK.dtype == torch.int32
     y_NH = torch.ops.moe_reference.experts(x_NH, weights_NK, local_NK, *experts, *STATIC)
     return torch.ops.moe_deepep.combine_tokens(y_NH, ids_TK, E, *ep_args)
 
@@ -303,8 +320,9 @@ def _run_tokens(rank, world_size):
     deepep.close_all()
 
 
-def test_tokens_format_matches_single_process():
-    run_on_ranks(WORLD, _run_tokens, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
+def test_tokens_format_matches_single_process(world_size):
+    _launch(world_size, _run_tokens)
 
 
 def _check_dispatch_quant(rank, mode, max_tokens):
@@ -313,7 +331,8 @@ def _check_dispatch_quant(rank, mode, max_tokens):
     DeepEP's low-latency kernels cast (`deepep.fp8_transport_reason`)."""
     hidden_NH, weights_NK, ids_NK, _ = _full_problem(7, "random")
     mine = _mine(rank)
-    ep_args = (WORLD, dist.group.WORLD.group_name, max_tokens, max_tokens * min(K, E // WORLD))
+    ep_args = (_world(), dist.group.WORLD.group_name, max_tokens,
+               max_tokens * min(K, E // _world()))
     args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], E)
     for spec in QUANT_SPECS.values():
         deepep_cast = mode == "low_latency" and deepep.fp8_transport_reason(mode, spec, H) is None
@@ -344,7 +363,7 @@ def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
     with torch.no_grad():
         for seed in range(3):
             gen = torch.Generator().manual_seed(30 + seed)
-            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(device,
+            x_NH = torch.randn(sum(_layout()), H, generator=gen).to(device,
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             assert_close_scaled(out_TH, single(x_NH)[_mine(rank)], 2e-2, 2e-2)
@@ -369,7 +388,7 @@ def _run_quantized(rank, world_size, mode):
     deepep.close_all()
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
-def test_quantized_layers_dispatch_fp8_through_deepep(mode):
-    run_on_ranks(WORLD, _run_quantized, mode, backend="nccl", timeout=TIMEOUT,
-                 deadline_s=QUANT_DEADLINE_S)
+def test_quantized_layers_dispatch_fp8_through_deepep(mode, world_size):
+    _launch(world_size, _run_quantized, mode, deadline_s=QUANT_DEADLINE_S)

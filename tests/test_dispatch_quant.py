@@ -357,14 +357,16 @@ def test_packed_rows_compile_on_cuda(name, generator):
                                rtol=0.13, atol=1e-6)
 
 
-GPU_LAYOUTS = ((MAX_TOKENS, 0), (3, MAX_TOKENS))
+# Per world size (2, and 4 where there are 4 GPUs): one rank idle, then every rank busy.
+GPU_LAYOUTS = {2: ((MAX_TOKENS, 0), (3, MAX_TOKENS)),
+               4: ((MAX_TOKENS, 0, 2, 5), (3, MAX_TOKENS, 1, 4))}
 
 
 def _gpu_cases(rank, world_size, a2a):
-    """Quantized layers sharded over 2 GPUs, compiled (Inductor, then CUDA graphs
+    """Quantized layers sharded over the GPUs, compiled (Inductor, then CUDA graphs
     replaying new tokens) with fp8 dispatch, against one GPU holding every expert."""
     device = torch.device("cuda", rank)
-    for layout in GPU_LAYOUTS:
+    for layout in GPU_LAYOUTS[world_size]:
         mine = token_slice(layout, rank)
         for spec in SPECS.values():
             for mode in (None, "reduce-overhead"):
@@ -395,6 +397,9 @@ def _gpu_cases(rank, world_size, a2a):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("world_size", sorted(GPU_LAYOUTS), ids="P{}".format)
 @pytest.mark.parametrize("a2a", sorted(A2A_NAMESPACES))
-def test_quantized_layers_dispatch_fp8_on_gpus(a2a):
-    run_on_ranks(WORLD_SIZE, _gpu_cases, a2a, backend="nccl", deadline_s=600)
+def test_quantized_layers_dispatch_fp8_on_gpus(a2a, world_size):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_on_ranks(world_size, _gpu_cases, a2a, backend="nccl", deadline_s=600)

@@ -1,4 +1,5 @@
-"""Expert parallelism on 2 GPUs over NCCL, in fp32 and bf16, for every a2a backend:
+"""Expert parallelism on 2 GPUs, and on 4 where there are 4, over NCCL, in fp32 and bf16,
+for every a2a backend:
 
 - the ops (dispatch -> experts_rows -> combine) and the `MoE` module against the
   single-process reference on the same tokens and weights: outputs and gradients,
@@ -40,14 +41,15 @@ from torch_moe_ops.ops import op_overload
 
 pytestmark = pytest.mark.multigpu
 
-WORLD_SIZE = 2
+# Each test runs on 2 ranks, and on 4 where there are 4 GPUs.
+WORLD_SIZES = (2, 4)
 H, I, E, K = 64, 32, 8, 2
 MAX_TOKENS = 8
-# Tokens on each rank: one layout with an idle rank (it still joins every
-# collective), one with both ranks busy and one of them full.
-TOKEN_LAYOUTS = ((7, 0), (3, 8))
-# The compiled model: uneven, both ranks busy.
-COMPILED_TOKENS_PER_RANK = (16, 5)
+# Tokens on each rank, per world size: one layout with an idle rank (it still joins
+# every collective), one with every rank busy or one idle and one of them full.
+TOKEN_LAYOUTS = {2: ((7, 0), (3, 8)), 4: ((7, 0, 8, 2), (3, 8, 5, 1))}
+# The compiled model: uneven; at 4 ranks one of them idle.
+COMPILED_TOKENS_PER_RANK = {2: (16, 5), 4: (16, 5, 0, 9)}
 COMPILED_MAX_TOKENS = 16
 # The a2a backends under test; one that is registered later joins with its name here.
 A2A_NAMES = ("all_to_all", "allgather")
@@ -69,27 +71,33 @@ def _assert_close(actual, expected, tolerances=TOLERANCES):
     assert_close_scaled(actual, expected, *tolerances[actual.dtype])
 
 
-def _skip_unless_available(a2a: str) -> None:
+def _skip_unless_available(a2a: str, world_size: int) -> None:
     """Skip (in the launching process) an a2a backend that cannot run on CUDA here."""
     if a2a not in REGISTRY.a2a:
         pytest.skip(f"a2a backend {a2a!r} is not registered")
     reason = REGISTRY.a2a[a2a].supports(tmo.BackendSpec(a2a=a2a),
-                                        Problem(torch.bfloat16, ep_size=WORLD_SIZE),
+                                        Problem(torch.bfloat16, ep_size=world_size),
                                         torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"a2a backend {a2a!r}: {reason}")
 
 
-def _launch(fn, *args) -> None:
-    run_on_ranks(WORLD_SIZE, fn, *args, backend="nccl", timeout=COLLECTIVE_TIMEOUT,
+def _launch(world_size, fn, *args) -> None:
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_on_ranks(world_size, fn, *args, backend="nccl", timeout=COLLECTIVE_TIMEOUT,
                  deadline_s=RUN_DEADLINE_S)
+
+
+def _world() -> int:
+    return dist.get_world_size()
 
 
 def _full_problem(seed: int, route: str, dtype: torch.dtype, num_tokens: int):
     """Every rank's tokens and routing and every expert's weights, drawn on the CPU
     alike on all ranks, then moved to this rank's GPU."""
     hidden_NH, topk_weights_NK, topk_ids_NK, experts = draw_problem(
-        seed, route, num_tokens, E, WORLD_SIZE, H, I, K)
+        seed, route, num_tokens, E, _world(), H, I, K)
     device = torch.device("cuda", torch.cuda.current_device())
     floats = (hidden_NH, topk_weights_NK, *experts.values())
     hidden_NH, topk_weights_NK, *weights = (t.to(device, dtype) for t in floats)
@@ -97,7 +105,7 @@ def _full_problem(seed: int, route: str, dtype: torch.dtype, num_tokens: int):
 
 
 def _ep_args(max_tokens: int = MAX_TOKENS):
-    return (WORLD_SIZE, dist.group.WORLD.group_name, max_tokens)
+    return (_world(), dist.group.WORLD.group_name, max_tokens)
 
 
 def _chain(a2a, hidden_TH, weights_TK, ids_TK, expert_weights, capacity):
@@ -110,11 +118,11 @@ def _chain(a2a, hidden_TH, weights_TK, ids_TK, expert_weights, capacity):
 
 
 def _worst_capacity() -> int:
-    return MAX_TOKENS * min(K, E // WORLD_SIZE)
+    return MAX_TOKENS * min(K, E // _world())
 
 
 def _local_experts(rank: int) -> slice:
-    num_local = E // WORLD_SIZE
+    num_local = E // _world()
     return slice(rank * num_local, (rank + 1) * num_local)
 
 
@@ -166,7 +174,7 @@ def _check_module(rank, layout, dtype):
     device = torch.device("cuda", rank)
     # Built on the CPU so that every rank draws the same weights.
     single = tmo.MoE(_moe_config(1, MAX_TOKENS, **extra)).to(device, dtype)
-    sharded = tmo.MoE(_moe_config(WORLD_SIZE, MAX_TOKENS, **extra), device=device, dtype=dtype,
+    sharded = tmo.MoE(_moe_config(_world(), MAX_TOKENS, **extra), device=device, dtype=dtype,
                       ep_group=dist.group.WORLD)
     sharded.load_full_weights(single.state_dict())
     gen = torch.Generator().manual_seed(9)
@@ -229,7 +237,7 @@ def _check_graph_replay(rank, layout, a2a, dtype):
 
 def _eager_cases(rank, world_size, a2a):
     worst = _worst_capacity()
-    for layout in TOKEN_LAYOUTS:
+    for layout in TOKEN_LAYOUTS[world_size]:
         for dtype in DTYPES.values():
             for route in ("random", "one_rank"):
                 _check_ops(rank, layout, a2a, dtype, route, worst)
@@ -240,7 +248,7 @@ def _eager_cases(rank, world_size, a2a):
 
 
 def _module_cases(rank, world_size):
-    for layout in TOKEN_LAYOUTS:
+    for layout in TOKEN_LAYOUTS[world_size]:
         for dtype in DTYPES.values():
             _check_module(rank, layout, dtype)
 
@@ -262,7 +270,7 @@ class TwoLayers(nn.Module):
 def _two_layers(rank, dtype) -> TwoLayers:
     device = torch.device("cuda", rank)
     torch.manual_seed(17)
-    model = TwoLayers(_moe_config(WORLD_SIZE, COMPILED_MAX_TOKENS), device, dtype,
+    model = TwoLayers(_moe_config(_world(), COMPILED_MAX_TOKENS), device, dtype,
                       dist.group.WORLD)
     for layer in model.layers:
         # Full weights drawn on the CPU, alike on every rank.
@@ -272,9 +280,9 @@ def _two_layers(rank, dtype) -> TwoLayers:
 
 def _tokens(rank, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    x_NH = torch.randn(sum(COMPILED_TOKENS_PER_RANK), H, generator=gen)
-    return x_NH[token_slice(COMPILED_TOKENS_PER_RANK, rank)].to(torch.device("cuda", rank),
-                                                                dtype)
+    layout = COMPILED_TOKENS_PER_RANK[_world()]
+    x_NH = torch.randn(sum(layout), H, generator=gen)
+    return x_NH[token_slice(layout, rank)].to(torch.device("cuda", rank), dtype)
 
 
 def _compile(model, a2a, mode=None):
@@ -316,17 +324,20 @@ def _compiled_cases(rank, world_size, a2a):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
 @pytest.mark.parametrize("a2a", A2A_NAMES)
-def test_ops_and_cuda_graph_match_single_process(a2a):
-    _skip_unless_available(a2a)
-    _launch(_eager_cases, a2a)
+def test_ops_and_cuda_graph_match_single_process(a2a, world_size):
+    _skip_unless_available(a2a, world_size)
+    _launch(world_size, _eager_cases, a2a)
 
 
-def test_module_matches_single_process():
-    _launch(_module_cases)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
+def test_module_matches_single_process(world_size):
+    _launch(world_size, _module_cases)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
 @pytest.mark.parametrize("a2a", A2A_NAMES)
-def test_two_layers_compiled_whole(a2a):
-    _skip_unless_available(a2a)
-    _launch(_compiled_cases, a2a)
+def test_two_layers_compiled_whole(a2a, world_size):
+    _skip_unless_available(a2a, world_size)
+    _launch(world_size, _compiled_cases, a2a)

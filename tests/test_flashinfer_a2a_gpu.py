@@ -48,9 +48,11 @@ from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec, worst_case_capacity
 
+# Ranks sharing one GPU: 2. On their own GPUs: 2, and 4 where there are 4.
 WORLD = 2
-# One rank full, one idle.
-TOKENS_PER_RANK = (5, 0)
+WORLD_SIZES = (2, 4)
+# Tokens on each rank, per world size: one rank full, one idle (at 4: uneven besides).
+TOKENS_PER_RANK = {2: (5, 0), 4: (5, 0, 2, 4)}
 H, I, E, K, M = 1024, 64, 8, 2, 8
 STATIC = ("silu", 1.702, 7.0)
 FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_triton::experts",
@@ -58,7 +60,6 @@ FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_triton::experts",
 # Generous: the first run builds flashinfer's module while the peer waits in a collective.
 TIMEOUT = datetime.timedelta(seconds=300)
 DEADLINE_S = 580
-
 
 
 def _no_link_needed(index: int) -> None:
@@ -80,22 +81,30 @@ def _reason(shared_gpu: bool) -> str | None:
 TWO_GPUS_REASON, SHARED_GPU_REASON = _reason(shared_gpu=False), _reason(shared_gpu=True)
 
 
+def _world() -> int:
+    return dist.get_world_size()
+
+
+def _layout() -> tuple[int, ...]:
+    return TOKENS_PER_RANK[_world()]
+
+
 def _full_problem(seed: int, route: str):
     """Every rank's tokens and routing, and every expert's weights, drawn alike on all
     ranks, on this rank's GPU (`on_current_gpu`)."""
-    return on_current_gpu(*draw_problem(seed, route, sum(TOKENS_PER_RANK), E, WORLD, H, I, K))
+    return on_current_gpu(*draw_problem(seed, route, sum(_layout()), E, _world(), H, I, K))
 
 
 def _mine(rank: int) -> slice:
-    return token_slice(TOKENS_PER_RANK, rank)
+    return token_slice(_layout(), rank)
 
 
 def _local(rank: int) -> slice:
-    return slice(rank * (E // WORLD), (rank + 1) * (E // WORLD))
+    return slice(rank * (E // _world()), (rank + 1) * (E // _world()))
 
 
 def _ep_args():
-    return WORLD, dist.group.WORLD.group_name, M
+    return _world(), dist.group.WORLD.group_name, M
 
 
 def _rows(hidden_TH, weights_TK, ids_TK, experts, capacity):
@@ -161,7 +170,7 @@ def _check_module(rank):
     against the single-process `MoE`: outputs and gradients through rows (the idle rank's
     empty gradients included: its ops must not be dropped as dead code)."""
     single, sharded = single_and_sharded(_moe_config, seed=5)
-    x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=torch.Generator().manual_seed(9))
+    x_NH = torch.randn(sum(_layout()), H, generator=torch.Generator().manual_seed(9))
     x_NH = x_NH.to(single.w13.device, torch.bfloat16)
     mine, local = _mine(rank), sharded.local_experts
     x_ref = x_NH.clone().requires_grad_()
@@ -194,7 +203,7 @@ def _check_reduce_overhead(rank):
     with torch.no_grad():
         for seed in range(4):
             gen = torch.Generator().manual_seed(20 + seed)
-            x_NH = torch.randn(sum(TOKENS_PER_RANK), H, generator=gen).to(single.w13.device,
+            x_NH = torch.randn(sum(_layout()), H, generator=gen).to(single.w13.device,
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
@@ -230,8 +239,12 @@ def _run(rank, world_size, shared_gpu):
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(TWO_GPUS_REASON is not None, reason=str(TWO_GPUS_REASON))
-def test_matches_single_process():
-    run_on_ranks(WORLD, _run, False, backend="nccl", timeout=TIMEOUT, deadline_s=DEADLINE_S)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
+def test_matches_single_process(world_size):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_on_ranks(world_size, _run, False, backend="nccl", timeout=TIMEOUT,
+                 deadline_s=DEADLINE_S)
 
 
 @pytest.mark.gpu
