@@ -9,9 +9,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 if [ -f .peers/flashinfer/flashinfer-trim.tar.xz ]; then  # scripts/flashinfer_peer.sh
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    .peers/flashinfer/*.whl
-  tar -xJf .peers/flashinfer/flashinfer-trim.tar.xz -C /tmp/site
+  # Unpacked once per machine: a JIT build of an earlier call may be reading its sources.
+  if [ ! -f /tmp/site/.flashinfer-unpacked ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      .peers/flashinfer/*.whl
+    tar -xJf .peers/flashinfer/flashinfer-trim.tar.xz -C /tmp/site
+    touch /tmp/site/.flashinfer-unpacked
+  fi
   export PYTHONPATH=/tmp/site
   if ls .peers/fi_module/*.so.xz.part* >/dev/null 2>&1; then
     # FlashInfer loads a module found in its AOT folder without building it.
