@@ -53,7 +53,7 @@ if [ "${DEEPEP:-1}" = 1 ] && [ -f .peers/DeepEP/setup.py ]; then
   fi
 fi
 run_tests() {  # name, extra pytest args
-  timeout -k 30 "${TEST_SECONDS:-240}" python3 -m pytest -q -m multigpu -p no:cacheprovider \
+  timeout -s INT -k 30 "${TEST_SECONDS:-240}" python3 -m pytest -q -m multigpu -p no:cacheprovider \
     --durations=15 ${PYTEST_ARGS:-} "${@:2}" ${TEST_PATHS:-tests graph_tests} >"$LOGS/tests_$1.log" 2>&1
   echo "$1 rc=$?: $(grep -E '(passed|failed|skipped|error)' "$LOGS/tests_$1.log" | tail -1)" \
     >"$LOGS/tests_$1.status"
