@@ -9,16 +9,16 @@ Each model is bench_model's shape of a checkpoint (real hidden size, experts,
 top-k, attention and vocabulary; ``--layers`` decoder layers, random weights from
 seed 0): Qwen3-30B-A3B, OLMoE, Mixtral-8x7B and GPT-OSS-20B. A row is one
 (model, B, S, way): greedy ``generate`` of exactly N tokens after a random
-``[B, S]`` prompt, with ``cache_implementation="static"``, compiled the way
-transformers documents it (``model.forward = torch.compile(model.forward,
-mode="reduce-overhead")``: Inductor, CUDA graphs for prefill and decode;
-transformers' own compilation inside ``generate`` is turned off). Shapes are
-torch.compile's default: a graph is first compiled for the sizes it meets, and a
-size that changes later (prompt length, batch, the sliding-window cache's
-position count of GPT-OSS) recompiles it once with that size dynamic, so the
-first row of each way runs fully static graphs and later rows may not, alike
-for both ways. (With ``dynamic=False`` GPT-OSS's sliding-window cache, whose
-position count is a Python int, recompiled at every decode step.) The ways:
+``[B, S]`` prompt, with ``cache_implementation="static"`` and compiled the way
+transformers documents it for a static cache: ``generate`` compiles the model's
+forward with the ``compile_config`` it is given (here ``mode="reduce-overhead"``:
+Inductor and CUDA graphs) and runs every decode step on it, while the prefill
+runs uncompiled (transformers' static cache gives its tensors static addresses
+only when it is filled outside a compiled region; without them decode's CUDA
+graphs would be skipped). Shapes are torch.compile's default: the decode graph
+is compiled for the first batch, and a size that changes later (the batch, the
+sliding-window cache's position count of GPT-OSS) recompiles it once with that
+size dynamic, alike for both ways. The ways:
 
 - ``hf-grouped_mm``: transformers with the experts implementation bench_model
   found best (``grouped_mm``); on a GPU its ``generate`` switches the decode
@@ -27,24 +27,25 @@ position count is a Python int, recompiled at every decode step.) The ways:
   ``torch_moe_ops.backend(mode=...)``.
 
 Per row: prefill ms (time to first token: from the call to the moment the first
-token's logits exist), decode tokens/s (``B * (N - 1)`` over the time after
-that), the seconds of the first (compiling) call, and whether the new tokens
-equal ``hf-grouped_mm``'s (else the first position where a sequence differs).
-Per way, the graph breaks Dynamo counted while compiling ``forward`` (the
+token's logits exist; uncompiled, as above), decode tokens/s (``B * (N - 1)``
+over the time after that), the seconds of the first (compiling) call, and
+whether the new tokens equal ``hf-grouped_mm``'s (else the first position where
+a sequence differs).
+Per way, the graph breaks Dynamo counted while compiling the forward (the
 patched model must have none), the graphs compiled, and Inductor's CUDA-graph
 skips. Rows run longest prompt first, so that the static cache, which
 ``generate`` sizes for the longest call so far, keeps one size. Times are CUDA
 events on a GPU and the wall clock on the CPU; the median of ``--repeats`` calls
-after ``--warmup`` (CUDA graphs record on the second call of a shape).
+after ``--warmup`` (the first call compiles and records the decode CUDA graph).
 
-``--smoke`` runs the same families at tiny widths on the CPU in fp32, their
+``--smoke`` runs the same families at tiny widths on the CPU in fp32, the decode
 graphs on ``aot_eager`` (no Inductor C++ build), one short prompt of batch 2 and
 6 new tokens (each overridable), where the new tokens must be equal.
 
 Writes ``generate.json`` and ``generate.md`` (device, date, versions, table) to
 ``--out`` and prints the table last. A way that raises is recorded with its error
-(``failed``) and the other models still run. ``--budget-s`` starts no model past that
-many seconds (the rest are listed as skipped).
+(``failed``) and the other models still run. ``--budget-s`` starts no model past
+that many seconds (the rest are listed as skipped).
 """
 
 from __future__ import annotations
@@ -123,14 +124,24 @@ class FirstToken(transformers.LogitsProcessor):
         return scores
 
 
-def generate_once(model, ids_BS: torch.Tensor, new_tokens: int, clock: Clock) -> dict:
+def compile_config(way: str, args) -> transformers.CompileConfig:
+    """What ``generate`` compiles the decode steps with, for ``way``."""
+    config = transformers.CompileConfig(
+        fullgraph=False, **bench_model.compile_kwargs(way, args.mode, inner=args.inner))
+    # transformers compiles on accelerators only unless told so (its flag for tests).
+    config._compile_all_devices = args.device == "cpu"
+    return config
+
+
+def generate_once(model, ids_BS: torch.Tensor, new_tokens: int, clock: Clock,
+                  compiled: transformers.CompileConfig) -> dict:
     """One greedy static-cache ``generate``: its new tokens ``[B, N]`` and times."""
     first = FirstToken(clock, model.config)
     start = clock.mark()
     out_BT = model.generate(
         ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-        disable_compile=True, pad_token_id=0,
+        compile_config=compiled, pad_token_id=0,
         logits_processor=transformers.LogitsProcessorList([first]))
     end = clock.mark()
     prefill_ms = clock.ms(start, first.marked)
@@ -160,16 +171,13 @@ def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
     model = bench_model.build(shape, way, args.layers, device=args.device, dtype=args.dtype)
     torch._dynamo.reset()
     counters.clear()
-    compile_fn = bench_model.compiler(way, args.mode, inner=args.inner, fullgraph=False)
-    model.forward = compile_fn(model.forward)
-    cfg = model.config
+    compiled = compile_config(way, args)
     results = []
     for batch, seq in rows:
-        ids_BS = prompts(cfg, batch, seq, device)
+        ids_BS = prompts(model.config, batch, seq, device)
         begin = time.perf_counter()
-        with torch.inference_mode():
-            runs = [generate_once(model, ids_BS, args.new_tokens, clock)
-                    for _ in range(args.warmup + args.repeats)]
+        runs = [generate_once(model, ids_BS, args.new_tokens, clock, compiled)
+                for _ in range(args.warmup + args.repeats)]
         timed = runs[args.warmup:]
         tokens_BN = timed[-1]["tokens"]
         if way == REFERENCE_WAY:
@@ -194,22 +202,22 @@ def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
               + ("" if row["first_mismatch"] is None
                  else f" (first mismatch at new token {row['first_mismatch']})"), flush=True)
         results.append(row)
-    compiled = {"shape": name, "way": way,
-                "graph_breaks": sum(counters["graph_break"].values()),
-                "break_reasons": sorted(counters["graph_break"]),
-                "graphs": counters["stats"]["unique_graphs"],
-                "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
-    print(f"{name:14s} {way:14s} forward compiled into {compiled['graphs']} graphs, "
-          f"{compiled['graph_breaks']} graph breaks, "
-          f"{compiled['cudagraph_skips']} CUDA-graph skips", flush=True)
-    for reason in compiled["break_reasons"]:
+    counted = {"shape": name, "way": way,
+               "graph_breaks": sum(counters["graph_break"].values()),
+               "break_reasons": sorted(counters["graph_break"]),
+               "graphs": counters["stats"]["unique_graphs"],
+               "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+    print(f"{name:14s} {way:14s} forward compiled into {counted['graphs']} graphs, "
+          f"{counted['graph_breaks']} graph breaks, "
+          f"{counted['cudagraph_skips']} CUDA-graph skips", flush=True)
+    for reason in counted["break_reasons"]:
         print(f"    graph break: {reason}", flush=True)
     del model
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return results, compiled
+    return results, counted
 
 
 def table(rows: list[dict], compiled: list[dict]) -> str:
@@ -266,7 +274,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="2048,512", help="prompt lengths S")
     parser.add_argument("--batches", default="1,16", help="batch sizes B")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="start no model past this many seconds")
@@ -313,9 +321,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    # A prefill and a decode graph per row at most, and one more for GPT-OSS's cache.
+    # A decode graph per row at most, and one more for GPT-OSS's cache.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               2 * len(args.rows) + 1)
+                                               len(args.rows) + 1)
     start = time.monotonic()
     rows, compiled, skipped, failed = [], [], [], []
     for name, shape in args.models.items():

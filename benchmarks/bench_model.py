@@ -129,16 +129,18 @@ def build(shape: ModelShape, way: str, layers: int | None, device: str = "cuda",
     return model
 
 
-def compiler(way: str, mode: str | None, inner: str = "inductor", fullgraph: bool = True,
-             dynamic: bool | None = None) -> Callable[[Callable], Callable]:
-    """``torch.compile`` as ``way`` takes it: ours through `torch_moe_ops.backend`
-    (which hands the graph to ``inner``), transformers' straight to ``inner``."""
+def compile_kwargs(way: str, mode: str | None, inner: str = "inductor") -> dict:
+    """``torch.compile``'s ``backend`` and ``mode`` for ``way``: ours through
+    `torch_moe_ops.backend` (which hands the graph to ``inner``), transformers'
+    straight to ``inner``."""
     if way in ("tmo-patch", "hf+tmo-experts"):
-        backend = tmo.backend(mode=mode, inner=inner)
-        return lambda fn: torch.compile(fn, backend=backend, fullgraph=fullgraph,
-                                        dynamic=dynamic)
-    return lambda fn: torch.compile(fn, backend=inner, mode=mode, fullgraph=fullgraph,
-                                    dynamic=dynamic)
+        return {"backend": tmo.backend(mode=mode, inner=inner), "mode": None}
+    return {"backend": inner, "mode": mode}
+
+
+def compiler(way: str, mode: str | None) -> Callable[[Callable], Callable]:
+    kwargs = compile_kwargs(way, mode)
+    return lambda fn: torch.compile(fn, fullgraph=True, **kwargs)
 
 
 def graph_replay_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:

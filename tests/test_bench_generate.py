@@ -46,7 +46,7 @@ def test_smoke_generates_the_same_tokens_without_graph_breaks(tmp_path):
     for model in MODELS:
         patched = compiled[(model, "tmo-patch")]
         assert patched["graph_breaks"] == 0, patched["break_reasons"]
-        assert patched["graphs"] >= 2, patched  # prefill and decode
+        assert patched["graphs"] >= 1, patched  # generate compiled the decode steps
     # The table comes last: the rows' table, then the compile counts of each way.
     lines = result.stdout.strip().splitlines()
     assert lines[-1].startswith(f"| {MODELS[-1]} | tmo-patch |")
