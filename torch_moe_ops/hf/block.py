@@ -19,7 +19,8 @@ forward (training, eval, generation, compiled or not) reads them as they are.
 Two state-dict hooks keep checkpoints in transformers' layout:
 
 - ``state_dict()`` (and so ``save_pretrained``) writes them back under
-  transformers' keys, in its layout and key order (a copy each call);
+  transformers' keys, in its layout and key order (a copy each call, a plain
+  tensor even with ``keep_vars=True``);
 - ``load_state_dict`` of such a state dict converts them on the way in, then
   copies into the same parameters (``assign=True`` replaces them).
 

@@ -1,6 +1,7 @@
 """Expert weights of a transformers experts module in our canonical layout.
 
-Legend: E experts, H hidden size, I expert intermediate size, F = 2 * I.
+Legend: E experts, H hidden size, I expert intermediate size, F = 2 * I; A, B
+any two sizes.
 
 Our ops take ``w13 [E, F, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and
 the optional biases ``b13 [E, F]``, ``b2 [E, H]``. Where a family stores its
@@ -158,8 +159,8 @@ def _gate_up_from_w13(w13_EFH: torch.Tensor) -> torch.Tensor:
 
 
 def _transposed_copy(t_EAB: torch.Tensor) -> torch.Tensor:
-    # clone, not contiguous(): with a dimension of size 1 the transpose is already
-    # contiguous and contiguous() would return a view of the source.
+    # [E, A, B] -> [E, B, A]. clone, not contiguous(): with a dimension of size 1 the
+    # transpose is already contiguous and contiguous() would return a view of the source.
     return t_EAB.transpose(1, 2).clone(memory_format=torch.contiguous_format)
 
 
