@@ -15,7 +15,10 @@ forward with the ``compile_config`` it is given (here ``mode="reduce-overhead"``
 Inductor and CUDA graphs) and runs every decode step on it, while the prefill
 runs uncompiled (transformers' static cache gives its tensors static addresses
 only when it is filled outside a compiled region; without them decode's CUDA
-graphs would be skipped). Shapes are torch.compile's default: the decode graph
+graphs would be skipped). ``--compiled-prefill`` runs the prefill on the
+compiled forward too, through transformers' chunked prefill with one chunk of
+the whole prompt (``prefill_chunk_size=S``: ``generate`` then sets the cache up
+before the compiled call). Shapes are torch.compile's default: the decode graph
 is compiled for the first batch, and a size that changes later (the batch, the
 sliding-window cache's position count of GPT-OSS) recompiles it once with that
 size dynamic, alike for both ways. The ways:
@@ -27,7 +30,7 @@ size dynamic, alike for both ways. The ways:
   ``torch_moe_ops.backend(mode=...)``.
 
 Per row: prefill ms (time to first token: from the call to the moment the first
-token's logits exist; uncompiled, as above), decode tokens/s (``B * (N - 1)``
+token's logits exist; uncompiled unless ``--compiled-prefill``), decode tokens/s (``B * (N - 1)``
 over the time after that), the seconds of the first (compiling) call, and
 whether the new tokens equal ``hf-grouped_mm``'s (else the first position where
 a sequence differs).
@@ -36,7 +39,8 @@ patched model must have none), the graphs compiled, and Inductor's CUDA-graph
 skips. Rows run longest prompt first, so that the static cache, which
 ``generate`` sizes for the longest call so far, keeps one size. Times are CUDA
 events on a GPU and the wall clock on the CPU; the median of ``--repeats`` calls
-after ``--warmup`` (the first call compiles and records the decode CUDA graph).
+after ``--warmup`` (the first call compiles and records the decode CUDA graph;
+a compiled prefill's graph records on the second call, so it warms up twice).
 
 ``--smoke`` runs the same families at tiny widths on the CPU in fp32, the decode
 graphs on ``aot_eager`` (no Inductor C++ build), one short prompt of batch 2 and
@@ -134,7 +138,7 @@ def compile_config(way: str, args) -> transformers.CompileConfig:
 
 
 def generate_once(model, ids_BS: torch.Tensor, new_tokens: int, clock: Clock,
-                  compiled: transformers.CompileConfig) -> dict:
+                  compiled: transformers.CompileConfig, compiled_prefill: bool) -> dict:
     """One greedy static-cache ``generate``: its new tokens ``[B, N]`` and times."""
     first = FirstToken(clock, model.config)
     start = clock.mark()
@@ -142,6 +146,7 @@ def generate_once(model, ids_BS: torch.Tensor, new_tokens: int, clock: Clock,
         ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
         compile_config=compiled, pad_token_id=0,
+        prefill_chunk_size=ids_BS.shape[1] if compiled_prefill else None,
         logits_processor=transformers.LogitsProcessorList([first]))
     end = clock.mark()
     prefill_ms = clock.ms(start, first.marked)
@@ -176,7 +181,8 @@ def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
     for batch, seq in rows:
         ids_BS = prompts(model.config, batch, seq, device)
         begin = time.perf_counter()
-        runs = [generate_once(model, ids_BS, args.new_tokens, clock, compiled)
+        runs = [generate_once(model, ids_BS, args.new_tokens, clock, compiled,
+                              args.compiled_prefill)
                 for _ in range(args.warmup + args.repeats)]
         timed = runs[args.warmup:]
         tokens_BN = timed[-1]["tokens"]
@@ -262,7 +268,8 @@ def meta(args) -> dict:
             "transformers": transformers.__version__, "python": platform.python_version(),
             "dtype": str(args.dtype).removeprefix("torch."), "layers": args.layers,
             "new_tokens": args.new_tokens, "mode": args.mode, "inner": args.inner,
-            "warmup": args.warmup, "repeats": args.repeats, "smoke": args.smoke}
+            "compiled_prefill": args.compiled_prefill, "warmup": args.warmup,
+            "repeats": args.repeats, "smoke": args.smoke}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -274,7 +281,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="2048,512", help="prompt lengths S")
     parser.add_argument("--batches", default="1,16", help="batch sizes B")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--compiled-prefill", action="store_true",
+                        help="run the prefill on the compiled forward too")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="calls before the timed ones (default 1; 2 with --compiled-prefill)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="start no model past this many seconds")
@@ -297,6 +307,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"got {args.ways!r}")
     # The reference runs first: the other ways' tokens are compared with its.
     args.way_list = sorted(ways, key=WAYS.index)
+    if args.warmup is None:
+        args.warmup = 2 if args.compiled_prefill else 1
     if args.smoke:
         args.device, args.dtype, args.inner, args.mode = "cpu", torch.float32, "aot_eager", None
         if args.prompts == parser.get_default("prompts"):
@@ -353,7 +365,8 @@ def main(argv=None) -> None:
     layers = f"{args.layers} layers" if not args.smoke else "smoke models"
     text = (f"{info['device']}, {info['date']}, torch {info['torch']}, triton {info['triton']}, "
             f"transformers {info['transformers']}, {info['dtype']}, {layers}, "
-            f"{args.new_tokens} new tokens, mode={args.mode}, {info['total_s']} s\n\n"
+            f"{args.new_tokens} new tokens, mode={args.mode}, prefill "
+            f"{'compiled' if args.compiled_prefill else 'uncompiled'}, {info['total_s']} s\n\n"
             + table(rows, compiled))
     if skipped:
         text += "\n\nskipped: " + "; ".join(skipped)

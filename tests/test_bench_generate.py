@@ -1,6 +1,7 @@
-"""benchmarks/bench_generate.py end to end on the CPU (``--smoke``): transformers and the
-patched model generate with a static cache under torch.compile, the same tokens, and the
-patched model's compiled forward has no graph break. Qwen3-MoE stands for the families
+"""benchmarks/bench_generate.py end to end on the CPU (``--smoke``, prefill and decode
+compiled): transformers and the patched model generate with a static cache under
+torch.compile, the same tokens, and the patched model's compiled forward has no graph
+break. Qwen3-MoE stands for the families
 whose experts are used in place, GPT-OSS for the converted one (and its sliding-window
 cache).
 """
@@ -26,7 +27,7 @@ WAYS = ("hf-grouped_mm", "tmo-patch")
 def test_smoke_generates_the_same_tokens_without_graph_breaks(tmp_path):
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_generate.py"), "--smoke", "--out",
-         str(tmp_path), "--shapes", ",".join(MODELS)],
+         str(tmp_path), "--shapes", ",".join(MODELS), "--compiled-prefill"],
         capture_output=True, text=True, timeout=600, check=False,
         # This checkout's torch_moe_ops, whatever the environment has installed.
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -35,7 +36,8 @@ def test_smoke_generates_the_same_tokens_without_graph_breaks(tmp_path):
     with open(tmp_path / "generate.json") as f:
         data = json.load(f)
     assert data["failed"] == [] and data["skipped"] == []
-    assert {key: data["meta"][key] for key in ("torch", "transformers", "device", "date")}
+    assert all(data["meta"][key] for key in ("torch", "transformers", "device", "date"))
+    assert data["meta"]["compiled_prefill"]
     rows = {(r["shape"], r["way"]): r for r in data["rows"]}
     assert set(rows) == {(model, way) for model in MODELS for way in WAYS}
     for row in rows.values():
@@ -46,7 +48,7 @@ def test_smoke_generates_the_same_tokens_without_graph_breaks(tmp_path):
     for model in MODELS:
         patched = compiled[(model, "tmo-patch")]
         assert patched["graph_breaks"] == 0, patched["break_reasons"]
-        assert patched["graphs"] >= 1, patched  # generate compiled the decode steps
+        assert patched["graphs"] >= 2, patched  # the prefill and the decode steps
     # The table comes last: the rows' table, then the compile counts of each way.
     lines = result.stdout.strip().splitlines()
     assert lines[-1].startswith(f"| {MODELS[-1]} | tmo-patch |")
