@@ -216,6 +216,9 @@ def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
     print(f"{name:14s} {way:14s} forward compiled into {counted['graphs']} graphs, "
           f"{counted['graph_breaks']} graph breaks, "
           f"{counted['cudagraph_skips']} CUDA-graph skips", flush=True)
+    if not counted["graphs"]:
+        print(f"{name:14s} {way:14s} generate compiled nothing: its rows ran uncompiled "
+              f"(transformers' compile criteria not met)", flush=True)
     for reason in counted["break_reasons"]:
         print(f"    graph break: {reason}", flush=True)
     del model
