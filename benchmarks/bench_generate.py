@@ -3,7 +3,7 @@
     python benchmarks/bench_generate.py --out DIR            # GPU: the four models below
     python benchmarks/bench_generate.py --out DIR --smoke    # CPU, tiny models: checks the script
 
-Legend: B batch, S prompt length, N new tokens, V vocabulary.
+Legend: B batch, S prompt length, N new tokens.
 
 Each model is bench_model's shape of a checkpoint (real hidden size, experts,
 top-k, attention and vocabulary; ``--layers`` decoder layers, random weights from
