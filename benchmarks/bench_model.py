@@ -111,14 +111,16 @@ def moe_sizes(cfg) -> dict:
     return {"hidden": cfg.hidden_size, "inter": inter, "top_k": cfg.num_experts_per_tok}
 
 
-def build(shape: ModelShape, way: str, layers: int | None) -> torch.nn.Module:
-    """The model for ``way``, random bf16 weights made on the GPU from seed 0."""
+def build(shape: ModelShape, way: str, layers: int | None, device: str = "cuda",
+          dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The model for ``way``, random weights made on ``device`` from seed 0 (the
+    same for every way)."""
     torch.manual_seed(0)
     impl = {"hf-grouped_mm": "grouped_mm", "hf-batched_mm": "batched_mm",
             "hf+tmo-experts": "torch_moe_ops", "tmo-patch": "grouped_mm"}[way]
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
-            shape.config(layers), dtype=torch.bfloat16, experts_implementation=impl)
+            shape.config(layers), dtype=dtype, experts_implementation=impl)
     model.eval()
     if way == "tmo-patch":
         report = tmo.hf.patch(model)
@@ -127,10 +129,18 @@ def build(shape: ModelShape, way: str, layers: int | None) -> torch.nn.Module:
     return model
 
 
-def compiler(way: str, mode: str | None) -> Callable[[Callable], Callable]:
+def compile_kwargs(way: str, mode: str | None, inner: str = "inductor") -> dict:
+    """``torch.compile``'s ``backend`` and ``mode`` for ``way``: ours through
+    `torch_moe_ops.backend` (which hands the graph to ``inner``), transformers'
+    straight to ``inner``."""
     if way in ("tmo-patch", "hf+tmo-experts"):
-        return lambda fn: torch.compile(fn, backend=tmo.backend(mode=mode), fullgraph=True)
-    return lambda fn: torch.compile(fn, mode=mode, fullgraph=True)
+        return {"backend": tmo.backend(mode=mode, inner=inner), "mode": None}
+    return {"backend": inner, "mode": mode}
+
+
+def compiler(way: str, mode: str | None) -> Callable[[Callable], Callable]:
+    kwargs = compile_kwargs(way, mode)
+    return lambda fn: torch.compile(fn, fullgraph=True, **kwargs)
 
 
 def graph_replay_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:

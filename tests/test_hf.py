@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
@@ -154,8 +155,10 @@ def test_report_and_weight_sharing(family):
         used = {tensor.data_ptr() for tensor in block.expert_weights() if tensor is not None}
         for name in block_report.shared:
             assert getattr(block.experts, name).data_ptr() in used
-        for name in block_report.converted:
-            assert getattr(block.experts, name).data_ptr() not in used
+        # Converted ones are replaced by parameters in our layout, which the block reads.
+        experts_params = dict(block.experts.named_parameters())
+        assert not set(block_report.converted) & set(experts_params)
+        assert used <= {param.data_ptr() for param in experts_params.values()}
     if family == "deepseek_v3":
         assert type(model.model.layers[0].mlp).__name__ == "DeepseekV3MLP"
     # Patched before transformers installed its output hooks: they find the routers.
@@ -229,12 +232,26 @@ def test_router_ignores_autocast(family, dtype):
     torch.testing.assert_close(got_weights_TK, want[1], rtol=0, atol=0)
 
 
+def grads_in_transformers_layout(model) -> dict[str, torch.Tensor | None]:
+    """Parameter name -> gradient, the patched blocks' converted expert tensors' (GPT-OSS)
+    under transformers' names and in its layout."""
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    for block_name, block in _moe_blocks(model).items():
+        for name, conversion in block.conversions.items():
+            grad = grads.pop(f"{block_name}.experts.{name}")
+            grads[f"{block_name}.experts.{conversion.source}"] = (
+                None if grad is None else conversion.to_source(grad))
+    return grads
+
+
 def _assert_same_grads(model, original):
-    want = dict(original.named_parameters())
-    for name, param in model.named_parameters():
-        assert (param.grad is None) == (want[name].grad is None), name
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, want[name].grad, **FP32_TOL, msg=name)
+    want = {name: param.grad for name, param in original.named_parameters()}
+    got = grads_in_transformers_layout(model)
+    assert sorted(got) == sorted(want)
+    for name, grad in got.items():
+        assert (grad is None) == (want[name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(grad, want[name], **FP32_TOL, msg=name)
 
 
 def _backward_matches_original(model):
@@ -254,16 +271,14 @@ def test_gradients_match_original(family):
     _backward_matches_original(make_model(family).train())
 
 
-def test_converted_blocks_train_their_sources():
-    """GPT-OSS's experts run on converted copies; in training the copies are made
-    with autograd each step, so transformers' own parameters get the gradients
-    (and an update reaches the next eval-mode forward)."""
+def test_converted_blocks_train_their_own_parameters():
+    """GPT-OSS's experts are held in our layout as parameters of their own: their
+    gradients are transformers' in our layout, and an optimizer built after `patch`
+    updates what the next eval-mode forward reads."""
     model = make_model("gpt_oss").train()
     original, ids = _backward_matches_original(model)
     for m in (model, original):
-        with torch.no_grad():
-            for param in m.parameters():
-                param -= 0.1 * param.grad
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
     model.eval()
     original.eval()
     with torch.no_grad():
@@ -272,8 +287,7 @@ def test_converted_blocks_train_their_sources():
 
 def test_converted_blocks_give_gradients_in_eval_mode():
     """An eval-mode model still builds a graph when grad is enabled: GPT-OSS's
-    converted copies must then carry autograd too, so transformers' expert
-    parameters get the gradients the unpatched model gives them."""
+    expert parameters (ours) get the gradients the unpatched model gives its own."""
     _backward_matches_original(make_model("gpt_oss").eval())
 
 
@@ -314,6 +328,33 @@ def test_token_count_compiles_once(family):
             torch.testing.assert_close(compiled(ids, use_cache=False).logits,
                                        model(ids, use_cache=False).logits, **FP32_TOL)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_cache_generate_compiles_whole(family):
+    """``generate`` with a static KV cache, its decode steps compiled by transformers
+    with our backend and ``fullgraph=True`` (a graph break raises): the tokens of the
+    uncompiled model, and a second call reuses the graphs."""
+    model = make_model(family)
+    hf.patch(model)
+    ids = token_ids(batch=2, seq=6)
+    config = transformers.CompileConfig(fullgraph=True, backend=tmo.backend(inner="aot_eager"),
+                                        mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only otherwise
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                  cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, disable_compile=True, **kwargs)
+        # (transformers copies the backend: Dynamo's own counters count the graphs)
+        counters.clear()
+        got = model.generate(ids, compile_config=config, **kwargs)
+        graphs = counters["stats"]["unique_graphs"]
+        again = model.generate(ids, compile_config=config, **kwargs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    # One graph (GPT-OSS: more, as its sliding-window cache's position count, a Python
+    # int, becomes dynamic and the window fills); the second call compiles nothing.
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
 
 
 # DeepSeek-V3: its first layer is dense. GPT-OSS: converted weights, whose record
@@ -384,7 +425,7 @@ def test_patch_twice_and_bad_input():
     model = make_model("olmoe")
     hf.patch(model)
     again = hf.patch(model)
-    assert again.patched == [] and again.refreshed == ()  # nothing converted to refresh
+    assert again.patched == []
     assert set(again.skipped.values()) == {"already patched"}
     with pytest.raises(TypeError, match="torch.nn.Module"):
         hf.patch("olmoe")

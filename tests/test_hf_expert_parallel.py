@@ -59,13 +59,16 @@ def _patch(model, **kwargs):
 
 
 def _check_slices(model, full, local: range) -> int:
-    """Each expert parameter holds experts ``local`` of the full one; returns how many
-    elements the patch dropped."""
+    """Each expert parameter holds experts ``local`` of the full one (read through the
+    state dict, which gives GPT-OSS's experts in transformers' layout); returns how
+    many elements the patch dropped."""
     dropped = 0
+    state = model.state_dict()
     for name, experts in _experts_modules(model).items():
+        assert all(isinstance(p, torch.nn.Parameter) and p.shape[0] == len(local)
+                   for p in experts.parameters())
         for key, full_tensor in full[name].items():
-            mine = getattr(experts, key)
-            assert isinstance(mine, torch.nn.Parameter) and mine.shape[0] == len(local)
+            mine = state[f"{name}.experts.{key}"]
             torch.testing.assert_close(mine, full_tensor[local.start:local.stop], rtol=0, atol=0)
             dropped += full_tensor.numel() - mine.numel()
     return dropped

@@ -1,11 +1,14 @@
-"""GPT-OSS's converted expert tensors follow the weights they were converted from.
+"""GPT-OSS's experts held in our layout: converted once, read by every forward,
+saved and loaded in transformers' layout.
 
-Legend: B batch, S sequence, V vocabulary.
+Legend: B batch, S sequence, V vocabulary, E experts, H hidden size, I expert
+intermediate size, F = 2 * I.
 
-A patched GPT-OSS block keeps copies of ``gate_up_proj``, ``gate_up_proj_bias``
-and ``down_proj`` in our layout. Whatever replaces or rewrites those weights
-(``load_state_dict`` in place or with ``assign=True``, assigning parameters,
-writing into them, ``.to()``), the block must not compute with the old copies.
+A patched GPT-OSS block replaces ``gate_up_proj [E, H, F]`` (gate and up
+interleaved), ``gate_up_proj_bias [E, F]`` and ``down_proj [E, I, H]`` by
+parameters ``w13 [E, F, H]``, ``b13 [E, F]``, ``w2 [E, H, I]`` of the same experts
+module. No forward may copy them again; ``state_dict``, ``save_pretrained`` and
+``load_state_dict`` keep transformers' keys, order and layout.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import copy
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 import torch_moe_ops as tmo
 from test_hf import FP32_TOL, make_model, token_ids
@@ -25,6 +29,8 @@ from torch_moe_ops import hf
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 BLOCKS = ["model.layers.0.mlp", "model.layers.1.mlp"]
+# Ours -> transformers' name of each converted expert tensor.
+CONVERTED = {"w13": "gate_up_proj", "b13": "gate_up_proj_bias", "w2": "down_proj"}
 
 
 def new_weights(model: torch.nn.Module, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -43,60 +49,137 @@ def unpatched_logits(state: dict[str, torch.Tensor], ids_BS: torch.Tensor) -> to
         return model(ids_BS).logits
 
 
-def write_in_place(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state``'s expert tensors into the parameters (bumps their versions)."""
-    with torch.no_grad():
-        for key, value in state.items():
-            if ".experts." in key:
-                model.get_parameter(key).copy_(value)
+def our_expert_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The converted expert parameters of the patched blocks, by their model names."""
+    return {f"{block}.experts.{name}": model.get_parameter(f"{block}.experts.{name}")
+            for block in BLOCKS for name in CONVERTED}
 
 
-def assign_parameters(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Replace the expert parameters by new ones holding ``state``'s tensors."""
-    for key, value in state.items():
-        if ".experts." in key:
-            module_name, _, name = key.rpartition(".")
-            setattr(model.get_submodule(module_name), name, torch.nn.Parameter(value.clone()))
+class ExpertsArguments(TorchDispatchMode):
+    """The storage addresses of the tensors every ``moe::experts`` call receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.data_ptrs: list[set[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name() == "moe::experts":
+            self.data_ptrs.append({a.data_ptr() for a in args if isinstance(a, torch.Tensor)})
+        return func(*args, **(kwargs or {}))
+
+
+def test_experts_are_parameters_in_our_layout():
+    model = make_model("gpt_oss")
+    before = {f"{block}.experts.{name}": model.get_parameter(f"{block}.experts.{name}").detach()
+              for block in BLOCKS for name in CONVERTED.values()}
+    report = hf.patch(model)
+    assert [b.converted for b in report.blocks] == [tuple(CONVERTED.values())] * 2
+    for name, param in our_expert_parameters(model).items():
+        block, _, ours = name.rpartition(".experts.")
+        source = before[f"{block}.experts.{CONVERTED[ours]}"]
+        conversion = model.get_submodule(block).conversions[ours]
+        assert param.is_leaf and param.requires_grad and param.is_contiguous()
+        torch.testing.assert_close(conversion.to_source(param.detach()), source, rtol=0, atol=0)
+    experts = model.get_submodule(BLOCKS[0]).experts
+    # In transformers' order, ours in place of its own.
+    assert [name for name, _ in experts.named_parameters()] == ["w13", "b13", "w2",
+                                                                "down_proj_bias"]
+    w13_EFH, w2_EHI, b13_EF, b2_EH = model.get_submodule(BLOCKS[0]).expert_weights()
+    assert (w13_EFH, w2_EHI, b13_EF, b2_EH) == (experts.w13, experts.w2, experts.b13,
+                                                experts.down_proj_bias)
+    E, H, I = 8, 32, 24
+    assert (w13_EFH.shape, w2_EHI.shape, b13_EF.shape) == ((E, 2 * I, H), (E, H, I), (E, 2 * I))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "eval_with_grad", "train", "generate"])
+def test_no_forward_copies_the_experts(mode):
+    """Every forward hands ``moe::experts`` the parameters themselves: a conversion
+    per forward would hand it new tensors."""
+    model = make_model("gpt_oss")
+    hf.patch(model)
+    params = {param.data_ptr() for param in our_expert_parameters(model).values()}
+    ids = token_ids()
+    with ExpertsArguments() as seen:
+        if mode == "generate":
+            with torch.no_grad():
+                model.generate(ids[:1], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        elif mode == "no_grad":
+            with torch.no_grad():
+                model(ids)
+        else:
+            model.train(mode == "train")
+            model(ids, labels=ids).loss.backward()
+    expected_calls = 2 * (3 if mode == "generate" else 1)
+    assert len(seen.data_ptrs) == expected_calls
+    for data_ptrs in seen.data_ptrs:
+        assert len(data_ptrs & params) == len(CONVERTED)
+    if mode in ("eval_with_grad", "train"):
+        assert all(p.grad is not None for p in our_expert_parameters(model).values())
+
+
+def test_state_dict_is_transformers():
+    model = make_model("gpt_oss")
+    want = model.state_dict()
+    hf.patch(model)
+    got = model.state_dict()
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert got[key].shape == value.shape and got[key].dtype == value.dtype, key
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    # A copy: writing into it leaves the parameters alone.
+    w13 = model.get_parameter(f"{BLOCKS[0]}.experts.w13").detach().clone()
+    got[f"{BLOCKS[0]}.experts.gate_up_proj"].zero_()
+    assert torch.equal(model.get_parameter(f"{BLOCKS[0]}.experts.w13"), w13)
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["in_place", "assign"])
-def test_reload_then_patch_again_uses_new_weights(assign):
+def test_load_state_dict_refreshes(assign):
     model = make_model("gpt_oss")
     ids = token_ids()
     state = new_weights(model)
     want = unpatched_logits(state, ids)
     hf.patch(model)
+    params = our_expert_parameters(model)
     with torch.no_grad():
         old = model(ids).logits
         model.load_state_dict(state, assign=assign)
-        got_after_load = model(ids).logits
-        report = hf.patch(model)
-        got_after_patch = model(ids).logits
+        got = model(ids).logits
     assert (old - want).abs().max() > 1.0  # the new weights visibly move the logits
-    torch.testing.assert_close(got_after_load, want, **FP32_TOL)
-    torch.testing.assert_close(got_after_patch, want, **FP32_TOL)
-    assert report.patched == [] and report.refreshed == tuple(BLOCKS)
-    assert set(report.skipped.values()) == {"already patched"}
-    assert "reconverted the expert tensors of 2 blocks" in str(report)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    after = our_expert_parameters(model)
+    if not assign:  # the same parameters: optimizers and compiled graphs keep them
+        assert all(after[name] is param for name, param in params.items())
+    assert all(isinstance(param, torch.nn.Parameter) for param in after.values())
 
 
-@pytest.mark.parametrize("change", [write_in_place, assign_parameters])
-def test_eager_forward_reconverts_changed_weights(change):
-    """Changes that bypass load_state_dict: the next eager forward reconverts."""
+def test_bad_state_dict_names_transformers_key():
     model = make_model("gpt_oss")
-    ids = token_ids()
-    state = new_weights(model)
+    state = model.state_dict()
     hf.patch(model)
-    change(model, state)
+    key = f"{BLOCKS[1]}.experts.gate_up_proj"
+    state[key] = state[key][:, :-1]
+    with pytest.raises(RuntimeError, match=rf"size mismatch for {key}: copying a param with "
+                                           r"shape \(8, 31, 48\).*is \(8, 32, 48\)"):
+        model.load_state_dict(state)
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    """A patched model saves transformers' checkpoint: it loads into transformers
+    unpatched, and patched again computes what the saved model did."""
+    model = make_model("gpt_oss")
+    unpatched = copy.deepcopy(model)
+    hf.patch(model)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, unpatched_logits(state, ids), **FP32_TOL)
-    block = model.get_submodule(BLOCKS[0])
-    assert block.refresh_converted() == ()  # fresh: nothing left to reconvert
+        torch.testing.assert_close(loaded(ids).logits, unpatched(ids).logits, rtol=0, atol=0)
+        hf.patch(loaded)
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-def test_compiled_model_follows_load_state_dict_and_patch():
-    """A compiled forward does not check the sources: load_state_dict reconverts
-    when it loads, and patching again after any other change."""
+def test_compiled_model_follows_load_state_dict():
+    """load_state_dict writes into the parameters a compiled graph reads: no recompile."""
     model = make_model("gpt_oss")
     ids = token_ids()
     state = new_weights(model)
@@ -108,18 +191,11 @@ def test_compiled_model_follows_load_state_dict_and_patch():
         model.load_state_dict(state)
         torch.testing.assert_close(compiled(ids).logits, unpatched_logits(state, ids),
                                    **FP32_TOL)
-        state = new_weights(model, seed=6)
-        write_in_place(model, state)
-        hf.patch(model)
-        torch.testing.assert_close(compiled(ids).logits, unpatched_logits(state, ids),
-                                   **FP32_TOL)
-    # The reconversion wrote into the buffers the graph reads: nothing recompiled.
     assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cast_after_patch_equals_patch_after_cast(dtype):
-    """``model.to(dtype)`` casts the converted buffers with their sources."""
     patched_first = make_model("gpt_oss")
     hf.patch(patched_first)
     patched_first.to(dtype)
@@ -137,19 +213,17 @@ def test_cast_after_patch_equals_patch_after_cast(dtype):
 
 
 def test_copies_and_inference_mode():
-    """deepcopy and torch.save copies reconvert from their own weights; a block
-    patched under inference mode still reconverts outside it."""
+    """A model patched under inference mode trains outside it; a deepcopy holds its
+    own parameters and keeps the state-dict hooks."""
     model = make_model("gpt_oss")
     ids = token_ids()
     state = new_weights(model)
     with torch.inference_mode():
         hf.patch(model)
+    assert not any(torch.is_inference(p) for p in our_expert_parameters(model).values())
+    model(ids, labels=ids).loss.backward()
     copied = copy.deepcopy(model)
     copied.load_state_dict(state)
-    write_in_place(model, state)
     with torch.no_grad():
-        want = unpatched_logits(state, ids)
-        torch.testing.assert_close(copied(ids).logits, want, **FP32_TOL)
-        torch.testing.assert_close(model(ids).logits, want, **FP32_TOL)
-    with torch.inference_mode():
-        torch.testing.assert_close(copy.deepcopy(model)(ids).logits, want, **FP32_TOL)
+        torch.testing.assert_close(copied(ids).logits, unpatched_logits(state, ids), **FP32_TOL)
+    assert list(copied.state_dict()) == list(state)

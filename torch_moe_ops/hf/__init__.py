@@ -14,9 +14,10 @@ The parts, one job each:
 
 - `families`: the supported block classes (`FAMILIES`) and their routing as `MoEConfig`;
 - `router`: the patched router (`RoutedRouter`), logits as transformers computes them;
-- `weights`: expert tensors used in place or converted (GPT-OSS), and when a
-  conversion is stale;
-- `block`: `HFMoEBlock`, and how converted tensors follow reloaded weights;
+- `weights`: expert tensors used in place, or converted once into parameters in
+  our layout (GPT-OSS);
+- `block`: `HFMoEBlock`, and the state-dict hooks that keep transformers' layout
+  in checkpoints;
 - `patching`: `patch`, `PatchReport`, and what is not supported;
 - `quantized`: `load_into`, a quantized checkpoint's experts into the patched blocks;
 - `experts_interface`: the ``"torch_moe_ops"`` experts implementation.

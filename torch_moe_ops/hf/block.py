@@ -11,25 +11,22 @@ What the rest of the model relies on is kept:
 - Blocks return what they returned: ``[B, S, H]``, and for GPT-OSS
   ``([B, S, H], router_scores [T, K])`` with the scores in the activation dtype.
 
-Converted expert tensors (GPT-OSS) follow their sources:
+Converted expert tensors (GPT-OSS) are held in our layout, converted once when
+the block is built (`weights.hold_in_our_layout`): they are the experts module's
+parameters ``w13 [E, F, H]``, ``b13 [E, F]``, ``w2 [E, H, I]`` in place of
+transformers' ``gate_up_proj``, ``gate_up_proj_bias``, ``down_proj``, and every
+forward (training, eval, generation, compiled or not) reads them as they are.
+Two state-dict hooks keep checkpoints in transformers' layout:
 
-- ``load_state_dict`` on the model (or any module holding the block), in place
-  or with ``assign=True``, reconverts right after loading;
-- an eager forward first reconverts every converted tensor whose source tensor
-  was replaced, moved (``.to()``, ``param.data = ...``) or written in place
-  (`weights.SourceStamp`);
-- `torch_moe_ops.hf.patch` on an already patched model reconverts all of them.
+- ``state_dict()`` (and so ``save_pretrained``) writes them back under
+  transformers' keys, in its layout and key order (a copy each call, a plain
+  tensor even with ``keep_vars=True``);
+- ``load_state_dict`` of such a state dict converts them on the way in, then
+  copies into the same parameters (``assign=True`` replaces them).
 
-The refresh writes into the existing buffers where dtype, shape and device
-allow, so compiled graphs and captured CUDA graphs read the new values. A
-compiled forward does not look at the sources (the check is Python that
-Dynamo leaves out of the graph): after changing expert weights by anything other
-than ``load_state_dict`` (assigning parameters, writing into them, an optimizer
-step), call ``patch(model)`` again before calling the compiled model. `patch`
-reconverts unconditionally, so it also catches the writes that the eager check
-cannot see (``param.data.copy_``, writes into inference tensors). ``model.to(...)`` and
-``.half()`` cast the buffers with their sources, so those stay in step, compiled
-or not (the next eager forward still reconverts once: the sources moved).
+An optimizer must be built after `torch_moe_ops.hf.patch`: one built before
+holds transformers' old tensors, which the patched model no longer reads (its
+steps change nothing the model computes, and it keeps their memory).
 
 Quantized experts (``cfg.quant``; transformers' fp8 experts used in place, or
 `weights.QuantizedExperts` from `torch_moe_ops.hf.load_into`) run on
@@ -51,7 +48,7 @@ from torch import nn
 
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
-from torch_moe_ops.hf.weights import ExpertWeights, SourceStamp, source_names
+from torch_moe_ops.hf.weights import ExpertWeights, hold_in_our_layout, source_names
 from torch_moe_ops.routed_experts import (
     EXPERT_TENSORS,
     SCALE_TENSORS,
@@ -98,33 +95,26 @@ class HFMoEBlock(nn.Module):
         self.returns_router_scores = family.returns_router_scores
         # Mixtral multiplies its input by uniform(1 - j, 1 + j) noise in training.
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
-        self.conversions = {}
         self._bind(weights)
-        self.register_load_state_dict_post_hook(_refresh_after_load)
         if cfg.ep_size > 1:
-            self._register_load_state_dict_pre_hook(self._keep_local_experts)
+            # Before the conversion hook: it slices transformers' tensors.
+            self.register_load_state_dict_pre_hook(_keep_local_experts)
+        self.register_load_state_dict_pre_hook(_load_in_our_layout)
+        self.register_state_dict_post_hook(_save_in_transformers_layout)
         self.train(block.training)
 
     def _bind(self, weights: ExpertWeights) -> None:
-        """Read the expert tensors where ``weights`` says: attributes of the experts
-        module used in place, converted copies kept as buffers of the block."""
+        """Read the expert tensors where ``weights`` says, from the experts module
+        (its converted ones held in our layout from now on)."""
         if weights.quant != self.cfg.quant:
             raise ValueError(f"weights.quant must be the block's cfg.quant ({self.cfg.quant}), "
                              f"got {weights.quant}")
-        for name in self.conversions:
-            del self._buffers[name]
+        # transformers' names of the expert tensors: the state dict's keys.
         self.expert_sources = source_names(weights)
-        self.weight_sources = tuple(
-            ("experts", weights.shared[name]) if name in weights.shared
-            else ("self", name) if name in weights.converted else None
-            for name in EXPERT_TENSORS + SCALE_TENSORS)
+        hold_in_our_layout(self.experts, weights)
+        self.weight_sources = tuple(weights.attribute(name)
+                                    for name in EXPERT_TENSORS + SCALE_TENSORS)
         self.conversions = weights.converted
-        self.converted_names = tuple(c.source for c in weights.converted.values())
-        self.source_stamps: dict[str, SourceStamp] = {}
-        for name, conversion in weights.converted.items():
-            # Not persistent: the state dict keeps transformers' own tensors only.
-            self.register_buffer(name, conversion(self.experts), persistent=False)
-            self.source_stamps[name] = SourceStamp(getattr(self.experts, conversion.source))
 
     def use_experts(self, experts: nn.Module, weights: ExpertWeights) -> None:
         """Run on ``experts`` from now on, its tensors read as ``weights`` says, in
@@ -142,37 +132,8 @@ class HFMoEBlock(nn.Module):
         expert parallelism)."""
         return experts_of_rank(self.cfg, self.ep_rank)
 
-    def _keep_local_experts(self, state_dict, prefix, *_) -> None:
-        keep_local_slice(state_dict, [f"{prefix}experts.{name}" for name in self.expert_sources],
-                         self.cfg, self.local_experts)
-
-    def refresh_converted(self, force: bool = False) -> tuple[str, ...]:
-        """Reconvert the converted expert tensors whose source changed since they
-        were made (every one with ``force``); returns their sources' names."""
-        refreshed = []
-        for name, conversion in self.conversions.items():
-            source = getattr(self.experts, conversion.source)
-            if not force and self.source_stamps[name].matches(source):
-                continue
-            self._store(name, conversion(self.experts))
-            self.source_stamps[name] = SourceStamp(source)
-            refreshed.append(conversion.source)
-        return tuple(refreshed)
-
-    def _store(self, name: str, tensor: torch.Tensor) -> None:
-        buffer = self._buffers[name]
-        if (buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
-                and buffer.device == tensor.device and not torch.is_inference(buffer)):
-            # In place: compiled graphs and captured CUDA graphs hold this buffer.
-            with torch.no_grad():
-                buffer.copy_(tensor)
-        else:
-            self._buffers[name] = tensor
-
-    def _tensors(self, sources) -> tuple:
-        return tuple(None if source is None
-                     else getattr(self if source[0] == "self" else self.experts, source[1])
-                     for source in sources)
+    def _tensors(self, names) -> tuple:
+        return tuple(None if name is None else getattr(self.experts, name) for name in names)
 
     def expert_weights(self):
         """``(w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I] or None, b2 [E, H] or None)``,
@@ -185,37 +146,15 @@ class HFMoEBlock(nn.Module):
         ``(None, None)`` for float experts."""
         return self._tensors(self.weight_sources[len(EXPERT_TENSORS):])
 
-    def trainable_expert_weights(self):
-        """`expert_weights`, the converted ones made from transformers' parameters
-        in this call, with autograd, so that their gradients reach those parameters.
-        A forward with autograd on (in training or eval mode) pays one copy of the
-        converted expert tensors (the kept copies serve forwards without it)."""
-        weights = dict(zip(EXPERT_TENSORS, self.expert_weights()))
-        for name, conversion in self.conversions.items():
-            weights[name] = conversion.convert(getattr(self.experts, conversion.source))
-        return tuple(weights[name] for name in EXPERT_TENSORS)
-
-    def _converted_need_grad(self) -> bool:
-        # Whether autograd would reach a converted tensor's source; eval mode
-        # does not turn autograd off, so this reads the grad mode, not .training.
-        return torch.is_grad_enabled() and any(
-            getattr(self.experts, name).requires_grad for name in self.converted_names)
-
     def forward(self, hidden_states: torch.Tensor):
         cfg = self.cfg
-        if self._converted_need_grad():
-            weights = self.trainable_expert_weights()
-        else:
-            if not torch.compiler.is_compiling():
-                self.refresh_converted()
-            weights = self.expert_weights()
         x_TH = hidden_states.reshape(-1, cfg.hidden_size)
         if self.training and self.jitter_noise > 0:
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
         _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
-        y_TH = run_experts(cfg, self.ep_group_name, x_TH, topk_weights_TK, topk_ids_TK, weights,
-                           self.expert_scales())
+        y_TH = run_experts(cfg, self.ep_group_name, x_TH, topk_weights_TK, topk_ids_TK,
+                           self.expert_weights(), self.expert_scales())
         if self.shared_expert_name is not None:
             shared_TH = getattr(self, self.shared_expert_name)(x_TH)
             if self.shared_expert_gate_name is not None:
@@ -235,10 +174,48 @@ class HFMoEBlock(nn.Module):
         quantized = "" if self.cfg.quant is None else f", quant={self.cfg.quant.name}"
         return (f"family={self.family}, experts={self.cfg.num_experts}{ep}, "
                 f"top_k={self.cfg.top_k}, scoring={self.cfg.scoring}, "
-                f"converted={list(self.converted_names)}{quantized}")
+                f"converted={[c.source for c in self.conversions.values()]}{quantized}")
 
 
-def _refresh_after_load(block: HFMoEBlock, incompatible_keys) -> None:
-    # A load_state_dict post-hook: runs outside any compiled region, so a compiled
-    # model reads the loaded weights too.
-    block.refresh_converted()
+# The hooks are module-level functions (not bound methods): torch marks the
+# public ones with an attribute, and they pickle with the block.
+
+
+def _keep_local_experts(block: HFMoEBlock, state_dict, prefix, *_) -> None:
+    keep_local_slice(state_dict, [f"{prefix}experts.{name}" for name in block.expert_sources],
+                     block.cfg, block.local_experts)
+
+
+def _load_in_our_layout(block: HFMoEBlock, state_dict, prefix, local_metadata, strict,
+                        missing_keys, unexpected_keys, error_msgs) -> None:
+    """transformers' converted expert tensors in ``state_dict`` into ours, renamed."""
+    for name, conversion in block.conversions.items():
+        source_key = f"{prefix}experts.{conversion.source}"
+        if source_key not in state_dict:
+            continue
+        source = state_dict.pop(source_key).detach()
+        expected = conversion.source_shape(getattr(block.experts, name))
+        if tuple(source.shape) != expected:
+            error_msgs.append(f"size mismatch for {source_key}: copying a param with shape "
+                              f"{tuple(source.shape)} from checkpoint, the shape in current "
+                              f"model (transformers' layout of experts.{name}) is {expected}.")
+            continue
+        state_dict[f"{prefix}experts.{name}"] = conversion.to_ours(source)
+
+
+def _save_in_transformers_layout(block: HFMoEBlock, state_dict, prefix, local_metadata) -> None:
+    """Our converted expert tensors in ``state_dict`` back into transformers' keys and
+    layout, in the block's key order."""
+    if not block.conversions:
+        return
+    renamed = {f"{prefix}experts.{name}": conversion
+               for name, conversion in block.conversions.items()}
+    # The block's keys are the last ones in: popping and re-adding them in order keeps
+    # the state dict's order.
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        value = state_dict.pop(key)
+        if key in renamed:
+            conversion = renamed[key]
+            key = f"{prefix}experts.{conversion.source}"
+            value = conversion.to_source(value.detach())
+        state_dict[key] = value

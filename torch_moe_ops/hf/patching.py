@@ -28,10 +28,14 @@ hold the weights in their own swizzled layout), activations other than
 silu/gelu, blocks carrying hooks (accelerate offloading), and routing our ops
 cannot express (e.g. groups of one expert).
 
-Patching a model again leaves the blocks already patched in place (reported as
-``"already patched"``) and reconverts their converted expert tensors from the
-current weights (`PatchReport.refreshed`): the way to bring them in step after a
-change the blocks cannot see (`torch_moe_ops.hf.block` says which).
+Patching a model again leaves the blocks already patched as they are (reported
+as ``"already patched"``).
+
+GPT-OSS's experts are held in our layout from `patch` on: its ``gate_up_proj``,
+``gate_up_proj_bias`` and ``down_proj`` parameters are replaced by parameters
+``w13``, ``b13``, ``w2`` of the same experts module, converted once, while
+``state_dict`` and ``load_state_dict`` keep transformers' keys and layout
+(`torch_moe_ops.hf.block`). Build optimizers after `patch`.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ MXFP4_HINT = {"Mxfp4GptOssMLP": (
 @dataclasses.dataclass(frozen=True)
 class PatchedBlock:
     """One replaced block: its module name, family, which expert tensors it
-    uses in place (``shared``, transformers names) or copied (``converted``), and
+    uses in place (``shared``, transformers names) or holds converted once into
+    our layout (``converted``, transformers names of what they replaced), and
     with expert parallelism the global ids of the experts this rank holds
     (``local_experts``; None without)."""
 
@@ -71,13 +76,11 @@ class PatchedBlock:
 
 @dataclasses.dataclass(frozen=True)
 class PatchReport:
-    """What `patch` did: ``blocks`` replaced (in model order), ``skipped`` (module
-    name -> why it was left as it is) and ``refreshed`` (blocks patched before
-    whose converted expert tensors were recomputed from the current weights)."""
+    """What `patch` did: ``blocks`` replaced (in model order) and ``skipped``
+    (module name -> why it was left as it is)."""
 
     blocks: tuple[PatchedBlock, ...]
     skipped: dict[str, str]
-    refreshed: tuple[str, ...] = ()
 
     @property
     def patched(self) -> list[str]:
@@ -90,7 +93,7 @@ class PatchReport:
 
     @property
     def converted_weights(self) -> int:
-        """Expert tensors copied into our layout."""
+        """Expert tensors converted once into our layout (parameters of their own)."""
         return sum(len(block.converted) for block in self.blocks)
 
     @property
@@ -110,9 +113,6 @@ class PatchReport:
         if held:
             ranges = ", ".join(f"{first}..{last}" for first, last in held)
             lines.append(f"expert-parallel: this rank holds experts {ranges} of its blocks")
-        if self.refreshed:
-            lines.append(f"reconverted the expert tensors of {len(self.refreshed)} blocks "
-                         "patched before")
         lines += [f"skipped {name}: {reason}" for name, reason in self.skipped.items()]
         return "\n".join(lines)
 
@@ -191,9 +191,14 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
     the model is compiled with `torch_moe_ops.backend`. Blocks that cannot be
     expressed are left as they are and listed in ``PatchReport.skipped`` with the
     reason, as are MoE-like blocks of other families. Blocks patched before are
-    listed there as ``"already patched"``, and those with converted expert tensors
-    reconvert them from the current weights (``PatchReport.refreshed``). Returns
-    the report.
+    listed there as ``"already patched"``. Returns the report.
+
+    GPT-OSS's interleaved, transposed expert parameters are replaced by parameters
+    in our layout (converted once, here), which every forward reads as they are:
+    build optimizers after `patch` (one built before holds transformers' old
+    parameters, which the patched model no longer reads; its steps change nothing
+    the model computes). ``state_dict``, ``save_pretrained`` and ``load_state_dict``
+    keep transformers' keys and layout (`torch_moe_ops.hf.block`).
 
     Expert parallelism: with ``ep_group`` (a ``ProcessGroup`` or a 1-D
     ``DeviceMesh`` of P ranks), call ``patch`` on every rank of the group, on the
@@ -228,13 +233,10 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
     model_config = getattr(model, "config", None)
     blocks: list[PatchedBlock] = []
     skipped: dict[str, str] = {}
-    refreshed: list[str] = []
     routed_classes: dict[type, type] = {}
     for name, block in list(model.named_modules()):
         if isinstance(block, HFMoEBlock):
             skipped[name] = "already patched"
-            if block.refresh_converted(force=True):
-                refreshed.append(name)
             continue
         family = family_of(block)
         if family is None:
@@ -266,4 +268,4 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
                                    shared=tuple(weights.shared.values()),
                                    converted=tuple(c.source for c in weights.converted.values()),
                                    local_experts=local))
-    return PatchReport(blocks=tuple(blocks), skipped=skipped, refreshed=tuple(refreshed))
+    return PatchReport(blocks=tuple(blocks), skipped=skipped)

@@ -1,15 +1,17 @@
 """Expert weights of a transformers experts module in our canonical layout.
 
-Legend: E experts, H hidden size, I expert intermediate size, F = 2 * I.
+Legend: E experts, H hidden size, I expert intermediate size, F = 2 * I; A, B
+any two sizes.
 
 Our ops take ``w13 [E, F, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and
 the optional biases ``b13 [E, F]``, ``b2 [E, H]``. Where a family stores its
 experts so (every family but GPT-OSS), the transformers tensors are used in
 place: no copy, and gradients reach them. GPT-OSS stores ``gate_up_proj
 [E, H, F]`` with gate and up columns interleaved and ``down_proj [E, I, H]``:
-those are converted into copies in our layout (`Conversion`), which the block
-keeps as non-persistent buffers and reconverts when a `SourceStamp` shows that
-the tensor they came from changed.
+`hold_in_our_layout` converts those once (`Conversion`) into parameters of the
+experts module in our layout, under our names (``w13``, ``b13``, ``w2``), which
+replace transformers' own; the patched block's state-dict hooks convert them back
+(`Conversion.to_source`), so checkpoints keep transformers' keys and layout.
 
 With expert parallelism (`keep_local_experts`) the experts module keeps only
 this rank's experts: each expert tensor is replaced by a copy of its slice
@@ -33,13 +35,12 @@ scales ``w13_scale``, ``w2_scale``:
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from torch_moe_ops import quant, torch_compat
+from torch_moe_ops import quant
 from torch_moe_ops.config import MoEConfig, QuantSpec
 from torch_moe_ops.hf.families import Unsupported
 from torch_moe_ops.ops.checks import FLOAT_DTYPES
@@ -51,19 +52,18 @@ FP8_SCALES = {"w13_scale": "gate_up_proj_scale_inv", "w2_scale": "down_proj_scal
 
 @dataclasses.dataclass(frozen=True)
 class Conversion:
-    """One of our expert tensors computed from the experts module's attribute
-    ``source``: ``convert(source) -> ours``, always a new contiguous tensor (never
-    a view of the source, so writing into it leaves the source alone)."""
+    """One of our expert tensors that transformers stores in another layout, as the
+    experts module's attribute ``source``: ``to_ours(source) -> ours`` and its
+    inverse ``to_source(ours) -> source``, each a new contiguous tensor (never a
+    view of its input, so writing into one leaves the other alone)."""
 
     source: str
-    convert: Callable[[torch.Tensor], torch.Tensor]
+    to_ours: Callable[[torch.Tensor], torch.Tensor]
+    to_source: Callable[[torch.Tensor], torch.Tensor]
 
-    def __call__(self, experts: nn.Module) -> torch.Tensor:
-        """Our tensor from the experts' current ``source``: no autograd history,
-        and not an inference tensor even when called under `torch.inference_mode`
-        (it is kept across calls, in and out of that mode)."""
-        with torch.no_grad(), torch.inference_mode(False):
-            return self.convert(getattr(experts, self.source).detach())
+    def source_shape(self, ours: torch.Tensor) -> tuple[int, ...]:
+        """The shape transformers stores ``ours`` in (computed on the meta device: no copy)."""
+        return tuple(self.to_source(ours.detach().to("meta")).shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,40 +71,20 @@ class ExpertWeights:
     """Where each canonical expert tensor comes from: ``shared`` maps our name
     (`EXPERT_TENSORS`, and `SCALE_TENSORS` for quantized experts) to the experts
     module's attribute used in place, ``converted`` maps our name to its
-    `Conversion`; ``quant`` is the format of quantized experts (None: float)."""
+    `Conversion` (held by the experts module under our name once
+    `hold_in_our_layout` ran); ``quant`` is the format of quantized experts
+    (None: float)."""
 
     shared: dict[str, str]
     converted: dict[str, Conversion]
     quant: QuantSpec | None = None
 
-
-class SourceStamp:
-    """What a converted tensor was computed from: the source tensor (held weakly,
-    so a replaced parameter is freed), its storage address (``.to()`` and
-    ``param.data = ...`` move it) and its version counter (in-place writes such
-    as ``load_state_dict``'s copy bump it). ``SourceStamp()`` matches nothing.
-
-    Writes that bypass the version counter (``param.data.copy_(...)``, or any
-    write into an inference tensor, which has none) are not seen: after those,
-    `torch_moe_ops.hf.patch` the model again.
-    """
-
-    __slots__ = ("_data_ptr", "_tensor", "_version")
-
-    def __init__(self, tensor: torch.Tensor | None = None):
-        self._tensor = None if tensor is None else weakref.ref(tensor)
-        self._data_ptr = None if tensor is None else tensor.data_ptr()
-        self._version = None if tensor is None else torch_compat.tensor_version(tensor)
-
-    def matches(self, tensor: torch.Tensor) -> bool:
-        return (self._tensor is not None and self._tensor() is tensor
-                and tensor.data_ptr() == self._data_ptr
-                and torch_compat.tensor_version(tensor) == self._version)
-
-    def __reduce__(self):
-        # A weak reference does not survive pickling (torch.save, deepcopy): the copy
-        # matches nothing, so its block reconverts once.
-        return SourceStamp, ()
+    def attribute(self, name: str) -> str | None:
+        """The experts module's attribute holding our tensor ``name`` (None: the
+        experts have none, e.g. no biases)."""
+        if name in self.converted:
+            return name
+        return self.shared.get(name)
 
 
 def _check_shape(experts: nn.Module, name: str, expected: tuple[int, ...],
@@ -165,14 +145,23 @@ def _gate_then_up(interleaved_EF: torch.Tensor) -> torch.Tensor:
     return torch.cat([interleaved_EF[..., 0::2], interleaved_EF[..., 1::2]], dim=-1)
 
 
+def _interleave(gate_then_up_EF: torch.Tensor) -> torch.Tensor:
+    gate_EI, up_EI = gate_then_up_EF.chunk(2, dim=-1)
+    return torch.stack([gate_EI, up_EI], dim=-1).flatten(-2)
+
+
 def _w13_from_gate_up(gate_up_EHF: torch.Tensor) -> torch.Tensor:
     return _gate_then_up(gate_up_EHF).transpose(1, 2).contiguous()
 
 
-def _w2_from_down(down_EIH: torch.Tensor) -> torch.Tensor:
-    # clone, not contiguous(): with a dimension of size 1 the transpose is already
-    # contiguous and contiguous() would return a view of the source.
-    return down_EIH.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+def _gate_up_from_w13(w13_EFH: torch.Tensor) -> torch.Tensor:
+    return _interleave(w13_EFH.transpose(1, 2))
+
+
+def _transposed_copy(t_EAB: torch.Tensor) -> torch.Tensor:
+    # [E, A, B] -> [E, B, A]. clone, not contiguous(): with a dimension of size 1 the
+    # transpose is already contiguous and contiguous() would return a view of the source.
+    return t_EAB.transpose(1, 2).clone(memory_format=torch.contiguous_format)
 
 
 def _gpt_oss_weights(experts: nn.Module, cfg: MoEConfig) -> ExpertWeights:
@@ -182,9 +171,9 @@ def _gpt_oss_weights(experts: nn.Module, cfg: MoEConfig) -> ExpertWeights:
     _check_shape(experts, "down_proj", (num_experts, inter, hidden))
     _check_shape(experts, "down_proj_bias", (num_experts, hidden))
     return ExpertWeights(shared={"b2": "down_proj_bias"}, converted={
-        "w13": Conversion("gate_up_proj", _w13_from_gate_up),
-        "b13": Conversion("gate_up_proj_bias", _gate_then_up),
-        "w2": Conversion("down_proj", _w2_from_down),
+        "w13": Conversion("gate_up_proj", _w13_from_gate_up, _gate_up_from_w13),
+        "b13": Conversion("gate_up_proj_bias", _gate_then_up, _interleave),
+        "w2": Conversion("down_proj", _transposed_copy, _transposed_copy),
     })
 
 
@@ -210,6 +199,32 @@ def keep_local_experts(experts: nn.Module, weights: ExpertWeights, local: range)
             setattr(experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
         else:
             setattr(experts, name, part)
+
+
+def hold_in_our_layout(experts: nn.Module, weights: ExpertWeights) -> None:
+    """Replace each source tensor of ``weights.converted`` on ``experts`` by a tensor
+    in our layout under our name, converted once: a parameter stays a parameter
+    (same ``requires_grad``), a buffer a buffer, in the source's place in the
+    module's order (so the state dict keeps transformers' order). Forwards,
+    gradients and optimizers then work on these tensors directly; the source is
+    no longer referenced by the module."""
+    for name, conversion in weights.converted.items():
+        source = getattr(experts, conversion.source)
+        # Not an inference tensor even when patched under torch.inference_mode: the
+        # parameter is kept and trained outside that mode.
+        with torch.no_grad(), torch.inference_mode(False):
+            ours = conversion.to_ours(source.detach())
+        tensors = experts._parameters if conversion.source in experts._parameters \
+            else experts._buffers
+        order = [name if key == conversion.source else key for key in tensors]
+        delattr(experts, conversion.source)
+        if tensors is experts._parameters:
+            experts.register_parameter(name, nn.Parameter(ours,
+                                                          requires_grad=source.requires_grad))
+        else:
+            experts.register_buffer(name, ours)
+        for key in order:
+            tensors[key] = tensors.pop(key)
 
 
 class QuantizedExperts(nn.Module):
