@@ -52,6 +52,7 @@ CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
 FP8_BLOCK = QuantSpec("fp8_block")
+MXFP4 = QuantSpec("mxfp4")
 # The trimmed module's name (cutlass_spec), off an H20.
 MODULE = "torch_moe_ops_fused_moe_90"
 AOT_PATH = Path(f"/aot/{MODULE}.so")
@@ -140,7 +141,7 @@ def test_prepare_weights_swaps_gate_and_up(generator):
 def test_prepare_weights_swaps_the_block_scales_of_w13(quant_inputs):
     inputs = quant_inputs(FP8_BLOCK, hidden_size=256, intermediate_size=256, num_experts=2)
     prepared = backend.prepare_weights(inputs.w13, inputs.w2, None, None, inputs.w13_scale,
-                                       inputs.w2_scale)
+                                       inputs.w2_scale, FP8_BLOCK)
     fc1_scale, fc2_scale = prepared.quant_scales
     assert fc1_scale.shape == (2, 4, 2) and fc2_scale is inputs.w2_scale
     dequantized = quant.dequantize_weights(prepared.fc1, fc1_scale, FP8_BLOCK)
@@ -189,11 +190,6 @@ def test_experts_rows_match_reference(emulated, expert_inputs, activation):
     assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
 
 
-def test_zero_tokens_launch_nothing(emulated, expert_inputs):
-    out_TH = torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, True, 0).args())
-    assert out_TH.shape == (0, 32) and emulated.CALLS == []
-
-
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
 def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
     inputs = quant_inputs(FP8_BLOCK, num_tokens=8, hidden_size=256, intermediate_size=128,
@@ -211,6 +207,125 @@ def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
     ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
     assert relative_error(out_RH, ref_RH) < FP8_BOUND
     assert all(call["block_scale"] for call in emulated.CALLS)
+
+
+# mxfp4 (W4A16): widths that are padded (H = 160 -> 256, I = 96 -> 128) and one that is not.
+MXFP4_WIDTHS = {"padded": (160, 96), "aligned": (256, 128)}
+
+
+def mxfp4_inputs(quant_inputs, widths="padded", num_tokens=8, bias=True):
+    hidden, inter = MXFP4_WIDTHS[widths]
+    return quant_inputs(MXFP4, num_tokens=num_tokens, hidden_size=hidden,
+                        intermediate_size=inter, num_experts=4, top_k=2, dtype=torch.bfloat16,
+                        bias=bias, skip_fraction=0.25)
+
+
+def test_prepare_weights_pads_and_interleaves_mxfp4(emulated, quant_inputs):
+    """fc1 up rows then gate rows, each half and H padded to 128 with zeros (scale 2**0),
+    fc2 padded likewise; both interleaved, their scales folded; biases padded with zeros."""
+    inputs = mxfp4_inputs(quant_inputs)
+    f = inputs.float_inputs
+    prepared = backend.prepare_weights(inputs.w13, inputs.w2, f.b13_EF, f.b2_EH,
+                                       inputs.w13_scale, inputs.w2_scale, MXFP4)
+    assert (prepared.hidden_size, prepared.padded_hidden) == (160, 256)
+    assert prepared.format_kwargs == {"use_w4_group_scaling": True}
+    assert prepared.fc1.shape == (4, 256, 128) and prepared.fc2.shape == (4, 256, 64)
+    fc1_scale, fc2_scale = prepared.quant_scales
+    assert fc1_scale.shape == (4, 4, 2, 16, 16) and fc2_scale.shape == (4, 4, 1, 16, 16)
+    w13_EFH, w2_EHI = inputs.dequantized()
+    fc1_EFH = emulated._dequantize_w4(prepared.fc1, fc1_scale)
+    fc2_EHI = emulated._dequantize_w4(prepared.fc2, fc2_scale)
+    assert torch.equal(fc1_EFH[:, :96, :160], w13_EFH[:, 96:])  # up rows first
+    assert torch.equal(fc1_EFH[:, 128:224, :160], w13_EFH[:, :96])  # gate rows at Ip
+    assert torch.equal(fc2_EHI[:, :160, :96], w2_EHI)
+    padding = [fc1_EFH[:, 96:128], fc1_EFH[:, 224:], fc1_EFH[..., 160:], fc2_EHI[:, 160:],
+               fc2_EHI[..., 96:]]
+    assert all(not p.any() for p in padding)
+    assert torch.equal(prepared.fc1_bias[:, :96], f.b13_EF[:, 96:])
+    assert torch.equal(prepared.fc1_bias[:, 128:224], f.b13_EF[:, :96])
+    assert not prepared.fc1_bias[:, 96:128].any() and not prepared.fc2_bias[:, 160:].any()
+    assert torch.equal(prepared.fc2_bias[:, :160], f.b2_EH)
+
+
+@pytest.mark.parametrize("widths", list(MXFP4_WIDTHS))
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_mxfp4_matches_reference(emulated, quant_inputs, widths, activation):
+    inputs = mxfp4_inputs(quant_inputs, widths)
+    args = inputs.args(activation, 1.702, 7.0)
+    out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
+    ref_TH = torch.ops.moe_reference.experts_quant(*args)
+    assert out_TH.shape == ref_TH.shape == (8, MXFP4_WIDTHS[widths][0])
+    assert out_TH.is_contiguous() and relative_error(out_TH, ref_TH) < BF16_BOUND
+    f = inputs.float_inputs
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
+                                                              f.topk_ids_TK, 4)
+    rows_args = (x_RH, None, expert_R, count_E, *inputs.weight_args(activation, 1.702, 7.0))
+    out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
+    ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
+    assert relative_error(out_RH, ref_RH) < BF16_BOUND
+    assert all(call["w4"] and not call["block_scale"] for call in emulated.CALLS)
+    # Padded widths run padded tokens; aligned ones the caller's own.
+    padded_input = emulated.CALLS[0]["input"].shape[1] != f.hidden_TH.shape[1]
+    assert padded_input == (widths == "padded")
+
+
+def test_mxfp4_is_prepared_once_per_version(emulated, quant_inputs, monkeypatch):
+    interleaves = []
+    real = emulated.interleave_moe_weights_for_sm90_mixed_gemm
+    monkeypatch.setattr(emulated.MODULES["flashinfer.fused_moe"],
+                        "interleave_moe_weights_for_sm90_mixed_gemm",
+                        lambda *a: interleaves.append(1) or real(*a))
+    inputs = mxfp4_inputs(quant_inputs)
+    args = inputs.args()
+    first = torch.ops.moe_flashinfer.experts_quant(*args)
+    assert torch.equal(torch.ops.moe_flashinfer.experts_quant(*args), first)
+    assert len(interleaves) == 2  # fc1 and fc2, once
+    with torch.no_grad():
+        inputs.w2_scale.add_(1)  # a scale written in place: prepared again
+    changed = torch.ops.moe_flashinfer.experts_quant(*args)
+    assert len(interleaves) == 4 and not torch.equal(changed, first)
+    assert relative_error(changed, torch.ops.moe_reference.experts_quant(*args)) < BF16_BOUND
+
+
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
+def test_empty_batch_launches_and_converts_nothing(emulated, expert_inputs, quant_inputs,
+                                                   monkeypatch, spec):
+    """T = 0 (an idle rank's tokens too): ``[0, H]``, no kernel, no weight conversion."""
+    monkeypatch.setattr(backend, "prepare_weights", None)  # a conversion would fail
+    if spec is None:
+        out_TH = torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, True, 0).args())
+    else:
+        inputs = quant_inputs(spec, num_tokens=0, hidden_size=256, intermediate_size=128,
+                              dtype=torch.bfloat16, bias=True)
+        out_TH = torch.ops.moe_flashinfer.experts_quant(*inputs.args())
+    assert out_TH.shape == (0, 32 if spec is None else 256) and out_TH.dtype == torch.bfloat16
+    assert emulated.CALLS == [] and len(backend._PREPARED) == 0
+
+
+def test_received_tokens_are_read_in_place(emulated, expert_inputs):
+    """The tokens format's receive buffers (here: views into one workspace-like buffer, at
+    offsets) reach FlashInfer's kernel as they are, with no copy."""
+    inputs = bf16_inputs(expert_inputs, bias=False)
+    workspace = torch.zeros(4096, dtype=torch.uint8)
+    num_tokens, hidden = inputs.hidden_TH.shape
+    top_k = inputs.topk_ids_TK.shape[1]
+
+    def received(t, offset):
+        view = workspace[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return view
+
+    x_NH = received(inputs.hidden_TH, 128)
+    weights_NK = received(inputs.topk_weights_TK.float(), 128 + 1024)
+    ids_NK = received(inputs.topk_ids_TK.int(), 128 + 2048)
+    out_NH = torch.ops.moe_flashinfer.experts(x_NH, weights_NK, ids_NK,
+                                              *inputs.args()[3:])
+    (call,) = emulated.CALLS
+    assert call["input"].data_ptr() == x_NH.data_ptr()
+    assert call["scales"].data_ptr() == weights_NK.data_ptr()
+    assert call["ids"].data_ptr() == ids_NK.data_ptr()
+    assert (num_tokens, hidden, top_k) == (9, 32, 2)
+    assert relative_error(out_NH, torch.ops.moe_reference.experts(*inputs.args())) < BF16_BOUND
 
 
 def test_rows_arriving_quantized_are_refused(emulated, quant_inputs):
@@ -232,7 +347,8 @@ def test_direct_calls_outside_supports_raise(expert_inputs, quant_inputs):
         torch.ops.moe_flashinfer.experts(*float_args)
     odd_args = expert_inputs(num_tokens=3, hidden_size=12, intermediate_size=8,
                              dtype=torch.bfloat16).args()
-    with pytest.raises(ValueError, match="needs H and I divisible by 8, got H=12, I=8"):
+    with pytest.raises(ValueError, match="needs hidden_size and intermediate_size divisible "
+                                         "by 8 \\(FlashInfer's TMA loads\\), got 12 and 8"):
         torch.ops.moe_flashinfer.experts(*odd_args)
     inputs = quant_inputs(QuantSpec("fp8_channel"), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not run fp8_channel\\+fp8_token"):
@@ -328,6 +444,10 @@ WHY_NOT = {  # id: (what differs from sm90, bf16, silu, H=4096, I=1024, float we
     "fp16": ({"dtype": torch.float16}, NOT_BF16),
     "activation": ({"activation": "relu2"}, NO_ACTIVATION),
     "H": ({"hidden": 4100}, NOT_ALIGNED),
+    "mxfp4 I": ({"inter": 1000, "spec": MXFP4}, (
+        "needs hidden_size and intermediate_size divisible by 32 (one e8m0 scale per 32 "
+        "columns; FlashInfer's mixed-input GEMM then runs them padded to multiples of 128), "
+        "got 4096 and 1000")),
 }
 
 
@@ -352,9 +472,7 @@ FORMAT_REASONS = {  # spec: what supports says on a built sm90 GPU
         "and one weight scale per expert"),
     QuantSpec("fp8_channel", "none"): (
         "does not run fp8_channel+none: FlashInfer has no weight-only fp8 path"),
-    QuantSpec("mxfp4"): (
-        "does not run mxfp4+none: FlashInfer's sm90 W4A16 mxfp4 path (weights and scales "
-        "interleaved by its module) is not wired to this backend"),
+    MXFP4: None,
 }
 
 
@@ -365,7 +483,8 @@ def test_supports_says_which_formats_run(built, gpu, spec):
 
 def test_available_backends_lists_it_with_its_formats(built, gpu):
     row = {(s.kind, s.name): s for s in tmo.available_backends("cuda")}[("experts", "flashinfer")]
-    assert row.available and row.quantized == "fp8_block" and row.backward == "reference"
+    assert row.available and row.backward == "reference"
+    assert row.quantized == "fp8_block,mxfp4"
 
 
 # Building: only on purpose.
