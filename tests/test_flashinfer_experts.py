@@ -41,7 +41,7 @@ from torch_moe_ops.backends.dispatch_dtype import (
     DispatchSides,
     resolve_dispatch_dtype,
 )
-from torch_moe_ops.backends.flashinfer import cutlass_module, library
+from torch_moe_ops.backends.flashinfer import cutlass_module, cutlass_symbols, library
 from torch_moe_ops.backends.flashinfer import experts as backend
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
@@ -543,11 +543,36 @@ def test_build_leaves_an_installed_module_alone(emulated):
     assert cutlass_module.build() == AOT_PATH and emulated.BUILDS == []
 
 
-def test_command_line(emulated, capsys):
+RUNNERS = "tensorrt_llm::kernels::cutlass_kernels::MoeGemmRunner"
+DROPPED_SYMBOLS = [  # as nm prints them demangled: a dropped pair's runner, C++'s, CUDA's
+    f"{RUNNERS}<__nv_fp8_e4m3, cutlass::integer_subbyte<4, false>, half, half>::moeGemm()",
+    f"{RUNNERS}<half, half, half, half>::getConfigs() const",
+    "operator delete(void*)@GLIBCXX_3.4", "cudaLaunchKernelExC@libcudart.so.13"]
+KEPT_SYMBOL = f"{RUNNERS}<__nv_bfloat16, cutlass::float_e2m1_t, __nv_bfloat16>::moeGemm()"
+OTHER_SYMBOL = "tensorrt_llm::kernels::cutlass_kernels_oss::sm90_launcher<float>(int)"
+
+
+def test_symbols_of_dropped_runners_are_expected_and_others_not():
+    report = cutlass_symbols.classify(Path("/m.so"), DROPPED_SYMBOLS)
+    assert report.ok and report.dropped == {
+        "__nv_fp8_e4m3 x cutlass::integer_subbyte<4, false>": 1, "half x half": 1}
+    report = cutlass_symbols.classify(Path("/m.so"), [*DROPPED_SYMBOLS, KEPT_SYMBOL,
+                                                      OTHER_SYMBOL])
+    assert not report.ok and report.kept == [KEPT_SYMBOL] and report.unexpected == [OTHER_SYMBOL]
+    assert "1 of the kept pairs' runners, 1 others" in str(report)
+
+
+def test_command_line(emulated, capsys, monkeypatch):
+    undefined = list(DROPPED_SYMBOLS)
+    monkeypatch.setattr(cutlass_symbols, "undefined_symbols", lambda library: undefined)
     assert cutlass_module.main(["status"]) == 3
     assert "torch_moe_ops_fused_moe_90: not built" in capsys.readouterr().out
     assert cutlass_module.main(["build"]) == 0 and emulated.BUILDS == ["torch_moe_ops_fused_moe_90"]
+    assert "2 of dropped pairs' runners" in capsys.readouterr().out
     assert cutlass_module.main(["status"]) == 0
+    undefined.append(KEPT_SYMBOL)  # a runner the backend calls, unresolved: status says so
+    assert cutlass_module.main(["status"]) == 4
+    assert KEPT_SYMBOL in capsys.readouterr().out
     assert cutlass_module.main([]) == 2 and "usage:" in capsys.readouterr().err
     assert cutlass_module.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
 
