@@ -12,16 +12,20 @@ module but `build` (not import, not `available_backends`, not a choice of
 backend), the build's progress report and command line, and the registry's row.
 
 On an sm90 GPU where flashinfer-python is installed and its fused-MoE module is
-built (``gpu`` marker; each test skips, saying why, elsewhere): the real kernels
-against the reference in bf16 and fp8 blocks, CUDA-graph capture and replay, and a
-compiled `tmo.MoE`. Error bounds are relative Frobenius errors against the
-reference: `BF16_BOUND` for bf16 outputs (the kernels also round the activation
-to bf16 before the second GEMM), `FP8_BOUND` where that bf16 rounding also moves
-some values to the other fp8 neighbour (as in tests/test_grouped_mm_quant.py).
+built (``gpu`` marker; each test skips, saying why, elsewhere: the reason names the
+build command): the real kernels against the reference in bf16, fp8 blocks and mxfp4
+at the widths of the benchmarks' five models (fewer experts), T = 0, 1, 7, 256 (4096
+at three widths) with skipped slots, CUDA-graph capture and replay, and a compiled
+`tmo.MoE` (fullgraph; Inductor, and ``mode="reduce-overhead"``). Error bounds are
+relative Frobenius errors against the reference: `BF16_BOUND` for bf16 outputs (the
+kernels also round the activation to bf16 before the second GEMM; mxfp4 weights read
+back exactly in bf16, so they share it), `FP8_BOUND` where that bf16 rounding also
+moves some values to the other fp8 neighbour (as in tests/test_grouped_mm_quant.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -621,138 +625,192 @@ def _needs_flashinfer(spec=None):
         pytest.skip(f"experts backend 'flashinfer': {why}")
 
 
-GPU_SHAPES = {  # (H, I, E, K, activation, bias)
-    "mixtral-like": (4096, 14336, 8, 2, "silu", False),
-    "qwen3-like": (2048, 768, 128, 8, "silu", False),
-    "gpt-oss-like": (2880, 2880, 32, 4, "swiglu_oai", True),
-    "gelu": (1024, 512, 16, 4, "gelu", True),
+# The widths of benchmarks/bench_experts.py's five shapes: (H, I, K, activation, bias), with
+# at most `GPU_EXPERTS` experts (the reference computes every expert for every token).
+GPU_WIDTHS = {
+    "mixtral-8x7b": (4096, 14336, 2, "silu", False),
+    "qwen3-30b-a3b": (2048, 768, 8, "silu", False),
+    "olmoe": (2048, 1024, 8, "silu", False),
+    "gpt-oss-20b": (2880, 2880, 4, "swiglu_oai", True),
+    "deepseek-v3": (7168, 2048, 8, "silu", False),
 }
-GPU_TOKENS = (1, 37, 300, 4096)
+GPU_EXPERTS = {"mixtral-8x7b": 8}
+DEFAULT_GPU_EXPERTS = 16
+GPU_TOKENS = (0, 1, 7, 256)
+# T = 4096 at a few widths only: the whole file's GPU run stays within a few minutes.
+LARGE_TOKENS = 4096
+LARGE_WIDTHS = ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3")
+GPU_FORMATS = {"bf16": None, "fp8_block": FP8_BLOCK, "mxfp4": MXFP4}
+BOUNDS = {"bf16": BF16_BOUND, "fp8_block": FP8_BOUND, "mxfp4": BF16_BOUND}
 
 
 def gpu_route(generator, num_tokens, num_experts, top_k):
-    """bf16 tokens and their routing, every fifth slot -1, expert 0 chosen by none."""
+    """Routing of ``num_tokens``: every fifth slot -1 (and with 2+ tokens, all of the last
+    token's), expert 0 chosen by none."""
     logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
     logits_TE[:, 0] = -math.inf
     weights_TK, ids_TK = torch.ops.moe.route(logits_TE, None, top_k, "softmax", True, 1, 1, 1.0)
     ids_TK.view(-1)[::5] = -1
+    if num_tokens > 1:
+        ids_TK[-1] = -1
     return weights_TK, ids_TK
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-def test_gpu_matches_reference(shape, poisoned_empty):
-    _needs_flashinfer()
-    hidden, inter, num_experts, top_k, act, bias = GPU_SHAPES[shape]
-    generator = torch.Generator(device="cuda").manual_seed(0)
+@dataclasses.dataclass
+class GpuLayer:
+    """One layer's experts on the GPU in one format: ``weights`` are the experts op's
+    arguments after the routing (``experts`` for bf16, ``experts_quant`` otherwise)."""
 
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
+    name: str
+    hidden: int
+    num_experts: int
+    top_k: int
+    quantized: bool
+    weights: tuple
 
-    weights = (randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5),
-               randn(num_experts, hidden, inter, scale=inter ** -0.5),
-               randn(num_experts, 2 * inter, scale=0.5) if bias else None,
-               randn(num_experts, hidden, scale=0.5) if bias else None, act, 1.702, 7.0)
-    for num_tokens in GPU_TOKENS:
-        hidden_TH = randn(num_tokens, hidden)
-        weights_TK, ids_TK = gpu_route(generator, num_tokens, num_experts, top_k)
-        args = (hidden_TH, weights_TK, ids_TK, *weights)
-        out_TH = torch.ops.moe_flashinfer.experts(*args)
-        assert not out_TH.isnan().any()
-        error = relative_error(out_TH, torch.ops.moe_reference.experts(*args))
-        assert error < BF16_BOUND, (num_tokens, error)
-        x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
-                                                                  num_experts)
-        out_RH = torch.ops.moe_flashinfer.experts_rows(x_RH, expert_R, count_E, *weights)
-        ref_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *weights)
-        assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
-        assert relative_error(out_RH, ref_RH) < BF16_BOUND, num_tokens
+    def ops(self, namespace: str):
+        ops = getattr(torch.ops, namespace)
+        return (ops.experts_quant, ops.experts_rows_quant) if self.quantized else (
+            ops.experts, ops.experts_rows)
+
+    def rows_scale(self) -> tuple:
+        """``experts_rows_quant``'s ``x_scale`` (rows arrive in bf16), or nothing."""
+        return (None,) if self.quantized else ()
 
 
-FP8_GPU_SHAPES = {  # (H, I, E, K, activation, bias)
-    "deepseek-like": (7168, 2048, 16, 8, "silu", False),
-    "bias-swiglu_oai": (2048, 1024, 8, 4, "swiglu_oai", True),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", sorted(FP8_GPU_SHAPES))
-def test_gpu_fp8_blocks_match_reference(shape, poisoned_empty):
-    _needs_flashinfer(FP8_BLOCK)
-    hidden, inter, num_experts, top_k, act, bias = FP8_GPU_SHAPES[shape]
-    generator = torch.Generator(device="cuda").manual_seed(0)
+def gpu_layer(width: str, fmt: str, generator) -> GpuLayer:
+    hidden, inter, top_k, act, bias = GPU_WIDTHS[width]
+    num_experts = GPU_EXPERTS.get(width, DEFAULT_GPU_EXPERTS)
 
     def randn(*size, scale=1.0):
         return torch.randn(*size, device="cuda", generator=generator) * scale
 
-    w13, w13_scale = quant.quantize_weights(randn(num_experts, 2 * inter, hidden,
-                                                  scale=hidden ** -0.5), FP8_BLOCK)
-    w2, w2_scale = quant.quantize_weights(randn(num_experts, hidden, inter, scale=inter ** -0.5),
-                                          FP8_BLOCK)
+    w13_EFH = randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2_EHI = randn(num_experts, hidden, inter, scale=inter ** -0.5)
     biases = ((randn(num_experts, 2 * inter, scale=0.5).bfloat16(),
                randn(num_experts, hidden, scale=0.5).bfloat16()) if bias else (None, None))
-    weights = (w13, w2, w13_scale, w2_scale, *biases, "fp8_block", "fp8_group", [128, 128], act,
-               1.702, 7.0)
-    for num_tokens in GPU_TOKENS:
-        hidden_TH = randn(num_tokens, hidden).bfloat16()
-        weights_TK, ids_TK = gpu_route(generator, num_tokens, num_experts, top_k)
-        args = (hidden_TH, weights_TK, ids_TK, *weights)
-        out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
-        assert not out_TH.isnan().any()
-        error = relative_error(out_TH, torch.ops.moe_reference.experts_quant(*args))
-        assert error < FP8_BOUND, (num_tokens, error)
-        x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
-                                                                  num_experts)
-        rows_args = (x_RH, None, expert_R, count_E, *weights)
-        out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
-        ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
-        assert relative_error(out_RH, ref_RH) < FP8_BOUND, num_tokens
+    static = (act, 1.702, 7.0)
+    spec = GPU_FORMATS[fmt]
+    if spec is None:
+        weights = (w13_EFH.bfloat16(), w2_EHI.bfloat16(), *biases, *static)
+    else:
+        w13, w13_scale = quant.quantize_weights(w13_EFH, spec)
+        w2, w2_scale = quant.quantize_weights(w2_EHI, spec)
+        weights = (w13, w2, w13_scale, w2_scale, *biases, spec.weights, spec.activations,
+                   spec.block_list, *static)
+    return GpuLayer(width, hidden, num_experts, top_k, spec is not None, weights)
+
+
+def _format_widths():
+    """(format, width) pairs that the format can hold (fp8 blocks: H and I in 128s)."""
+    for fmt, spec in GPU_FORMATS.items():
+        for width, (hidden, inter, *_) in GPU_WIDTHS.items():
+            if spec is None or not (spec.weights == "fp8_block" and (hidden % 128 or inter % 128)):
+                yield pytest.param(fmt, width, id=f"{fmt}-{width}")
 
 
 @pytest.mark.gpu
-def test_gpu_captures_in_cuda_graph():
-    _needs_flashinfer()
+@pytest.mark.parametrize(("fmt", "width"), list(_format_widths()))
+def test_gpu_matches_reference(fmt, width, poisoned_empty):
+    """Both ops against the reference at T = 0, 1, 7, 256 (and 4096 at some widths), with
+    skipped slots: ``[0, H]`` for T = 0, rows of skipped slots all zeros."""
+    _needs_flashinfer(GPU_FORMATS[fmt])
     generator = torch.Generator(device="cuda").manual_seed(0)
-    inputs = [torch.randn(*size, device="cuda", generator=generator).bfloat16() * scale
-              for size, scale in (((64, 1024), 1.0), ((16, 1024, 1024), 1024 ** -0.5),
-                                  ((16, 1024, 512), 512 ** -0.5))]
-    hidden_TH, w13_EFH, w2_EHI = inputs
-    weights_TK, ids_TK = gpu_route(generator, 64, 16, 4)
-    static = (w13_EFH, w2_EHI, None, None, "silu", 1.702, 7.0)
-    torch.ops.moe_flashinfer.experts(hidden_TH, weights_TK, ids_TK, *static)
+    layer = gpu_layer(width, fmt, generator)
+    experts_op, rows_op = layer.ops("moe_flashinfer")
+    ref_op, ref_rows_op = layer.ops("moe_reference")
+    tokens = GPU_TOKENS + ((LARGE_TOKENS,) if width in LARGE_WIDTHS else ())
+    for num_tokens in tokens:
+        hidden_TH = torch.randn(num_tokens, layer.hidden, device="cuda",
+                                generator=generator).bfloat16()
+        weights_TK, ids_TK = gpu_route(generator, num_tokens, layer.num_experts, layer.top_k)
+        args = (hidden_TH, weights_TK, ids_TK, *layer.weights)
+        out_TH = experts_op(*args)
+        assert out_TH.shape == (num_tokens, layer.hidden) and out_TH.dtype == torch.bfloat16
+        if num_tokens == 0:
+            continue
+        assert not out_TH.isnan().any(), num_tokens
+        error = relative_error(out_TH, ref_op(*args))
+        assert error < BOUNDS[fmt], (num_tokens, error)
+        if num_tokens > 1:
+            assert not out_TH[-1].any(), num_tokens  # every slot skipped: nothing added
+        if num_tokens in (7, 256):
+            x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
+                hidden_TH, weights_TK, ids_TK, layer.num_experts)
+            rows_args = (x_RH, *layer.rows_scale(), expert_R, count_E, *layer.weights)
+            out_RH = rows_op(*rows_args)
+            assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
+            assert relative_error(out_RH, ref_rows_op(*rows_args)) < BOUNDS[fmt], num_tokens
+
+
+# One width per format for capture and compilation: GPT-OSS's for mxfp4 (padded H).
+CAPTURE_WIDTHS = {"bf16": "qwen3-30b-a3b", "fp8_block": "deepseek-v3", "mxfp4": "gpt-oss-20b"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
+def test_gpu_captures_in_cuda_graph(fmt):
+    """After a first call (which converts the weights), the op captures in a CUDA graph and
+    replays on new tokens and routing."""
+    _needs_flashinfer(GPU_FORMATS[fmt])
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    layer = gpu_layer(CAPTURE_WIDTHS[fmt], fmt, generator)
+    experts_op, _ = layer.ops("moe_flashinfer")
+    ref_op, _ = layer.ops("moe_reference")
+
+    def problem():
+        hidden_TH = torch.randn(64, layer.hidden, device="cuda", generator=generator).bfloat16()
+        return (hidden_TH, *gpu_route(generator, 64, layer.num_experts, layer.top_k))
+
+    inputs = problem()
+    experts_op(*inputs, *layer.weights)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_TH = torch.ops.moe_flashinfer.experts(hidden_TH, weights_TK, ids_TK, *static)
-    fresh_TH = torch.randn_like(hidden_TH)
-    fresh_weights_TK, fresh_ids_TK = gpu_route(generator, 64, 16, 4)
-    for tensor, new in ((hidden_TH, fresh_TH), (weights_TK, fresh_weights_TK),
-                        (ids_TK, fresh_ids_TK)):
+        out_TH = experts_op(*inputs, *layer.weights)
+    fresh = problem()
+    for tensor, new in zip(inputs, fresh):
         tensor.copy_(new)
     out_TH.fill_(math.nan)
     graph.replay()
-    ref_TH = torch.ops.moe_reference.experts(fresh_TH, fresh_weights_TK, fresh_ids_TK, *static)
-    assert relative_error(out_TH, ref_TH) < BF16_BOUND
+    assert relative_error(out_TH, ref_op(*fresh, *layer.weights)) < BOUNDS[fmt]
+
+
+COMPILED_CONFIGS = {  # a small layer of each format's model family
+    "bf16": dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=8,
+                 renormalize=True),
+    "fp8_block": dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=8,
+                      scoring="sigmoid", renormalize=True, quant=FP8_BLOCK),
+    "mxfp4": dict(hidden_size=2880, intermediate_size=2880, num_experts=16, top_k=4,
+                  scoring="topk_softmax", activation="swiglu_oai", expert_bias=True,
+                  quant=MXFP4),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("spec", [None, FP8_BLOCK], ids=["bf16", "fp8_block"])
-def test_gpu_compiled_moe_runs_flashinfer(spec):
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "cuda-graphs"])
+@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
+def test_gpu_compiled_moe_runs_flashinfer(fmt, mode):
     """``tmo.backend(experts="flashinfer")``: one graph (fullgraph) whose experts op is
-    FlashInfer's, against the reference backend's graph of the same module."""
-    _needs_flashinfer(spec)
+    FlashInfer's, against the reference backend's graph of the same module; with
+    ``mode="reduce-overhead"`` replayed as CUDA graphs on new tokens."""
+    _needs_flashinfer(GPU_FORMATS[fmt])
     from torch._inductor.utils import run_and_get_code
 
-    cfg = tmo.MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
-                        renormalize=True, quant=spec)
+    cfg = tmo.MoEConfig(**COMPILED_CONFIGS[fmt])
     torch.manual_seed(0)
     moe = tmo.MoE(cfg, device="cuda", dtype=torch.bfloat16)
-    x_TH = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     expected = torch.compile(moe, backend=tmo.backend(experts="reference"), fullgraph=True)
-    compiled = torch.compile(moe, backend=tmo.backend(experts="flashinfer"), fullgraph=True)
+    compiled = torch.compile(moe, backend=tmo.backend(experts="flashinfer", mode=mode),
+                             fullgraph=True)
     with torch.no_grad():
-        ref_TH = expected(x_TH)
-        out_TH, codes = run_and_get_code(compiled, x_TH)
-    assert "moe_flashinfer.experts" in "\n".join(codes)
-    assert relative_error(out_TH, ref_TH) < (FP8_BOUND if spec else BF16_BOUND)
+        for step in range(3 if mode else 1):
+            x_TH = torch.randn(256, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            ref_TH = expected(x_TH)
+            if step == 0:
+                out_TH, codes = run_and_get_code(compiled, x_TH)
+                assert "moe_flashinfer.experts" in "\n".join(codes)
+            else:
+                out_TH = compiled(x_TH).clone()
+            assert relative_error(out_TH, ref_TH) < BOUNDS[fmt], step
