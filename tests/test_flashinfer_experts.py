@@ -616,6 +616,24 @@ def test_fp8_block_layers_dispatch_in_bf16(a2a, recwarn):
     assert chosen.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("a2a", ["flashinfer", "all_to_all", "deepep"])
+def test_expert_parallel_layers_take_the_tokens_format(monkeypatch, a2a, spec):
+    """Its experts read bf16 tokens (they quantize inside): a layer of any of its formats
+    takes the tokens format, whose receive buffers its ``experts``/``experts_quant`` read in
+    place, from FlashInfer's all-to-all as from the others."""
+    from torch_moe_ops.lowering.plan import plan_layer
+
+    for table, name in ((REGISTRY.a2a, a2a), (REGISTRY.experts, "flashinfer")):
+        monkeypatch.setitem(table, name, dataclasses.replace(table[name],
+                                                             supports=lambda *_: None))
+    layer = Problem(torch.bfloat16, num_experts=64, num_local_experts=32, hidden_size=2048,
+                    intermediate_size=768, top_k=8, ep_size=2, max_tokens_per_rank=64,
+                    training=False, quant=spec)
+    plan = plan_layer(BackendSpec(experts="flashinfer", a2a=a2a), layer, CPU)
+    assert plan.format == "tokens", plan.format_reason
+
+
 # On an sm90 GPU with FlashInfer's module built.
 
 def _needs_flashinfer(spec=None):
