@@ -3,13 +3,16 @@
 # trimmed SM90 module (a carried copy, else built detached: the build outlives this call
 # and the next call on the same machine picks it up); its object count, build minutes and
 # unresolved-symbol check; the gpu tests of tests/test_flashinfer_experts.py; then
-# benchmarks/bench_experts.py --flashinfer-rows, one process per shape of SHAPES; the built
-# module packed into $OUT to carry next time; a short summary table last.
+# benchmarks/bench_experts.py --flashinfer-rows, one process per shape of SHAPES; then the
+# tokens format from FlashInfer's all-to-all into these experts (two ranks sharing the GPU,
+# tests/test_flashinfer_a2a_gpu.py; it builds the all-to-all's module first, 100-250 s);
+# the built module packed into $OUT to carry next time; a short summary table last.
 #
 # Steps are bounded by what is left of BUDGET_SECONDS (default 570: one call of 10 minutes)
 # since the start: BUILD_WAIT (default: all that is left) for the build, TEST_SECONDS
-# (default 200) for the tests, SHAPE_SECONDS (default 120) per shape; none starts with less
-# than a minute left. TESTS=0 or BENCH=0 skips a step; BENCH_ARGS is passed on.
+# (default 200) for the tests, SHAPE_SECONDS (default 120) per shape, PAIR_SECONDS (default
+# 300) for the tokens pair; none starts with less than a minute left (the pair: 150 s).
+# TESTS=0, BENCH=0 or PAIR=0 skips a step; BENCH_ARGS is passed on.
 #
 # Carrying the module: a call that finds it built by its own build writes
 # $OUT/fi_module.tar.xz.partNN (xz, split at 15 MiB, at most MAX_PARTS parts: 2 by default,
@@ -102,6 +105,7 @@ fi
 status=0
 tests="not run"
 bench=""
+pair="not run"
 if [ "$status_rc" -eq 3 ]; then
   tests="not run: the module is not built yet (call again: the build goes on)"
   status=3
@@ -130,6 +134,18 @@ else
       [ "$rc" -eq 0 ] || status=1
     done
   fi
+  if [ "${PAIR:-1}" = 1 ]; then
+    if [ "$(left)" -ge 150 ]; then
+      timeout -k 20 "$(bounded "${PAIR_SECONDS:-300}")" python3 -m pytest -q -rs \
+        -p no:cacheprovider tests/test_flashinfer_a2a_gpu.py \
+        -k test_tokens_into_flashinfer_experts 2>&1 | tee "$work/pair.log" | tail -15
+      rc=${PIPESTATUS[0]}
+      pair="rc=$rc: $(tail -1 "$work/pair.log")"
+      [ "$rc" -eq 0 ] || status=1
+    else
+      pair="not started ($(left) s of BUDGET_SECONDS left; TESTS=0 BENCH=0 runs it alone)"
+    fi
+  fi
 fi
 cp "$LOG" "$work/build.log" 2>/dev/null
 tar czf "$OUT/fi_experts.tgz" -C "$(dirname "$work")" fi_experts
@@ -146,6 +162,6 @@ tar czf "$OUT/fi_experts.tgz" -C "$(dirname "$work")" fi_experts
   echo "=== summary ($((SECONDS - start)) s) ==="
   printf '%-12s %s\n' "module" "$name: $module" "build" "$build; ${objects:-no build file}" \
     "symbols" "${symbols:-not checked (not built)}" "packed" "$packed" "gpu tests" "$tests" \
-    "bench" "${bench:- not run}"
+    "bench" "${bench:- not run}" "tokens pair" "$pair"
 } 2>&1 | tee "$OUT/fi_summary.txt"
 exit $status
