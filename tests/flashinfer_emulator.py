@@ -17,7 +17,8 @@ the CPU.
   columns, ``q = fp8(x * (448 / amax))``, scale ``amax / 448``.
   ``use_w4_group_scaling`` with uint8 weights (W4A16): e2m1 values two a byte, as
   ``interleave_moe_weights_for_sm90_mixed_gemm`` left them, e8m0 scales per 32
-  columns folded by ``interleave_moe_scales_for_sm90_mixed_gemm``; bf16 activations.
+  columns folded by ``interleave_moe_scales_for_sm90_mixed_gemm`` and viewed as int32 (as
+  FlashInfer's W4A16 tests pass them); bf16 activations.
 - Those two interleaves. The scales' fold is FlashInfer's documented one (each 64 x 128
   block of scales as 16 rows of 16 bytes: ``[E, N/64, K/128, 16, 16]``, N a multiple of
   64, K of 128). The weights' is a bit shuffle of its CUDA kernel that this stand-in does
@@ -108,6 +109,8 @@ def interleave_moe_scales_for_sm90_mixed_gemm(scales, group_size=32):
 def _unfolded_scales(folded, rows, groups):
     """``[E, rows, groups]`` e8m0 scales from ``interleave_moe_scales_for_sm90_mixed_gemm``'s
     fold."""
+    _check(folded.dtype == torch.int32, "W4A16 scales: the folded e8m0 bytes viewed as int32")
+    folded = folded.view(torch.uint8)
     num_experts = folded.shape[0]
     per_block = FOLD_COLS // MXFP4_GROUP
     slices = 16 // per_block

@@ -235,7 +235,8 @@ def test_prepare_weights_pads_and_interleaves_mxfp4(emulated, quant_inputs):
     assert prepared.format_kwargs == {"use_w4_group_scaling": True}
     assert prepared.fc1.shape == (4, 256, 128) and prepared.fc2.shape == (4, 256, 64)
     fc1_scale, fc2_scale = prepared.quant_scales
-    assert fc1_scale.shape == (4, 4, 2, 16, 16) and fc2_scale.shape == (4, 4, 1, 16, 16)
+    assert fc1_scale.shape == (4, 4, 2, 16, 4) and fc2_scale.shape == (4, 4, 1, 16, 4)
+    assert fc1_scale.dtype == fc2_scale.dtype == torch.int32
     w13_EFH, w2_EHI = inputs.dequantized()
     fc1_EFH = emulated._dequantize_w4(prepared.fc1, fc1_scale)
     fc2_EHI = emulated._dequantize_w4(prepared.fc2, fc2_scale)

@@ -34,7 +34,9 @@ Formats, all with bf16 activations in and out:
   activations: GPT-OSS's W4A16) on its sm90 mixed-input path (``use_w4_group_scaling``).
 
 What does not map, and why, `format_reason` says; which widths run, `sizes_reason`. Rows
-never arrive quantized (``quantized_rows=()``): the dispatch sends them in bf16.
+never arrive quantized (``quantized_rows=()``): the dispatch sends them in bf16. A token's
+expert ids must be distinct, as top-k routing makes them (FlashInfer's permutation keeps
+one row per (token, expert): a repeated expert's sum is wrong); -1 may repeat.
 
 Weights are converted once per (tensor, version) and kept in this module's one cache
 (`weight_cache.WeightCache`; `clear_prepared_weights` empties it): the ``fc1`` copy takes

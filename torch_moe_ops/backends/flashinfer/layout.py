@@ -20,7 +20,8 @@ in for the absent one), in the activations' dtype.
   128 first: zero values (scale ``2**0``) in the new columns and rows, zero biases, so
   the padded intermediate columns are 0 after any of the activations and add nothing.
   ``fc1 [E, Fp, Hp/2]``, ``fc2 [E, Hp, Ip/2]`` interleaved, ``quant_scales = [fc1
-  [E, Fp/64, Hp/128, 16, 16], fc2 [E, Hp/64, Ip/128, 16, 16]]`` (uint8). Where H is
+  [E, Fp/64, Hp/128, 16, 4], fc2 [E, Hp/64, Ip/128, 16, 4]]`` (the folded e8m0 bytes
+  viewed as int32, as FlashInfer's own W4A16 tests pass them). Where H is
   padded (GPT-OSS: 2880 -> 2944) each call pads its tokens and cuts its output back
   (`PreparedWeights.padded_hidden`); a padded I costs the calls nothing.
 """
@@ -153,12 +154,17 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, b13_EF: torch.Tensor | 
                                hidden, hidden, kwargs)
 
 
+def _folded_scales(scale_ENg: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales ``[E, N, K/32]`` folded per 64 x 128 block, each block's 16-byte rows
+    viewed as int32 (``[E, N/64, K/128, 16, 4]``), as FlashInfer's W4A16 tests pass them."""
+    from flashinfer.fused_moe import interleave_moe_scales_for_sm90_mixed_gemm
+
+    return interleave_moe_scales_for_sm90_mixed_gemm(scale_ENg, MXFP4_GROUP).view(torch.int32)
+
+
 def _prepare_mxfp4(w13_EFh, w2_EHi, b13_EF, b2_EH, w13_scale_EFg, w2_scale_EHg
                    ) -> PreparedWeights:
-    from flashinfer.fused_moe import (
-        interleave_moe_scales_for_sm90_mixed_gemm,
-        interleave_moe_weights_for_sm90_mixed_gemm,
-    )
+    from flashinfer.fused_moe import interleave_moe_weights_for_sm90_mixed_gemm
 
     num_experts, hidden, packed_inter = w2_EHi.shape
     padded_hidden, padded_inter = padded(hidden), padded(2 * packed_inter)
@@ -173,6 +179,5 @@ def _prepare_mxfp4(w13_EFh, w2_EHi, b13_EF, b2_EH, w13_scale_EFg, w2_scale_EHg
     return PreparedWeights(
         interleave_moe_weights_for_sm90_mixed_gemm(fc1_EFph, "fp4"),
         interleave_moe_weights_for_sm90_mixed_gemm(fc2_EHpi, "fp4"), fc1_bias, fc2_bias,
-        [interleave_moe_scales_for_sm90_mixed_gemm(fc1_scale_EFpg, MXFP4_GROUP),
-         interleave_moe_scales_for_sm90_mixed_gemm(fc2_scale_EHpg, MXFP4_GROUP)],
+        [_folded_scales(fc1_scale_EFpg), _folded_scales(fc2_scale_EHpg)],
         hidden, padded_hidden, {"use_w4_group_scaling": True})
