@@ -680,7 +680,6 @@ class GpuLayer:
     """One layer's experts on the GPU in one format: ``weights`` are the experts op's
     arguments after the routing (``experts`` for bf16, ``experts_quant`` otherwise)."""
 
-    name: str
     hidden: int
     num_experts: int
     top_k: int
@@ -717,7 +716,7 @@ def gpu_layer(width: str, fmt: str, generator) -> GpuLayer:
         w2, w2_scale = quant.quantize_weights(w2_EHI, spec)
         weights = (w13, w2, w13_scale, w2_scale, *biases, spec.weights, spec.activations,
                    spec.block_list, *static)
-    return GpuLayer(width, hidden, num_experts, top_k, spec is not None, weights)
+    return GpuLayer(hidden, num_experts, top_k, spec is not None, weights)
 
 
 def _format_widths():
