@@ -36,8 +36,8 @@ export LOG
 py() { python3 -c "$1"; }
 py "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'nvcc:', end=' ')"
 nvcc --version 2>/dev/null | tail -1
-name=$(py "from torch_moe_ops.backends.flashinfer import cutlass_module; print(cutlass_module.module_name())") \
-  || { echo "flashinfer does not import: see $OUT/install.log"; exit 1; }
+name=$(py "from torch_moe_ops.backends.flashinfer.cutlass_module import module_name
+print(module_name())") || { echo "flashinfer does not import: see $OUT/install.log"; exit 1; }
 aot_dir=$(py "from flashinfer.jit import env; print(env.FLASHINFER_AOT_DIR)")
 jit_dir=$(py "from flashinfer.jit import env; print(env.FLASHINFER_JIT_DIR)")
 module="carried: none"
@@ -114,8 +114,8 @@ else
   if [ "${TESTS:-1}" = 1 ] && [ "$(left)" -ge 60 ]; then
     timeout -k 20 "$(bounded "${TEST_SECONDS:-200}")" python3 -m pytest -q -rs -m gpu \
       -p no:cacheprovider --durations=15 tests/test_flashinfer_experts.py 2>&1 \
-      | tee "$work/tests.log" | grep -E "FAILED|ERROR|SKIPPED|passed|failed|skipped|slowest|s call" \
-      | tail -40
+      | tee "$work/tests.log" \
+      | grep -E "FAILED|ERROR|SKIPPED|passed|failed|skipped|slowest|s call" | tail -40
     rc=${PIPESTATUS[0]}
     tests="rc=$rc: $(tail -1 "$work/tests.log")"
     [ "$rc" -eq 0 ] || status=1
