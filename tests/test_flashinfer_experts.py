@@ -81,8 +81,10 @@ def emulated(monkeypatch, tmp_path):
     flashinfer_emulator.AOT_ARTIFACTS.clear()
     monkeypatch.delenv(cutlass_module.BUILD_ENV, raising=False)
     library.missing.cache_clear()
+    cutlass_module.check_symbols.cache_clear()
     yield flashinfer_emulator
     library.missing.cache_clear()
+    cutlass_module.check_symbols.cache_clear()
 
 
 @pytest.fixture
@@ -565,6 +567,20 @@ def test_symbols_of_dropped_runners_are_expected_and_others_not():
                                                       OTHER_SYMBOL])
     assert not report.ok and report.kept == [KEPT_SYMBOL] and report.unexpected == [OTHER_SYMBOL]
     assert "1 of the kept pairs' runners, 1 others" in str(report)
+
+
+def test_a_module_missing_a_called_runner_fails_before_its_first_call(built, expert_inputs,
+                                                                     monkeypatch):
+    undefined = [*DROPPED_SYMBOLS, OTHER_SYMBOL]
+    monkeypatch.setattr(cutlass_symbols, "undefined_symbols", lambda library: undefined)
+    args = bf16_inputs(expert_inputs, bias=False).args()
+    torch.ops.moe_flashinfer.experts(*args)  # dropped runners' symbols: expected
+    cutlass_module.check_symbols.cache_clear()
+    undefined.append(KEPT_SYMBOL)
+    with pytest.raises(RuntimeError, match="cannot run the kernels the flashinfer experts "
+                                           "backend calls(.|\n)*Rebuild it with"):
+        torch.ops.moe_flashinfer.experts(*args)
+    assert len(built.CALLS) == 1
 
 
 def test_command_line(emulated, capsys, monkeypatch):

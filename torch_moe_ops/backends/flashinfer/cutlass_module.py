@@ -31,6 +31,7 @@ on, ``FLASHINFER_CUDA_ARCH_LIST``), or that first call compiles it again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -63,6 +64,25 @@ def use_trimmed_module() -> None:
 
     # cutlass_fused_moe reaches its sm90 spec through this name of its module.
     core.gen_cutlass_fused_moe_sm90_module = _trimmed_sm90_spec
+
+
+@functools.cache
+def check_symbols() -> None:
+    """Once per process, before the backend first calls the built module: raise RuntimeError
+    where it leaves a symbol of a runner the backend calls unresolved (`cutlass_symbols`),
+    which would end the process at that call. Checks nothing where the module is not built
+    yet (built on first use: `build` prints the check) or ``nm`` cannot read it."""
+    path = built_path()
+    if path is None:
+        return
+    try:
+        report = cutlass_symbols.check(path)
+    except RuntimeError:
+        return
+    if report.kept:
+        raise RuntimeError(f"FlashInfer's fused-MoE module {path} cannot run the kernels the "
+                           f"flashinfer experts backend calls: {report}\nRebuild it with "
+                           f"`{BUILD_COMMAND}` after removing {path.parent}")
 
 
 def _trimmed_sm90_spec(use_fast_build: bool = False):

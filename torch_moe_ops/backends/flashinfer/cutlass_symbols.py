@@ -11,9 +11,11 @@ kernels (``nm -D --undefined-only``, demangled) and sorts them:
 - of a kept pair's runner: the module cannot run that pair (an error);
 - anything else of TensorRT-LLM's (a kernel launcher, a helper): unexpected, listed.
 
-Run after a build (`cutlass_module.build` does, and ``python -m
-torch_moe_ops.backends.flashinfer status`` prints it), so a missing symbol shows there,
-not at the first call of a layer.
+Run after a build (``python -m torch_moe_ops.backends.flashinfer build`` and ``status``
+print it) and once per process before the backend's first call (`cutlass_module.check_symbols`
+raises where a kept pair's runner is missing), so a missing symbol shows as an error that
+says how to rebuild, not as a process ended at the first call of a layer. ``dlopen`` with
+``RTLD_NOW`` cannot stand in: the dropped runners' symbols are unresolved by design.
 """
 
 from __future__ import annotations

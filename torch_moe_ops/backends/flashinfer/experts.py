@@ -176,8 +176,10 @@ def clear_prepared_weights() -> None:
 
 def _prepared(w13, w2, b13, b2, w13_scale, w2_scale, spec) -> PreparedWeights:
     sources = (w13, w2, b13, b2, w13_scale, w2_scale)
-    # mxfp4's interleave runs a kernel of the module: the trimmed one must be the one loaded.
+    # mxfp4's interleave runs a kernel of the module: the trimmed one must be the one loaded,
+    # and load with what the backend calls.
     cutlass_module.use_trimmed_module()
+    cutlass_module.check_symbols()
     return _PREPARED.get(sources, lambda: prepare_weights(*sources, spec))
 
 
