@@ -3,6 +3,7 @@
     python benchmarks/bench_experts.py --out results/ [--shapes mixtral-8x7b,qwen3-30b-a3b] \\
         [--tokens 1,16] [--formats bf16,fp8_block,fp8_channel,mxfp4] [--peers hf,vllm]
     python benchmarks/bench_experts.py --out DIR --smoke    # CPU, tiny shapes: checks the script
+    python benchmarks/bench_experts.py --out DIR --flashinfer-rows [--shapes deepseek-v3]
 
 For each shape, weight format and token count: routing weights and ids in, ``[T, H]``
 out. Formats (weight_formats.py): ``bf16``; ``fp8_block`` (128 x 128 weight blocks,
@@ -26,9 +27,15 @@ writing back the dirty L2; on a 20-50 us decode call that added 8-10 us on an H2
 work no model step does.)
 
 The floor of a row is the larger of the bytes its touched experts store in the
-format (weights and scales) over the HBM read bandwidth and its FLOPs over the dense
-rate of its GEMMs: an fp8 ``torch._scaled_mm`` with per-row and per-column scales for
-w8a8 formats, a bf16 matmul otherwise, all measured at the start of the same run.
+format (weights and scales) over the HBM read bandwidth (its byte floor, ``bytes_floor_us``:
+what bounds a decode row) and its FLOPs over the dense rate of its GEMMs: an fp8
+``torch._scaled_mm`` with per-row and per-column scales for w8a8 formats, a bf16 matmul
+otherwise, all measured at the start of the same run. The tables give the fraction of the
+floor a row reaches, and for decode rows (T = 1, 16) that of its byte floor.
+
+``--backends`` times only the named backends of ours; ``--flashinfer-rows`` selects the
+rows of FlashInfer's fused MoE beside ours and vLLM's (a few minutes on one GPU):
+`FLASHINFER_ROWS`, each overridden by its own flag where given.
 ``rel_err`` compares a row with the first row of its format (the reference where it
 ran); ``err_bf16`` with the unquantized experts on the same tokens.
 
@@ -98,6 +105,10 @@ REFERENCE_QUANT_MAX_BYTES = 2**28
 PEER_MAX_BYTES = 16 * 2**30
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 PEERS = ("hf", "vllm")
+# --flashinfer-rows: FlashInfer's experts in its three formats beside triton, grouped_mm and
+# vLLM's Triton kernel (bf16 and fp8 where its source is at hand), prefill and decode.
+FLASHINFER_ROWS = {"formats": "bf16,fp8_block,mxfp4", "tokens": "1,16,4096,16384",
+                   "backends": "flashinfer,triton,grouped_mm", "peers": "vllm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +209,8 @@ def make_problem(shape: Shape, num_tokens: int, weights, generator: torch.Genera
 def floor_seconds(shape: Shape, num_tokens: int, topk_ids_TK: torch.Tensor,
                   ceilings: Ceilings, weights: ExpertWeights | None = None
                   ) -> tuple[float, float, float, str]:
-    """``(floor, bytes, FLOPs, bound)`` of one call on ``weights`` (bf16 when None)."""
+    """``(floor, bytes, FLOPs, bound)`` of one call on ``weights`` (bf16 when None); the
+    byte floor is ``bytes / ceilings.read_bytes_per_s``."""
     touched = torch.unique(topk_ids_TK).numel()
     expert_bytes = (3 * shape.hidden * shape.inter * 2 if weights is None
                     else weights.bytes_per_expert())
@@ -238,6 +250,8 @@ class Bench:
     ceilings: Ceilings
     peers: frozenset[str]
     flush_buffer: torch.Tensor | None = None
+    # Our backends to time (None: every registered one).
+    backends: frozenset[str] | None = None
     skipped: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -280,6 +294,8 @@ def our_backends(shape_name: str, shape: Shape, num_tokens: int, weights: Expert
                       activation=shape.activation, quant=weights.spec)
     names = {}
     for backend in REGISTRY.experts.values():
+        if bench.backends is not None and backend.name not in bench.backends:
+            continue
         # As "auto" sees it: on the CPU that leaves the Triton interpreter out.
         reason = backend.why_not(tmo.BackendSpec(), problem, bench.device)
         if reason is None and backend.name == "reference":
@@ -406,6 +422,7 @@ def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights: ExpertWei
             "shape": shape_name, "tokens": num_tokens, "format": weights.format,
             "backend": name, "us": seconds * 1e6, "floor_us": floor_s * 1e6, "bound": bound,
             "pct_floor": 100 * floor_s / seconds,
+            "bytes_floor_us": weight_bytes / bench.ceilings.read_bytes_per_s * 1e6,
             "tb_per_s": weight_bytes / seconds / 1e12, "tflop_per_s": flops / seconds / 1e12,
             "rel_err": error, "err_bf16": relative_error(out, unquantized_TH),
             "nan": bool(out.isnan().any()),
@@ -506,10 +523,17 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} (default all)")
     parser.add_argument("--tokens", help=f"comma-separated T (default {TOKENS})")
-    parser.add_argument("--formats", default=",".join(weight_formats.DEFAULT_FORMATS),
-                        help=f"comma-separated, of {', '.join(weight_formats.FORMATS)}")
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated peers to time beside ours: hf, vllm (or none)")
+    parser.add_argument("--formats",
+                        help=f"comma-separated, of {', '.join(weight_formats.FORMATS)} "
+                             f"(default {','.join(weight_formats.DEFAULT_FORMATS)})")
+    parser.add_argument("--peers", help="comma-separated peers to time beside ours: hf, vllm "
+                                        f"(or none; default {','.join(PEERS)})")
+    parser.add_argument("--backends", help="comma-separated backends of ours to time "
+                                           "(default all that run)")
+    parser.add_argument("--flashinfer-rows", action="store_true",
+                        help="FlashInfer's experts beside ours and vLLM's: " + ", ".join(
+                            f"--{flag} {value}" for flag, value in FLASHINFER_ROWS.items())
+                        + " (each unless given)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU in fp32: checks the script (the Triton "
                              "kernels run only under TRITON_INTERPRET=1)")
@@ -520,8 +544,16 @@ def main(argv=None) -> None:
         with open(args.plot_only) as f:
             plot(json.load(f)["rows"], os.path.join(args.out, "experts.png"))
         return
-    formats = _names(args.formats, weight_formats.FORMATS, "formats")
-    peers = frozenset(() if args.peers == "none" else _names(args.peers, PEERS, "peers"))
+    if args.flashinfer_rows:
+        for flag, value in FLASHINFER_ROWS.items():
+            if getattr(args, flag) is None:
+                setattr(args, flag, value)
+    formats = _names(args.formats or ",".join(weight_formats.DEFAULT_FORMATS),
+                     weight_formats.FORMATS, "formats")
+    peers_text = args.peers or ",".join(PEERS)
+    peers = frozenset(() if peers_text == "none" else _names(peers_text, PEERS, "peers"))
+    backends = (None if args.backends is None
+                else frozenset(_names(args.backends, REGISTRY.experts, "backends")))
     shape_table = SMOKE_SHAPES if args.smoke else SHAPES
     shapes = {name: shape_table[name] for name in _names(args.shapes, shape_table, "shapes")}
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(
@@ -536,7 +568,7 @@ def main(argv=None) -> None:
     ceilings = measure_ceilings(device)
     bench = Bench(device, torch.float32 if args.smoke else torch.bfloat16, ceilings, peers,
                   None if args.smoke else torch.empty(2**28, device=device,
-                                                      dtype=torch.float32))
+                                                      dtype=torch.float32), backends=backends)
     header = {
         "device": (f"CPU {platform.machine()}" if args.smoke
                    else torch.cuda.get_device_name()),
@@ -548,6 +580,7 @@ def main(argv=None) -> None:
         "bf16_tflop_per_s": ceilings.bf16_flops_per_s / 1e12,
         "fp8_tflop_per_s": ceilings.fp8_flops_per_s / 1e12,
         "formats": formats, "smoke": args.smoke,
+        "backends": None if backends is None else sorted(backends),
     }
     print(json.dumps(header), flush=True)
     rows = run(bench, shapes, tokens, formats, args.out, header)

@@ -4,6 +4,7 @@ or into the targets and a short table.
     python benchmarks/summarize.py [--merged PREFIX] run1/experts.json [run2/experts.json ...] \\
         > benchmarks/results/<device>-<date>.md
     python benchmarks/summarize.py --short run1/experts.json [run2/experts.json ...]
+    python benchmarks/summarize.py --rows run1/experts.json [run2/experts.json ...]
 
 Several files (say, one run per shape) are merged; ``--merged PREFIX`` also writes
 their rows as ``PREFIX.json`` and ``PREFIX.csv`` (``bench_experts.py --plot-only``
@@ -14,6 +15,8 @@ and fraction of the floor, the best of ours against the best peer (transformers'
 implementations ``hf-*``, vLLM's Triton kernel ``vllm-triton``). ``--short``: the
 quantized experts' targets, met or missed with numbers, then one line per shape,
 format and token count: our best backend (not the reference), the floor, vLLM's time.
+``--rows``: every row. Decode rows (T = 1, 16) also give the fraction of their byte floor
+(``%bytes``: the weights' bytes at the HBM read rate, the decode roofline).
 Rows of runs from before formats existed count as bf16.
 """
 
@@ -67,22 +70,34 @@ def best_ours(cells: dict[str, dict]) -> dict | None:
     return min(ours, key=lambda r: r["us"]) if ours else None
 
 
+def bytes_floor_cell(row: dict | None, width: int = 7) -> str:
+    """The fraction of its byte floor (its weights' bytes at the HBM read rate) a decode row
+    reaches (`DECODE_TOKENS`), right-aligned in ``width``; ``-`` for other rows and for rows
+    of runs from before the byte floor was kept."""
+    if row is None or row["tokens"] not in DECODE_TOKENS or "bytes_floor_us" not in row:
+        return f"{'-':>{width}}"
+    return f"{100 * row['bytes_floor_us'] / row['us']:>{width - 1}.0f}%"
+
+
 def row_table(rows: list[dict]) -> str:
-    """Every row, as bench_experts.py prints them."""
+    """Every row, as bench_experts.py prints them; ``%bytes``: `bytes_floor_cell`."""
     lines = [(f"{'shape':14} {'T':>6} {'format':11} {'backend':20} {'us':>10} {'floor':>9} "
-              f"{'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} {'err':>8} {'err_bf16':>8}")]
+              f"{'%floor':>7} {'%bytes':>7} {'TB/s':>6} {'TFLOP/s':>8} {'err':>8} "
+              f"{'err_bf16':>8}")]
     for r in rows:
         lines.append(f"{r['shape']:14} {r['tokens']:>6} {format_of(r):11} {r['backend']:20} "
                      f"{r['us']:>10.1f} {r['floor_us']:>9.1f} {r['pct_floor']:>6.1f}% "
+                     f"{bytes_floor_cell(r)} "
                      f"{r['tb_per_s']:>6.2f} {r['tflop_per_s']:>8.1f} {r['rel_err']:>8.1e} "
                      f"{r.get('err_bf16', float('nan')):>8.1e}" + (" NaN!" if r["nan"] else ""))
     return "\n".join(lines)
 
 
 def summary_table(rows: list[dict]) -> str:
-    """One line per shape, T and format: ours, the floor, vLLM's kernel, speedup."""
+    """One line per shape, T and format: ours, the floor, the fraction of the byte floor of
+    decode rows (`bytes_floor_cell`), vLLM's kernel, speedup."""
     lines = [(f"{'shape':14} {'T':>6} {'format':11} {'ours':10} {'ours us':>9} "
-              f"{'floor us':>9} {'%floor':>7} {'vLLM us':>9} {'speedup':>7}")]
+              f"{'floor us':>9} {'%floor':>7} {'%bytes':>7} {'vLLM us':>9} {'speedup':>7}")]
     for (shape, tokens, fmt), cells in cells_by_key(rows).items():
         ours, vllm = best_ours(cells), cells.get(VLLM)
         floor = next(iter(cells.values()))["floor_us"]
@@ -91,6 +106,7 @@ def summary_table(rows: list[dict]) -> str:
             + (f"{ours['us']:>9.1f} " if ours else f"{'-':>9} ")
             + f"{floor:>9.1f} "
             + (f"{ours['pct_floor']:>6.0f}% " if ours else f"{'-':>7} ")
+            + f"{bytes_floor_cell(ours)} "
             + (f"{vllm['us']:>9.1f} " if vllm else f"{'-':>9} ")
             + (f"{vllm['us'] / ours['us']:>6.2f}x" if ours and vllm else f"{'-':>7}"))
     return "\n".join(lines)
@@ -189,6 +205,9 @@ def main() -> None:
     parser.add_argument("--merged")
     parser.add_argument("--short", action="store_true",
                         help="print the targets and the short table instead of Markdown")
+    parser.add_argument("--rows", action="store_true",
+                        help="print every row (each backend's, with the byte-floor fraction of "
+                             "decode rows) instead of Markdown")
     args = parser.parse_args()
     headers, rows = [], []
     for path in args.runs:
@@ -205,6 +224,8 @@ def main() -> None:
             writer.writerows(rows)
     if args.short:
         print("\n".join(target_lines(rows)) + "\n\n" + summary_table(rows))
+    elif args.rows:
+        print(row_table(rows))
     else:
         print(markdown(headers, rows))
 

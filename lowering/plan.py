@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
@@ -69,11 +70,22 @@ def _refusals(kind: str, backends: dict, spec: BackendSpec, problem: Problem,
             and (reason := backend.why_not(spec, problem, device)) is not None]
 
 
+def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem) -> bool:
+    """Whether a quantized layer's rows would cross in fp8 between these backends (the
+    dispatch dtype rule with no explicit choice): the a2a sends fp8 rows, the experts read
+    them. Else its tokens cross in the activations' dtype whatever the format."""
+    chosen = resolve_dispatch_dtype(problem.dtype, None, problem.quant,
+                                    DispatchSides.of(a2a, experts))
+    return chosen.dtype != problem.dtype
+
+
 def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
                   ) -> tuple[str, str]:
-    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``."""
-    if problem.quant is not None and "rows" in a2a.formats:
-        return "rows", "quantized layer: rows travel in the dispatch dtype with their scales"
+    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; rows for
+    a quantized layer whose rows travel in fp8 (half the bytes of bf16 tokens)."""
+    if (problem.quant is not None and "rows" in a2a.formats
+            and rows_travel_quantized(a2a, experts, problem)):
+        return "rows", "quantized layer: rows travel in fp8 with their scales"
     skipped = []
     for fmt in FORMATS:
         if fmt not in a2a.formats:

@@ -11,9 +11,10 @@ out_dtype=<activation dtype>)``: the conversion is in the lowered graph, by name
 Each layer is planned once (`plan.plan_layer`: its backends and the format between
 dispatch and combine). A layer whose plan takes the tokens format is lowered whole:
 ``moe::dispatch -> moe::experts_rows -> moe::combine`` becomes the a2a backend's
-``dispatch_tokens``, the experts backend's ``experts`` on the receive buffers (tokens with
-local expert ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_tokens``: no
-rows, no copy into them, and every op in the graph by name.
+``dispatch_tokens``, the experts backend's ``experts`` (``experts_quant`` for a quantized
+layer whose rows would travel unquantized) on the receive buffers (tokens with local expert
+ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_tokens``: no rows, no copy
+into them, and every op in the graph by name.
 """
 
 from __future__ import annotations
@@ -188,23 +189,40 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
 
 def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(experts_rows, combine)`` where ``dispatch``'s outputs feed one ``moe::experts_rows``
-    and the ``moe::combine`` of its output and nothing else (as a layer emits them)."""
+    (or ``moe::experts_rows_quant`` of unquantized rows) and the ``moe::combine`` of its
+    output and nothing else (as a layer emits them)."""
     items = list(dispatch.users)
     if any(item.target is not operator.getitem for item in items):
         return None
     readers = {reader for item in items for reader in item.users}
-    experts = [r for r in readers if generic_op(r) == "experts_rows"]
+    experts = [r for r in readers if generic_op(r) in ("experts_rows", "experts_rows_quant")]
     combine = [r for r in readers if generic_op(r) == "combine"]
     if len(experts) != 1 or len(combine) != 1 or len(readers) != 2:
         return None
     (experts,), (combine,) = experts, combine
     output = {item: item.args[1] for item in items}
-    x_rows, expert_rows, count = _schema_args(experts)[:3]
+    rows_args = _rows_reader_args(experts)
+    if rows_args is None:
+        return None
+    x_rows, expert_rows, count = rows_args[:3]
     y_rows, weight_rows, src_rows, slot_map = _schema_args(combine)[:4]
     if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, slot_map)]
             != [0, 1, 4, 2, 3, 5] or y_rows is not experts or set(experts.users) != {combine}):
         return None
     return experts, combine
+
+
+def _rows_reader_args(experts: fx.Node) -> tuple | None:
+    """``(x_rows, expert_rows, count, *weights)`` of a rows reader, ``weights`` the arguments
+    its tokens op (``experts`` or ``experts_quant``) takes after the routing; None for an
+    ``experts_rows_quant`` of rows that arrive quantized or leave in another dtype."""
+    args = _schema_args(experts)
+    if generic_op(experts) == "experts_rows":
+        return tuple(args)
+    x_rows, x_scale, expert_rows, count, *weights, out_dtype = args
+    if x_scale is not None or out_dtype is not None:
+        return None
+    return (x_rows, expert_rows, count, *weights)
 
 
 def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
@@ -226,17 +244,21 @@ def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         chain = _rows_chain(dispatch)
         if chain is None:
             raise ValueError(f"cannot lower {dispatch.format_node()} to the tokens format: its "
-                             "outputs must feed one moe::experts_rows and the moe::combine of "
-                             "its result, and nothing else (as MoE emits them)")
+                             "outputs must feed one moe::experts_rows (or experts_rows_quant of "
+                             "unquantized rows) and the moe::combine of its result, and nothing "
+                             "else (as MoE emits them)")
         experts, combine = chain
         namespace = plan.a2a.namespace
         hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
-        expert_args = _schema_args(experts)[3:]
+        expert_args = _rows_reader_args(experts)[3:]
+        tokens_op = "experts" if generic_op(experts) == "experts_rows" else "experts_quant"
         items = list(dispatch.users)
-        # Tokens travel in the activations' dtype: no transport sends them quantized.
-        sides = dataclasses.replace(DispatchSides.of(plan.a2a, plan.experts),
-                                    sends_quantized=False)
-        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, None, sides)
+        # Tokens travel in the activations' dtype. The plan takes tokens only where rows would
+        # not travel in fp8 either (`plan.rows_travel_quantized`), so the rule resolves that
+        # dtype, warning (with the rule's reason) where fp8 was asked for.
+        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype,
+                                        plan.problem.quant,
+                                        DispatchSides.of(plan.a2a, plan.experts))
         # The dispatch node becomes dispatch_tokens; its three outputs, new getitems.
         _retarget(dispatch, op_overload(namespace, "dispatch_tokens"),
                   (hidden, topk_weights, topk_ids, num_experts, *ep_args))
@@ -245,7 +267,7 @@ def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
             sent = [gm.graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
         for item, value in zip(sent, _value(dispatch)):
             item.meta[_meta_key(dispatch)] = value
-        _retarget(experts, op_overload(plan.experts.namespace, "experts"),
+        _retarget(experts, op_overload(plan.experts.namespace, tokens_op),
                   (*sent, *expert_args))
         _retarget(combine, op_overload(namespace, "combine_tokens"),
                   (experts, topk_ids, num_experts, *ep_args))

@@ -15,6 +15,15 @@ the CPU.
   ``gelu(gate) * up`` (erf). ``use_deepseek_fp8_block_scale``: fp8 weights with one
   fp32 scale per 128 x 128 block, both GEMMs' inputs quantized per row and 128
   columns, ``q = fp8(x * (448 / amax))``, scale ``amax / 448``.
+  ``use_w4_group_scaling`` with uint8 weights (W4A16): e2m1 values two a byte, as
+  ``interleave_moe_weights_for_sm90_mixed_gemm`` left them, e8m0 scales per 32
+  columns folded by ``interleave_moe_scales_for_sm90_mixed_gemm`` and viewed as int32 (as
+  FlashInfer's W4A16 tests pass them); bf16 activations.
+- Those two interleaves. The scales' fold is FlashInfer's documented one (each 64 x 128
+  block of scales as 16 rows of 16 bytes: ``[E, N/64, K/128, 16, 16]``, N a multiple of
+  64, K of 128). The weights' is a bit shuffle of its CUDA kernel that this stand-in does
+  not reproduce: it swaps the two nibbles of each byte instead (with the kernel's
+  checks: N a multiple of 16, K of 64), so weights that skip it read back wrong here too.
 - ``flashinfer.jit.env``: ``FLASHINFER_JIT_DIR`` (the tests point it at a temporary
   folder) and ``get_aot_artifacts`` (none, unless a test adds one).
 - ``flashinfer.jit.fused_moe``: ``gen_cutlass_fused_moe_sm90_module`` returns a spec
@@ -41,6 +50,11 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
+MXFP4_GROUP = 32
+# The scales' fold: 64 rows by 128 columns of scales a block.
+FOLD_ROWS, FOLD_COLS = 64, 128
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127
 # What the tests read: every build asked of the stand-in, every kernel call.
 BUILDS: list[str] = []
 CALLS: list[dict] = []
@@ -72,6 +86,53 @@ def _dequantize_blocks(w_ENK: torch.Tensor, scale_EBC: torch.Tensor) -> torch.Te
     return w_ENK.float() * expanded
 
 
+def interleave_moe_weights_for_sm90_mixed_gemm(weight, quant_type="fp4"):
+    _check(weight.dim() == 3 and weight.dtype == torch.uint8, "interleave: uint8 [E, n, k/2]")
+    _check(quant_type == "fp4", "interleave: the W4A16 path's quant_type")
+    _check(weight.shape[1] % 16 == 0 and (2 * weight.shape[2]) % 64 == 0,
+           "interleave: n a multiple of 16, k of 64")
+    return (weight >> 4) | (weight << 4)
+
+
+def interleave_moe_scales_for_sm90_mixed_gemm(scales, group_size=32):
+    num_experts, rows, groups = scales.shape
+    per_block = FOLD_COLS // group_size
+    _check(rows % FOLD_ROWS == 0 and groups % per_block == 0,
+           "scale fold: rows a multiple of 64, K of 128")
+    slices = 16 // per_block
+    return (scales.reshape(num_experts, rows // FOLD_ROWS, slices, FOLD_ROWS // slices,
+                           groups // per_block, per_block)
+            .permute(0, 1, 4, 3, 2, 5).reshape(num_experts, rows // FOLD_ROWS,
+                                                 groups // per_block, FOLD_ROWS // slices, 16))
+
+
+def _unfolded_scales(folded, rows, groups):
+    """``[E, rows, groups]`` e8m0 scales from ``interleave_moe_scales_for_sm90_mixed_gemm``'s
+    fold."""
+    _check(folded.dtype == torch.int32, "W4A16 scales: the folded e8m0 bytes viewed as int32")
+    folded = folded.view(torch.uint8)
+    num_experts = folded.shape[0]
+    per_block = FOLD_COLS // MXFP4_GROUP
+    slices = 16 // per_block
+    _check(folded.shape == (num_experts, rows // FOLD_ROWS, groups // per_block,
+                            FOLD_ROWS // slices, 16), "folded W4A16 scales")
+    return (folded.reshape(num_experts, rows // FOLD_ROWS, groups // per_block,
+                           FOLD_ROWS // slices, slices, per_block)
+            .permute(0, 1, 4, 3, 2, 5).reshape(num_experts, rows, groups))
+
+
+def _dequantize_w4(interleaved_ENk, folded_scales):
+    """fp32 ``[E, N, K]`` of interleaved e2m1 bytes and folded e8m0 scales."""
+    packed_ENk = (interleaved_ENk >> 4) | (interleaved_ENk << 4)  # the stand-in's interleave
+    num_experts, rows, half_cols = packed_ENk.shape
+    magnitudes = torch.tensor(E2M1)
+    nibbles = torch.stack([packed_ENk & 0xF, packed_ENk >> 4], dim=-1).long()
+    values = magnitudes[nibbles & 7] * torch.where(nibbles >= 8, -1.0, 1.0)
+    scales = _unfolded_scales(folded_scales, rows, 2 * half_cols // MXFP4_GROUP)
+    factors = torch.exp2(scales.float() - E8M0_BIAS).repeat_interleave(MXFP4_GROUP, dim=2)
+    return values.reshape(num_experts, rows, 2 * half_cols) * factors
+
+
 def _activation(gate, up, activation_type, expert, alpha, beta, limit):
     if activation_type == ActivationType.Geglu:
         return F.gelu(gate) * up
@@ -90,9 +151,12 @@ def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_exp
                       swiglu_beta=None, swiglu_limit=None, tp_size=1, tp_rank=0, ep_size=1,
                       ep_rank=0, cluster_size=1, cluster_rank=0, output=None,
                       enable_alltoall=False, use_deepseek_fp8_block_scale=False,
-                      activation_type=ActivationType.Swiglu, **options):
+                      use_w4_group_scaling=False, activation_type=ActivationType.Swiglu,
+                      **options):
     CALLS.append({"activation_type": activation_type, "num_tokens": input.shape[0],
-                  "block_scale": use_deepseek_fp8_block_scale, "options": options})
+                  "block_scale": use_deepseek_fp8_block_scale, "w4": use_w4_group_scaling,
+                  "input": input, "ids": token_selected_experts,
+                  "scales": token_final_scales, "options": options})
     x_TH, ids_TK, scales_TK = input, token_selected_experts, token_final_scales
     fc1_EFH, fc2_EHI = fc1_expert_weights, fc2_expert_weights
     _check(ids_TK.dtype == torch.int32 and ids_TK.dim() == 2, "token_selected_experts")
@@ -100,10 +164,20 @@ def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_exp
            "token_final_scales")
     _check(x_TH.dim() == 2 and x_TH.shape[0] == ids_TK.shape[0] and x_TH.is_contiguous(),
            "input")
-    weight_dtype = FP8 if use_deepseek_fp8_block_scale else x_TH.dtype
+    weight_dtype = (FP8 if use_deepseek_fp8_block_scale
+                    else torch.uint8 if use_w4_group_scaling else x_TH.dtype)
     _check(fc1_EFH.dtype == weight_dtype and fc2_EHI.dtype == weight_dtype, "weight dtype")
     _check(fc1_EFH.is_contiguous() and fc2_EHI.is_contiguous(), "weights contiguous")
     num_experts, hidden, inter = fc2_EHI.shape
+    if use_w4_group_scaling:
+        _check(x_TH.dtype == torch.bfloat16, "W4A16 takes bf16 activations")
+        inter *= 2  # two values a byte
+        _check(fc1_EFH.shape == (num_experts, 2 * inter, hidden // 2), "fc1 is [E, 2I, H/2]")
+        _check(hidden % FOLD_COLS == 0 and inter % FOLD_COLS == 0,
+               "W4A16: H and I multiples of 128")
+        _check(len(quant_scales) == 2, "W4A16 takes two scale tensors")
+        fc1_EFH = _dequantize_w4(fc1_EFH, quant_scales[0])
+        fc2_EHI = _dequantize_w4(fc2_EHI, quant_scales[1])
     _check(fc1_EFH.shape == (num_experts, 2 * inter, hidden), "fc1 is [E, 2I, H]")
     _check(hidden % 8 == 0 and inter % 8 == 0, "TMA alignment")
     biases = (fc1_expert_biases, fc2_expert_biases)
@@ -125,6 +199,8 @@ def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_exp
         w1_EFH = _dequantize_blocks(fc1_EFH, fc1_scale)
         w2_EHI = _dequantize_blocks(fc2_EHI, fc2_scale)
         x_TH = _round_trip_groups(x_TH)
+    elif use_w4_group_scaling:
+        w1_EFH, w2_EHI, x_TH = fc1_EFH, fc2_EHI, x_TH.float()
     else:
         _check(len(quant_scales) == 0, "no quant scales for bf16")
         w1_EFH, w2_EHI, x_TH = fc1_EFH.float(), fc2_EHI.float(), x_TH.float()
@@ -198,8 +274,11 @@ generate_kernels = _module("flashinfer.jit.gemm.cutlass.generate_kernels",
                            generate_sm80_operations=lambda enabled: [])
 MODULES = {
     "flashinfer": _module("flashinfer"),
-    "flashinfer.fused_moe": _module("flashinfer.fused_moe", ActivationType=ActivationType,
-                                    cutlass_fused_moe=cutlass_fused_moe),
+    "flashinfer.fused_moe": _module(
+        "flashinfer.fused_moe", ActivationType=ActivationType,
+        cutlass_fused_moe=cutlass_fused_moe,
+        interleave_moe_weights_for_sm90_mixed_gemm=interleave_moe_weights_for_sm90_mixed_gemm,
+        interleave_moe_scales_for_sm90_mixed_gemm=interleave_moe_scales_for_sm90_mixed_gemm),
     # Where cutlass_fused_moe finds its sm90 spec.
     "flashinfer.fused_moe.core": _module(
         "flashinfer.fused_moe.core",

@@ -200,3 +200,21 @@ def test_vllm_fp8_peer_matches_the_reference_on_the_gpu(peer_vllm, name, num_tok
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     assert error(peer, reference) < 0.5 * error(reference, unquantized)
+
+
+def test_flashinfer_rows_select_formats_tokens_and_backends(tmp_path):
+    """``--flashinfer-rows`` picks FlashInfer's three formats (and its backends, peers and
+    token counts unless given); ``--backends`` leaves the others out. Decode rows keep
+    their byte floor, and the tables give its fraction."""
+    stdout, data = run_smoke(tmp_path, "--flashinfer-rows", "--shapes", "smoke",
+                             "--tokens", "1,64", "--backends", "reference", "--peers", "none")
+    rows = data["rows"]
+    assert {r["format"] for r in rows} == {"bf16", "fp8_block", "mxfp4"}
+    assert {r["backend"] for r in rows} == {"reference"}
+    assert data["header"]["backends"] == ["reference"]
+    assert all(0 < r["bytes_floor_us"] <= r["floor_us"] for r in rows)
+    # The row table: shape, T, format, backend, us, floor, %floor, %bytes, ...
+    printed = [line.split() for line in stdout.splitlines()
+               if line.startswith("smoke ") and line.split()[3] == "reference"]
+    assert len(printed) == 6
+    assert all(cells[7].endswith("%") == (cells[1] == "1") for cells in printed)

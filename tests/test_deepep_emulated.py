@@ -8,7 +8,7 @@ with an idle rank, skipped slots, repeated ids and every slot on one rank, its f
 (opcheck), and compiled layers that take it without gradients and rows with. Quantized
 layers: fp8 rows and their scales through DeepEP's fp8 dispatch
 (``moe_deepep::dispatch_quant``, in the lowered graph) against the single-process
-quantized layer, and bf16 rows to experts that quantize inside.
+quantized layer, and bf16 tokens to experts that quantize inside.
 
 What this cannot tell is whether DeepEP's kernels behave as the emulator does:
 tests/test_deepep_gpu.py runs the real one on GPUs.
@@ -320,7 +320,7 @@ def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True)
     (aot_eager), against the same layer in one process. ``reads_fp8``: the experts
     read fp8 rows (the lowered graph dispatches with ``dispatch_quant``, through
     DeepEP's fp8 path where `fp8_transport_reason` says so); else they quantize
-    inside and get bf16 rows."""
+    inside and get bf16 tokens (the tokens format)."""
     torch._dynamo.reset()
     max_tokens = MODES[mode]
     comm = deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
@@ -348,10 +348,12 @@ def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True)
         out_TH = compiled(x_NH[mine])
     assert out_TH.dtype == torch.bfloat16 and out_TH.shape == expected_TH.shape
     check_bf16_out(out_TH, expected_TH)
-    dispatch = "dispatch_quant" if reads_fp8 else "dispatch"
-    assert moe_op_sequence(graphs[0]) == (f"moe_reference::route\nmoe_deepep::{dispatch}\n"
-                                          "moe_reference::experts_rows_quant\n"
-                                          "moe_deepep::combine")
+    # Rows where they cross in fp8; tokens where they would cross in bf16 either way.
+    chain = ("moe_deepep::dispatch_quant\nmoe_reference::experts_rows_quant\nmoe_deepep::combine"
+             if reads_fp8 else
+             "moe_deepep::dispatch_tokens\nmoe_reference::experts_quant\n"
+             "moe_deepep::combine_tokens")
+    assert moe_op_sequence(graphs[0]) == f"moe_reference::route\n{chain}"
     fp8_transport = reads_fp8 and fp8_transport_reason(mode, spec, H) is None
     transport = "dispatch" if mode == "normal" else "low_latency_dispatch"
     assert comm.buffer.calls[f"fp8_{transport}"] == int(fp8_transport)
@@ -370,7 +372,7 @@ def _quantized_cases(rank, world_size):
         for name in names:
             _check_quantized_layer(rank, world_size, deepep, mode, QUANT_SPECS[name])
         if mode == "normal":
-            # The dispatch dtype rule: experts that quantize inside get bf16 rows.
+            # The dispatch dtype rule: experts that quantize inside get bf16 tokens.
             reference = REGISTRY.experts["reference"]
             REGISTRY.experts["reference"] = dataclasses.replace(reference, quantized_rows=())
             try:

@@ -155,6 +155,12 @@ def _unquantized_sequence(namespace: str) -> str:
             f"{namespace}::combine")
 
 
+def _tokens_sequence(namespace: str) -> str:
+    """A quantized layer whose rows would cross unquantized takes the tokens format."""
+    return (f"{namespace}::dispatch_tokens\nmoe_reference::experts_quant\n"
+            f"{namespace}::combine_tokens")
+
+
 @pytest.mark.parametrize("a2a", sorted(A2A_NAMESPACES))
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_lowering_sends_fp8_where_the_experts_read_it(name, a2a):
@@ -195,7 +201,7 @@ def test_experts_that_quantize_inside_get_unquantized_rows(experts_quantize_insi
         warnings.simplefilter("error")
         gm, chosen = _lowered(_layer_graph(W8A8_GROUP), a2a="all_to_all")
     assert chosen == DispatchDtype(torch.bfloat16, DEFAULT_RULE)
-    assert moe_op_sequence(gm) == _unquantized_sequence("moe_all_to_all")
+    assert moe_op_sequence(gm) == _tokens_sequence("moe_all_to_all")
 
 
 def test_explicit_fp8_for_experts_that_quantize_inside_warns_once(experts_quantize_inside):
@@ -207,7 +213,7 @@ def test_explicit_fp8_for_experts_that_quantize_inside_warns_once(experts_quanti
     assert "torch.float8_e4m3fn (dispatch_dtype argument)" in message
     assert "experts backend 'reference' quantizes its rows itself" in message
     assert chosen == DispatchDtype(torch.bfloat16, DEFAULT_RULE)
-    assert moe_op_sequence(gm) == _unquantized_sequence("moe_all_to_all")
+    assert moe_op_sequence(gm) == _tokens_sequence("moe_all_to_all")
 
 
 @pytest.mark.parametrize("spec, graph", [
@@ -220,11 +226,11 @@ def test_lowering_keeps_unquantized_rows(spec, graph):
     assert moe_op_sequence(gm) == _unquantized_sequence("moe_all_to_all")
 
 
-def test_weight_only_layer_dispatches_unquantized():
+def test_weight_only_layer_dispatches_unquantized_tokens():
     gm, chosen = _lowered(_layer_graph(QuantSpec("fp8_block", "none", (16, 16))),
                           a2a="all_to_all")
     assert chosen == DispatchDtype(torch.bfloat16, DEFAULT_RULE)
-    assert moe_op_sequence(gm) == _unquantized_sequence("moe_all_to_all")
+    assert moe_op_sequence(gm) == _tokens_sequence("moe_all_to_all")
 
 
 # Several processes.
@@ -278,7 +284,8 @@ class _Lowered:
 
 def _check_layer(rank, world_size, spec, dtype, inner):
     """A quantized `MoE` sharded over the group, eager (bf16 dispatch) and compiled
-    (fp8 dispatch where its activations are fp8), against the same layer in one process."""
+    (fp8 rows where its activations are fp8, else bf16 tokens), against the same layer in
+    one process."""
     torch._dynamo.reset()
     torch.manual_seed(5)
     single = tmo.MoE(_config(1, spec), dtype=dtype)
@@ -301,9 +308,11 @@ def _check_layer(rank, world_size, spec, dtype, inner):
         # Op by op, a row quantized before the transport is the row quantized after it.
         torch.testing.assert_close(compiled_TH, eager_TH, rtol=0, atol=0)
     (gm,) = recording.graphs
-    dispatch = "dispatch" if spec.activations == "none" else "dispatch_quant"
-    assert moe_op_sequence(gm) == (f"moe_reference::route\nmoe_all_to_all::{dispatch}\n"
-                                   "moe_reference::experts_rows_quant\nmoe_all_to_all::combine")
+    # Weight-only layers' tokens cross unquantized either way: in the tokens format.
+    chain = (_tokens_sequence("moe_all_to_all") if spec.activations == "none" else
+             "moe_all_to_all::dispatch_quant\nmoe_reference::experts_rows_quant\n"
+             "moe_all_to_all::combine")
+    assert moe_op_sequence(gm) == f"moe_reference::route\n{chain}"
 
 
 def _run_cases(rank, world_size):

@@ -129,7 +129,8 @@ def runs_here(monkeypatch):
 @pytest.mark.parametrize("experts, problem, fmt", [
     ("triton", Problem(BF16, ep_size=2, training=False), "tokens"),
     ("triton", Problem(BF16, ep_size=2, training=True), "rows"),
-    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), "rows"),
+    # It sends no fp8 rows: a quantized layer's tokens cross in bf16, in the tokens format.
+    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), "tokens"),
     ("cpu", Problem(BF16, ep_size=2), "tokens"),
 ], ids=["inference", "training", "quantized", "any_experts"])
 def test_the_plan_takes_tokens_for_layers_without_gradients(runs_here, experts, problem, fmt):

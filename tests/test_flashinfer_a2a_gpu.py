@@ -4,7 +4,9 @@ and weights (bf16 bounds) in the rows format and in the tokens format (with
 the triton experts), with one rank idle, in captured CUDA graphs replayed on new inputs,
 and as the a2a of a `MoE` compiled by Inductor (forward and backward through rows; forward
 under ``mode="reduce-overhead"`` through the fused chain); a workspace no GPU holds is
-refused on both ranks before anything is allocated.
+refused on both ranks before anything is allocated. And the tokens format into FlashInfer's
+fused-MoE experts (bf16, fp8 blocks, mxfp4) on one GPU shared by two ranks: its kernel reads
+the receive buffers where the all-to-all left them (skipped until that module is built).
 
 Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
 I expert intermediate size, E experts, E_l = E / P, K experts per token, M
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import (
+    assert_close_scaled,
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
@@ -44,9 +47,10 @@ from ep_problems import (
     single_and_sharded,
     token_slice,
 )
+from torch_moe_ops import quant
 from torch_moe_ops.backends.flashinfer import a2a
-from torch_moe_ops.backends.registry import Problem
-from torch_moe_ops.config import BackendSpec, worst_case_capacity
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec, QuantSpec, worst_case_capacity
 
 # Ranks sharing one GPU: 2. On their own GPUs: 2, and 4 where there are 4.
 WORLD = 2
@@ -252,3 +256,74 @@ def test_matches_single_process(world_size):
 def test_matches_single_process_ranks_sharing_one_gpu():
     run_on_ranks(WORLD, _run, True, backend="gloo", shared_gpu=0, timeout=TIMEOUT,
                  deadline_s=DEADLINE_S)
+
+
+# The tokens format into FlashInfer's experts: widths every format holds (fp8: 128 x 128).
+EXPERTS_I = 256
+EXPERTS_FORMATS = (None, QuantSpec("fp8_block"), QuantSpec("mxfp4"))
+EXPERTS_BOUNDS = {"bf16": 2e-2, "fp8_block": 4e-2, "mxfp4": 2e-2}
+
+
+def _experts_reason() -> str | None:
+    for spec in EXPERTS_FORMATS:
+        reason = REGISTRY.experts["flashinfer"].why_not(
+            BackendSpec(experts="flashinfer"), Problem(torch.bfloat16, quant=spec),
+            torch.device("cuda"))
+        if reason is not None:
+            return f"experts 'flashinfer': {reason}"
+    return SHARED_GPU_REASON
+
+
+def _experts_args(full, spec, local):
+    """The experts op's weight arguments (``experts`` or ``experts_quant``) of the experts
+    ``local`` of ``full`` (bf16 w13, w2, b13, b2), quantized to ``spec``."""
+    w13, w2, b13, b2 = (w[local] for w in full)
+    if spec is None:
+        return (w13, w2, b13, b2, *STATIC)
+    w13, w13_scale = quant.quantize_weights(w13.float(), spec)
+    w2, w2_scale = quant.quantize_weights(w2.float(), spec)
+    return (w13, w2, w13_scale, w2_scale, b13, b2, spec.weights, spec.activations,
+            spec.block_list, *STATIC)
+
+
+def _run_tokens_into_flashinfer(rank, world_size):
+    from flashinfer import fused_moe
+
+    a2a.backend._nvlink_reason = _no_link_needed
+    read = []
+    kernel = fused_moe.cutlass_fused_moe
+
+    def recording(input, *args, **kwargs):
+        read.append(input.data_ptr())
+        return kernel(input, *args, **kwargs)
+
+    fused_moe.cutlass_fused_moe = recording
+    hidden_NH, weights_NK, ids_NK, full = on_current_gpu(*draw_problem(
+        11, "random", sum(TOKENS_PER_RANK), E, WORLD, H, EXPERTS_I, K))
+    mine = _mine(rank)
+    with torch.no_grad():
+        for spec in EXPERTS_FORMATS:
+            op_name = "experts" if spec is None else "experts_quant"
+            bound = EXPERTS_BOUNDS["bf16" if spec is None else spec.weights]
+            x_NH, weights_tokens_NK, local_NK = torch.ops.moe_flashinfer_a2a.dispatch_tokens(
+                hidden_NH[mine], weights_NK[mine], ids_NK[mine], E, *_ep_args())
+            y_NH = getattr(torch.ops.moe_flashinfer, op_name)(
+                x_NH, weights_tokens_NK, local_NK, *_experts_args(full, spec, _local(rank)))
+            # The kernel read the receive buffer itself: no copy of the tokens before it.
+            assert read[-1] == x_NH.data_ptr(), spec
+            out_TH = torch.ops.moe_flashinfer_a2a.combine_tokens(y_NH, ids_NK[mine], E,
+                                                                 *_ep_args())
+            ref_NH = getattr(torch.ops.moe_reference, op_name)(
+                hidden_NH, weights_NK, ids_NK, *_experts_args(full, spec, slice(None)))
+            assert out_TH.shape == (TOKENS_PER_RANK[rank], H)
+            assert_close_scaled(out_TH, ref_NH[mine], bound, bound)
+    a2a.close_all()
+
+
+@pytest.mark.gpu
+def test_tokens_into_flashinfer_experts_ranks_sharing_one_gpu():
+    reason = _experts_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    run_on_ranks(WORLD, _run_tokens_into_flashinfer, backend="gloo", shared_gpu=0,
+                 timeout=TIMEOUT, deadline_s=DEADLINE_S)

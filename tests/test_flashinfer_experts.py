@@ -12,16 +12,20 @@ module but `build` (not import, not `available_backends`, not a choice of
 backend), the build's progress report and command line, and the registry's row.
 
 On an sm90 GPU where flashinfer-python is installed and its fused-MoE module is
-built (``gpu`` marker; each test skips, saying why, elsewhere): the real kernels
-against the reference in bf16 and fp8 blocks, CUDA-graph capture and replay, and a
-compiled `tmo.MoE`. Error bounds are relative Frobenius errors against the
-reference: `BF16_BOUND` for bf16 outputs (the kernels also round the activation
-to bf16 before the second GEMM), `FP8_BOUND` where that bf16 rounding also moves
-some values to the other fp8 neighbour (as in tests/test_grouped_mm_quant.py).
+built (``gpu`` marker; each test skips, saying why, elsewhere: the reason names the
+build command): the real kernels against the reference in bf16, fp8 blocks and mxfp4
+at the widths of the benchmarks' five models (fewer experts), T = 0, 1, 7, 256 (4096
+at three widths) with skipped slots, CUDA-graph capture and replay, and a compiled
+`tmo.MoE` (fullgraph; Inductor, and ``mode="reduce-overhead"``). Error bounds are
+relative Frobenius errors against the reference: `BF16_BOUND` for bf16 outputs (the
+kernels also round the activation to bf16 before the second GEMM; mxfp4 weights read
+back exactly in bf16, so they share it), `FP8_BOUND` where that bf16 rounding also
+moves some values to the other fp8 neighbour (as in tests/test_grouped_mm_quant.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -41,7 +45,7 @@ from torch_moe_ops.backends.dispatch_dtype import (
     DispatchSides,
     resolve_dispatch_dtype,
 )
-from torch_moe_ops.backends.flashinfer import cutlass_module, library
+from torch_moe_ops.backends.flashinfer import cutlass_module, cutlass_symbols, library
 from torch_moe_ops.backends.flashinfer import experts as backend
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
@@ -52,6 +56,7 @@ CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
 FP8_BLOCK = QuantSpec("fp8_block")
+MXFP4 = QuantSpec("mxfp4")
 # The trimmed module's name (cutlass_spec), off an H20.
 MODULE = "torch_moe_ops_fused_moe_90"
 AOT_PATH = Path(f"/aot/{MODULE}.so")
@@ -76,8 +81,10 @@ def emulated(monkeypatch, tmp_path):
     flashinfer_emulator.AOT_ARTIFACTS.clear()
     monkeypatch.delenv(cutlass_module.BUILD_ENV, raising=False)
     library.missing.cache_clear()
+    cutlass_module.check_symbols.cache_clear()
     yield flashinfer_emulator
     library.missing.cache_clear()
+    cutlass_module.check_symbols.cache_clear()
 
 
 @pytest.fixture
@@ -140,7 +147,7 @@ def test_prepare_weights_swaps_gate_and_up(generator):
 def test_prepare_weights_swaps_the_block_scales_of_w13(quant_inputs):
     inputs = quant_inputs(FP8_BLOCK, hidden_size=256, intermediate_size=256, num_experts=2)
     prepared = backend.prepare_weights(inputs.w13, inputs.w2, None, None, inputs.w13_scale,
-                                       inputs.w2_scale)
+                                       inputs.w2_scale, FP8_BLOCK)
     fc1_scale, fc2_scale = prepared.quant_scales
     assert fc1_scale.shape == (2, 4, 2) and fc2_scale is inputs.w2_scale
     dequantized = quant.dequantize_weights(prepared.fc1, fc1_scale, FP8_BLOCK)
@@ -189,11 +196,6 @@ def test_experts_rows_match_reference(emulated, expert_inputs, activation):
     assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
 
 
-def test_zero_tokens_launch_nothing(emulated, expert_inputs):
-    out_TH = torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, True, 0).args())
-    assert out_TH.shape == (0, 32) and emulated.CALLS == []
-
-
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
 def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
     inputs = quant_inputs(FP8_BLOCK, num_tokens=8, hidden_size=256, intermediate_size=128,
@@ -211,6 +213,126 @@ def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
     ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
     assert relative_error(out_RH, ref_RH) < FP8_BOUND
     assert all(call["block_scale"] for call in emulated.CALLS)
+
+
+# mxfp4 (W4A16): widths that are padded (H = 160 -> 256, I = 96 -> 128) and one that is not.
+MXFP4_WIDTHS = {"padded": (160, 96), "aligned": (256, 128)}
+
+
+def mxfp4_inputs(quant_inputs, widths="padded", num_tokens=8, bias=True):
+    hidden, inter = MXFP4_WIDTHS[widths]
+    return quant_inputs(MXFP4, num_tokens=num_tokens, hidden_size=hidden,
+                        intermediate_size=inter, num_experts=4, top_k=2, dtype=torch.bfloat16,
+                        bias=bias, skip_fraction=0.25)
+
+
+def test_prepare_weights_pads_and_interleaves_mxfp4(emulated, quant_inputs):
+    """fc1 up rows then gate rows, each half and H padded to 128 with zeros (scale 2**0),
+    fc2 padded likewise; both interleaved, their scales folded; biases padded with zeros."""
+    inputs = mxfp4_inputs(quant_inputs)
+    f = inputs.float_inputs
+    prepared = backend.prepare_weights(inputs.w13, inputs.w2, f.b13_EF, f.b2_EH,
+                                       inputs.w13_scale, inputs.w2_scale, MXFP4)
+    assert (prepared.hidden_size, prepared.padded_hidden) == (160, 256)
+    assert prepared.format_kwargs == {"use_w4_group_scaling": True}
+    assert prepared.fc1.shape == (4, 256, 128) and prepared.fc2.shape == (4, 256, 64)
+    fc1_scale, fc2_scale = prepared.quant_scales
+    assert fc1_scale.shape == (4, 4, 2, 16, 4) and fc2_scale.shape == (4, 4, 1, 16, 4)
+    assert fc1_scale.dtype == fc2_scale.dtype == torch.int32
+    w13_EFH, w2_EHI = inputs.dequantized()
+    fc1_EFH = emulated._dequantize_w4(prepared.fc1, fc1_scale)
+    fc2_EHI = emulated._dequantize_w4(prepared.fc2, fc2_scale)
+    assert torch.equal(fc1_EFH[:, :96, :160], w13_EFH[:, 96:])  # up rows first
+    assert torch.equal(fc1_EFH[:, 128:224, :160], w13_EFH[:, :96])  # gate rows at Ip
+    assert torch.equal(fc2_EHI[:, :160, :96], w2_EHI)
+    padding = [fc1_EFH[:, 96:128], fc1_EFH[:, 224:], fc1_EFH[..., 160:], fc2_EHI[:, 160:],
+               fc2_EHI[..., 96:]]
+    assert all(not p.any() for p in padding)
+    assert torch.equal(prepared.fc1_bias[:, :96], f.b13_EF[:, 96:])
+    assert torch.equal(prepared.fc1_bias[:, 128:224], f.b13_EF[:, :96])
+    assert not prepared.fc1_bias[:, 96:128].any() and not prepared.fc2_bias[:, 160:].any()
+    assert torch.equal(prepared.fc2_bias[:, :160], f.b2_EH)
+
+
+@pytest.mark.parametrize("widths", list(MXFP4_WIDTHS))
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_mxfp4_matches_reference(emulated, quant_inputs, widths, activation):
+    inputs = mxfp4_inputs(quant_inputs, widths)
+    args = inputs.args(activation, 1.702, 7.0)
+    out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
+    ref_TH = torch.ops.moe_reference.experts_quant(*args)
+    assert out_TH.shape == ref_TH.shape == (8, MXFP4_WIDTHS[widths][0])
+    assert out_TH.is_contiguous() and relative_error(out_TH, ref_TH) < BF16_BOUND
+    f = inputs.float_inputs
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
+                                                              f.topk_ids_TK, 4)
+    rows_args = (x_RH, None, expert_R, count_E, *inputs.weight_args(activation, 1.702, 7.0))
+    out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
+    ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
+    assert relative_error(out_RH, ref_RH) < BF16_BOUND
+    assert all(call["w4"] and not call["block_scale"] for call in emulated.CALLS)
+    # Padded widths run padded tokens; aligned ones the caller's own.
+    padded_input = emulated.CALLS[0]["input"].shape[1] != f.hidden_TH.shape[1]
+    assert padded_input == (widths == "padded")
+
+
+def test_mxfp4_is_prepared_once_per_version(emulated, quant_inputs, monkeypatch):
+    interleaves = []
+    real = emulated.interleave_moe_weights_for_sm90_mixed_gemm
+    monkeypatch.setattr(emulated.MODULES["flashinfer.fused_moe"],
+                        "interleave_moe_weights_for_sm90_mixed_gemm",
+                        lambda *a: interleaves.append(1) or real(*a))
+    inputs = mxfp4_inputs(quant_inputs)
+    args = inputs.args()
+    first = torch.ops.moe_flashinfer.experts_quant(*args)
+    assert torch.equal(torch.ops.moe_flashinfer.experts_quant(*args), first)
+    assert len(interleaves) == 2  # fc1 and fc2, once
+    with torch.no_grad():
+        inputs.w2_scale.add_(1)  # a scale written in place: prepared again
+    changed = torch.ops.moe_flashinfer.experts_quant(*args)
+    assert len(interleaves) == 4 and not torch.equal(changed, first)
+    assert relative_error(changed, torch.ops.moe_reference.experts_quant(*args)) < BF16_BOUND
+
+
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
+def test_empty_batch_launches_and_converts_nothing(emulated, expert_inputs, quant_inputs,
+                                                   monkeypatch, spec):
+    """T = 0 (an idle rank's tokens too): ``[0, H]``, no kernel, no weight conversion."""
+    monkeypatch.setattr(backend, "prepare_weights", None)  # a conversion would fail
+    if spec is None:
+        out_TH = torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, True, 0).args())
+    else:
+        inputs = quant_inputs(spec, num_tokens=0, hidden_size=256, intermediate_size=128,
+                              dtype=torch.bfloat16, bias=True)
+        out_TH = torch.ops.moe_flashinfer.experts_quant(*inputs.args())
+    assert out_TH.shape == (0, 32 if spec is None else 256) and out_TH.dtype == torch.bfloat16
+    assert emulated.CALLS == [] and len(backend._PREPARED) == 0
+
+
+def test_received_tokens_are_read_in_place(emulated, expert_inputs):
+    """The tokens format's receive buffers (here: views into one workspace-like buffer, at
+    offsets) reach FlashInfer's kernel as they are, with no copy."""
+    inputs = bf16_inputs(expert_inputs, bias=False)
+    workspace = torch.zeros(4096, dtype=torch.uint8)
+    num_tokens, hidden = inputs.hidden_TH.shape
+    top_k = inputs.topk_ids_TK.shape[1]
+
+    def received(t, offset):
+        view = workspace[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return view
+
+    x_NH = received(inputs.hidden_TH, 128)
+    weights_NK = received(inputs.topk_weights_TK.float(), 128 + 1024)
+    ids_NK = received(inputs.topk_ids_TK.int(), 128 + 2048)
+    out_NH = torch.ops.moe_flashinfer.experts(x_NH, weights_NK, ids_NK,
+                                              *inputs.args()[3:])
+    (call,) = emulated.CALLS
+    assert call["input"].data_ptr() == x_NH.data_ptr()
+    assert call["scales"].data_ptr() == weights_NK.data_ptr()
+    assert call["ids"].data_ptr() == ids_NK.data_ptr()
+    assert (num_tokens, hidden, top_k) == (9, 32, 2)
+    assert relative_error(out_NH, torch.ops.moe_reference.experts(*inputs.args())) < BF16_BOUND
 
 
 def test_rows_arriving_quantized_are_refused(emulated, quant_inputs):
@@ -232,7 +354,8 @@ def test_direct_calls_outside_supports_raise(expert_inputs, quant_inputs):
         torch.ops.moe_flashinfer.experts(*float_args)
     odd_args = expert_inputs(num_tokens=3, hidden_size=12, intermediate_size=8,
                              dtype=torch.bfloat16).args()
-    with pytest.raises(ValueError, match="needs H and I divisible by 8, got H=12, I=8"):
+    with pytest.raises(ValueError, match="needs hidden_size and intermediate_size divisible "
+                                         "by 8 \\(FlashInfer's TMA loads\\), got 12 and 8"):
         torch.ops.moe_flashinfer.experts(*odd_args)
     inputs = quant_inputs(QuantSpec("fp8_channel"), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not run fp8_channel\\+fp8_token"):
@@ -328,6 +451,10 @@ WHY_NOT = {  # id: (what differs from sm90, bf16, silu, H=4096, I=1024, float we
     "fp16": ({"dtype": torch.float16}, NOT_BF16),
     "activation": ({"activation": "relu2"}, NO_ACTIVATION),
     "H": ({"hidden": 4100}, NOT_ALIGNED),
+    "mxfp4 I": ({"inter": 1000, "spec": MXFP4}, (
+        "needs hidden_size and intermediate_size divisible by 32 (one e8m0 scale per 32 "
+        "columns; FlashInfer's mixed-input GEMM then runs them padded to multiples of 128), "
+        "got 4096 and 1000")),
 }
 
 
@@ -352,9 +479,7 @@ FORMAT_REASONS = {  # spec: what supports says on a built sm90 GPU
         "and one weight scale per expert"),
     QuantSpec("fp8_channel", "none"): (
         "does not run fp8_channel+none: FlashInfer has no weight-only fp8 path"),
-    QuantSpec("mxfp4"): (
-        "does not run mxfp4+none: FlashInfer's sm90 W4A16 mxfp4 path (weights and scales "
-        "interleaved by its module) is not wired to this backend"),
+    MXFP4: None,
 }
 
 
@@ -365,7 +490,8 @@ def test_supports_says_which_formats_run(built, gpu, spec):
 
 def test_available_backends_lists_it_with_its_formats(built, gpu):
     row = {(s.kind, s.name): s for s in tmo.available_backends("cuda")}[("experts", "flashinfer")]
-    assert row.available and row.quantized == "fp8_block" and row.backward == "reference"
+    assert row.available and row.backward == "reference"
+    assert row.quantized == "fp8_block,mxfp4"
 
 
 # Building: only on purpose.
@@ -424,11 +550,50 @@ def test_build_leaves_an_installed_module_alone(emulated):
     assert cutlass_module.build() == AOT_PATH and emulated.BUILDS == []
 
 
-def test_command_line(emulated, capsys):
+RUNNERS = "tensorrt_llm::kernels::cutlass_kernels::MoeGemmRunner"
+DROPPED_SYMBOLS = [  # as nm prints them demangled: a dropped pair's runner, C++'s, CUDA's
+    f"{RUNNERS}<__nv_fp8_e4m3, cutlass::integer_subbyte<4, false>, half, half>::moeGemm()",
+    f"{RUNNERS}<half, half, half, half>::getConfigs() const",
+    "operator delete(void*)@GLIBCXX_3.4", "cudaLaunchKernelExC@libcudart.so.13"]
+KEPT_SYMBOL = f"{RUNNERS}<__nv_bfloat16, cutlass::float_e2m1_t, __nv_bfloat16>::moeGemm()"
+OTHER_SYMBOL = "tensorrt_llm::kernels::cutlass_kernels_oss::sm90_launcher<float>(int)"
+
+
+def test_symbols_of_dropped_runners_are_expected_and_others_not():
+    report = cutlass_symbols.classify(Path("/m.so"), DROPPED_SYMBOLS)
+    assert report.ok and report.dropped == {
+        "__nv_fp8_e4m3 x cutlass::integer_subbyte<4, false>": 1, "half x half": 1}
+    report = cutlass_symbols.classify(Path("/m.so"), [*DROPPED_SYMBOLS, KEPT_SYMBOL,
+                                                      OTHER_SYMBOL])
+    assert not report.ok and report.kept == [KEPT_SYMBOL] and report.unexpected == [OTHER_SYMBOL]
+    assert "1 of the kept pairs' runners, 1 others" in str(report)
+
+
+def test_a_module_missing_a_called_runner_fails_before_its_first_call(built, expert_inputs,
+                                                                     monkeypatch):
+    undefined = [*DROPPED_SYMBOLS, OTHER_SYMBOL]
+    monkeypatch.setattr(cutlass_symbols, "undefined_symbols", lambda library: undefined)
+    args = bf16_inputs(expert_inputs, bias=False).args()
+    torch.ops.moe_flashinfer.experts(*args)  # dropped runners' symbols: expected
+    cutlass_module.check_symbols.cache_clear()
+    undefined.append(KEPT_SYMBOL)
+    with pytest.raises(RuntimeError, match="cannot run the kernels the flashinfer experts "
+                                           "backend calls(.|\n)*Rebuild it with"):
+        torch.ops.moe_flashinfer.experts(*args)
+    assert len(built.CALLS) == 1
+
+
+def test_command_line(emulated, capsys, monkeypatch):
+    undefined = list(DROPPED_SYMBOLS)
+    monkeypatch.setattr(cutlass_symbols, "undefined_symbols", lambda library: undefined)
     assert cutlass_module.main(["status"]) == 3
     assert "torch_moe_ops_fused_moe_90: not built" in capsys.readouterr().out
     assert cutlass_module.main(["build"]) == 0 and emulated.BUILDS == ["torch_moe_ops_fused_moe_90"]
+    assert "2 of dropped pairs' runners" in capsys.readouterr().out
     assert cutlass_module.main(["status"]) == 0
+    undefined.append(KEPT_SYMBOL)  # a runner the backend calls, unresolved: status says so
+    assert cutlass_module.main(["status"]) == 4
+    assert KEPT_SYMBOL in capsys.readouterr().out
     assert cutlass_module.main([]) == 2 and "usage:" in capsys.readouterr().err
     assert cutlass_module.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
 
@@ -468,6 +633,24 @@ def test_fp8_block_layers_dispatch_in_bf16(a2a, recwarn):
     assert chosen.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("a2a", ["flashinfer", "all_to_all", "deepep"])
+def test_expert_parallel_layers_take_the_tokens_format(monkeypatch, a2a, spec):
+    """Its experts read bf16 tokens (they quantize inside): a layer of any of its formats
+    takes the tokens format, whose receive buffers its ``experts``/``experts_quant`` read in
+    place, from FlashInfer's all-to-all as from the others."""
+    from torch_moe_ops.lowering.plan import plan_layer
+
+    for table, name in ((REGISTRY.a2a, a2a), (REGISTRY.experts, "flashinfer")):
+        monkeypatch.setitem(table, name, dataclasses.replace(table[name],
+                                                             supports=lambda *_: None))
+    layer = Problem(torch.bfloat16, num_experts=64, num_local_experts=32, hidden_size=2048,
+                    intermediate_size=768, top_k=8, ep_size=2, max_tokens_per_rank=64,
+                    training=False, quant=spec)
+    plan = plan_layer(BackendSpec(experts="flashinfer", a2a=a2a), layer, CPU)
+    assert plan.format == "tokens", plan.format_reason
+
+
 # On an sm90 GPU with FlashInfer's module built.
 
 def _needs_flashinfer(spec=None):
@@ -477,138 +660,191 @@ def _needs_flashinfer(spec=None):
         pytest.skip(f"experts backend 'flashinfer': {why}")
 
 
-GPU_SHAPES = {  # (H, I, E, K, activation, bias)
-    "mixtral-like": (4096, 14336, 8, 2, "silu", False),
-    "qwen3-like": (2048, 768, 128, 8, "silu", False),
-    "gpt-oss-like": (2880, 2880, 32, 4, "swiglu_oai", True),
-    "gelu": (1024, 512, 16, 4, "gelu", True),
+# The widths of benchmarks/bench_experts.py's five shapes: (H, I, K, activation, bias), with
+# at most `GPU_EXPERTS` experts (the reference computes every expert for every token).
+GPU_WIDTHS = {
+    "mixtral-8x7b": (4096, 14336, 2, "silu", False),
+    "qwen3-30b-a3b": (2048, 768, 8, "silu", False),
+    "olmoe": (2048, 1024, 8, "silu", False),
+    "gpt-oss-20b": (2880, 2880, 4, "swiglu_oai", True),
+    "deepseek-v3": (7168, 2048, 8, "silu", False),
 }
-GPU_TOKENS = (1, 37, 300, 4096)
+GPU_EXPERTS = {"mixtral-8x7b": 8}
+DEFAULT_GPU_EXPERTS = 16
+GPU_TOKENS = (0, 1, 7, 256)
+# T = 4096 at a few widths only: the whole file's GPU run stays within a few minutes.
+LARGE_TOKENS = 4096
+LARGE_WIDTHS = ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3")
+GPU_FORMATS = {"bf16": None, "fp8_block": FP8_BLOCK, "mxfp4": MXFP4}
+BOUNDS = {"bf16": BF16_BOUND, "fp8_block": FP8_BOUND, "mxfp4": BF16_BOUND}
 
 
 def gpu_route(generator, num_tokens, num_experts, top_k):
-    """bf16 tokens and their routing, every fifth slot -1, expert 0 chosen by none."""
+    """Routing of ``num_tokens``: every fifth slot -1 (and with 2+ tokens, all of the last
+    token's), expert 0 chosen by none."""
     logits_TE = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
     logits_TE[:, 0] = -math.inf
     weights_TK, ids_TK = torch.ops.moe.route(logits_TE, None, top_k, "softmax", True, 1, 1, 1.0)
     ids_TK.view(-1)[::5] = -1
+    if num_tokens > 1:
+        ids_TK[-1] = -1
     return weights_TK, ids_TK
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-def test_gpu_matches_reference(shape, poisoned_empty):
-    _needs_flashinfer()
-    hidden, inter, num_experts, top_k, act, bias = GPU_SHAPES[shape]
-    generator = torch.Generator(device="cuda").manual_seed(0)
+@dataclasses.dataclass
+class GpuLayer:
+    """One layer's experts on the GPU in one format: ``weights`` are the experts op's
+    arguments after the routing (``experts`` for bf16, ``experts_quant`` otherwise)."""
 
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
+    hidden: int
+    num_experts: int
+    top_k: int
+    quantized: bool
+    weights: tuple
 
-    weights = (randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5),
-               randn(num_experts, hidden, inter, scale=inter ** -0.5),
-               randn(num_experts, 2 * inter, scale=0.5) if bias else None,
-               randn(num_experts, hidden, scale=0.5) if bias else None, act, 1.702, 7.0)
-    for num_tokens in GPU_TOKENS:
-        hidden_TH = randn(num_tokens, hidden)
-        weights_TK, ids_TK = gpu_route(generator, num_tokens, num_experts, top_k)
-        args = (hidden_TH, weights_TK, ids_TK, *weights)
-        out_TH = torch.ops.moe_flashinfer.experts(*args)
-        assert not out_TH.isnan().any()
-        error = relative_error(out_TH, torch.ops.moe_reference.experts(*args))
-        assert error < BF16_BOUND, (num_tokens, error)
-        x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
-                                                                  num_experts)
-        out_RH = torch.ops.moe_flashinfer.experts_rows(x_RH, expert_R, count_E, *weights)
-        ref_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *weights)
-        assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
-        assert relative_error(out_RH, ref_RH) < BF16_BOUND, num_tokens
+    def ops(self, namespace: str):
+        ops = getattr(torch.ops, namespace)
+        return (ops.experts_quant, ops.experts_rows_quant) if self.quantized else (
+            ops.experts, ops.experts_rows)
+
+    def rows_scale(self) -> tuple:
+        """``experts_rows_quant``'s ``x_scale`` (rows arrive in bf16), or nothing."""
+        return (None,) if self.quantized else ()
 
 
-FP8_GPU_SHAPES = {  # (H, I, E, K, activation, bias)
-    "deepseek-like": (7168, 2048, 16, 8, "silu", False),
-    "bias-swiglu_oai": (2048, 1024, 8, 4, "swiglu_oai", True),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", sorted(FP8_GPU_SHAPES))
-def test_gpu_fp8_blocks_match_reference(shape, poisoned_empty):
-    _needs_flashinfer(FP8_BLOCK)
-    hidden, inter, num_experts, top_k, act, bias = FP8_GPU_SHAPES[shape]
-    generator = torch.Generator(device="cuda").manual_seed(0)
+def gpu_layer(width: str, fmt: str, generator) -> GpuLayer:
+    hidden, inter, top_k, act, bias = GPU_WIDTHS[width]
+    num_experts = GPU_EXPERTS.get(width, DEFAULT_GPU_EXPERTS)
 
     def randn(*size, scale=1.0):
         return torch.randn(*size, device="cuda", generator=generator) * scale
 
-    w13, w13_scale = quant.quantize_weights(randn(num_experts, 2 * inter, hidden,
-                                                  scale=hidden ** -0.5), FP8_BLOCK)
-    w2, w2_scale = quant.quantize_weights(randn(num_experts, hidden, inter, scale=inter ** -0.5),
-                                          FP8_BLOCK)
+    w13_EFH = randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2_EHI = randn(num_experts, hidden, inter, scale=inter ** -0.5)
     biases = ((randn(num_experts, 2 * inter, scale=0.5).bfloat16(),
                randn(num_experts, hidden, scale=0.5).bfloat16()) if bias else (None, None))
-    weights = (w13, w2, w13_scale, w2_scale, *biases, "fp8_block", "fp8_group", [128, 128], act,
-               1.702, 7.0)
-    for num_tokens in GPU_TOKENS:
-        hidden_TH = randn(num_tokens, hidden).bfloat16()
-        weights_TK, ids_TK = gpu_route(generator, num_tokens, num_experts, top_k)
-        args = (hidden_TH, weights_TK, ids_TK, *weights)
-        out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
-        assert not out_TH.isnan().any()
-        error = relative_error(out_TH, torch.ops.moe_reference.experts_quant(*args))
-        assert error < FP8_BOUND, (num_tokens, error)
-        x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(hidden_TH, weights_TK, ids_TK,
-                                                                  num_experts)
-        rows_args = (x_RH, None, expert_R, count_E, *weights)
-        out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
-        ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
-        assert relative_error(out_RH, ref_RH) < FP8_BOUND, num_tokens
+    static = (act, 1.702, 7.0)
+    spec = GPU_FORMATS[fmt]
+    if spec is None:
+        weights = (w13_EFH.bfloat16(), w2_EHI.bfloat16(), *biases, *static)
+    else:
+        w13, w13_scale = quant.quantize_weights(w13_EFH, spec)
+        w2, w2_scale = quant.quantize_weights(w2_EHI, spec)
+        weights = (w13, w2, w13_scale, w2_scale, *biases, spec.weights, spec.activations,
+                   spec.block_list, *static)
+    return GpuLayer(hidden, num_experts, top_k, spec is not None, weights)
+
+
+def _format_widths():
+    """(format, width) pairs that the format can hold (fp8 blocks: H and I in 128s)."""
+    for fmt, spec in GPU_FORMATS.items():
+        for width, (hidden, inter, *_) in GPU_WIDTHS.items():
+            if spec is None or not (spec.weights == "fp8_block" and (hidden % 128 or inter % 128)):
+                yield pytest.param(fmt, width, id=f"{fmt}-{width}")
 
 
 @pytest.mark.gpu
-def test_gpu_captures_in_cuda_graph():
-    _needs_flashinfer()
+@pytest.mark.parametrize(("fmt", "width"), list(_format_widths()))
+def test_gpu_matches_reference(fmt, width, poisoned_empty):
+    """Both ops against the reference at T = 0, 1, 7, 256 (and 4096 at some widths), with
+    skipped slots: ``[0, H]`` for T = 0, rows of skipped slots all zeros."""
+    _needs_flashinfer(GPU_FORMATS[fmt])
     generator = torch.Generator(device="cuda").manual_seed(0)
-    inputs = [torch.randn(*size, device="cuda", generator=generator).bfloat16() * scale
-              for size, scale in (((64, 1024), 1.0), ((16, 1024, 1024), 1024 ** -0.5),
-                                  ((16, 1024, 512), 512 ** -0.5))]
-    hidden_TH, w13_EFH, w2_EHI = inputs
-    weights_TK, ids_TK = gpu_route(generator, 64, 16, 4)
-    static = (w13_EFH, w2_EHI, None, None, "silu", 1.702, 7.0)
-    torch.ops.moe_flashinfer.experts(hidden_TH, weights_TK, ids_TK, *static)
+    layer = gpu_layer(width, fmt, generator)
+    experts_op, rows_op = layer.ops("moe_flashinfer")
+    ref_op, ref_rows_op = layer.ops("moe_reference")
+    tokens = GPU_TOKENS + ((LARGE_TOKENS,) if width in LARGE_WIDTHS else ())
+    for num_tokens in tokens:
+        hidden_TH = torch.randn(num_tokens, layer.hidden, device="cuda",
+                                generator=generator).bfloat16()
+        weights_TK, ids_TK = gpu_route(generator, num_tokens, layer.num_experts, layer.top_k)
+        args = (hidden_TH, weights_TK, ids_TK, *layer.weights)
+        out_TH = experts_op(*args)
+        assert out_TH.shape == (num_tokens, layer.hidden) and out_TH.dtype == torch.bfloat16
+        if num_tokens == 0:
+            continue
+        assert not out_TH.isnan().any(), num_tokens
+        error = relative_error(out_TH, ref_op(*args))
+        assert error < BOUNDS[fmt], (num_tokens, error)
+        if num_tokens > 1:
+            assert not out_TH[-1].any(), num_tokens  # every slot skipped: nothing added
+        if num_tokens in (7, 256):
+            x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(
+                hidden_TH, weights_TK, ids_TK, layer.num_experts)
+            rows_args = (x_RH, *layer.rows_scale(), expert_R, count_E, *layer.weights)
+            out_RH = rows_op(*rows_args)
+            assert torch.equal(out_RH[expert_R < 0], torch.zeros_like(out_RH[expert_R < 0]))
+            assert relative_error(out_RH, ref_rows_op(*rows_args)) < BOUNDS[fmt], num_tokens
+
+
+# One width per format for capture and compilation: GPT-OSS's for mxfp4 (padded H).
+CAPTURE_WIDTHS = {"bf16": "qwen3-30b-a3b", "fp8_block": "deepseek-v3", "mxfp4": "gpt-oss-20b"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
+def test_gpu_captures_in_cuda_graph(fmt):
+    """After a first call (which converts the weights), the op captures in a CUDA graph and
+    replays on new tokens and routing."""
+    _needs_flashinfer(GPU_FORMATS[fmt])
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    layer = gpu_layer(CAPTURE_WIDTHS[fmt], fmt, generator)
+    experts_op, _ = layer.ops("moe_flashinfer")
+    ref_op, _ = layer.ops("moe_reference")
+
+    def problem():
+        hidden_TH = torch.randn(64, layer.hidden, device="cuda", generator=generator).bfloat16()
+        return (hidden_TH, *gpu_route(generator, 64, layer.num_experts, layer.top_k))
+
+    inputs = problem()
+    experts_op(*inputs, *layer.weights)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_TH = torch.ops.moe_flashinfer.experts(hidden_TH, weights_TK, ids_TK, *static)
-    fresh_TH = torch.randn_like(hidden_TH)
-    fresh_weights_TK, fresh_ids_TK = gpu_route(generator, 64, 16, 4)
-    for tensor, new in ((hidden_TH, fresh_TH), (weights_TK, fresh_weights_TK),
-                        (ids_TK, fresh_ids_TK)):
+        out_TH = experts_op(*inputs, *layer.weights)
+    fresh = problem()
+    for tensor, new in zip(inputs, fresh):
         tensor.copy_(new)
     out_TH.fill_(math.nan)
     graph.replay()
-    ref_TH = torch.ops.moe_reference.experts(fresh_TH, fresh_weights_TK, fresh_ids_TK, *static)
-    assert relative_error(out_TH, ref_TH) < BF16_BOUND
+    assert relative_error(out_TH, ref_op(*fresh, *layer.weights)) < BOUNDS[fmt]
+
+
+COMPILED_CONFIGS = {  # a small layer of each format's model family
+    "bf16": dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=8,
+                 renormalize=True),
+    "fp8_block": dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=8,
+                      scoring="sigmoid", renormalize=True, quant=FP8_BLOCK),
+    "mxfp4": dict(hidden_size=2880, intermediate_size=2880, num_experts=16, top_k=4,
+                  scoring="topk_softmax", activation="swiglu_oai", expert_bias=True,
+                  quant=MXFP4),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("spec", [None, FP8_BLOCK], ids=["bf16", "fp8_block"])
-def test_gpu_compiled_moe_runs_flashinfer(spec):
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "cuda-graphs"])
+@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
+def test_gpu_compiled_moe_runs_flashinfer(fmt, mode):
     """``tmo.backend(experts="flashinfer")``: one graph (fullgraph) whose experts op is
-    FlashInfer's, against the reference backend's graph of the same module."""
-    _needs_flashinfer(spec)
+    FlashInfer's, against the reference backend's graph of the same module; with
+    ``mode="reduce-overhead"`` replayed as CUDA graphs on new tokens."""
+    _needs_flashinfer(GPU_FORMATS[fmt])
     from torch._inductor.utils import run_and_get_code
 
-    cfg = tmo.MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
-                        renormalize=True, quant=spec)
+    cfg = tmo.MoEConfig(**COMPILED_CONFIGS[fmt])
     torch.manual_seed(0)
     moe = tmo.MoE(cfg, device="cuda", dtype=torch.bfloat16)
-    x_TH = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     expected = torch.compile(moe, backend=tmo.backend(experts="reference"), fullgraph=True)
-    compiled = torch.compile(moe, backend=tmo.backend(experts="flashinfer"), fullgraph=True)
+    compiled = torch.compile(moe, backend=tmo.backend(experts="flashinfer", mode=mode),
+                             fullgraph=True)
     with torch.no_grad():
-        ref_TH = expected(x_TH)
-        out_TH, codes = run_and_get_code(compiled, x_TH)
-    assert "moe_flashinfer.experts" in "\n".join(codes)
-    assert relative_error(out_TH, ref_TH) < (FP8_BOUND if spec else BF16_BOUND)
+        for step in range(3 if mode else 1):
+            x_TH = torch.randn(256, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            ref_TH = expected(x_TH)
+            if step == 0:
+                out_TH, codes = run_and_get_code(compiled, x_TH)
+                assert "moe_flashinfer.experts" in "\n".join(codes)
+            else:
+                out_TH = compiled(x_TH).clone()
+            assert relative_error(out_TH, ref_TH) < BOUNDS[fmt], step

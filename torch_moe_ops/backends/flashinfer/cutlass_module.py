@@ -16,7 +16,8 @@ will run it (nvcc and ninja needed; the target is that GPU's architecture, or
 
     python -m torch_moe_ops.backends.flashinfer build     # foreground
     scripts/flashinfer_build.sh                           # detached, logs to a file
-    python -m torch_moe_ops.backends.flashinfer status    # how far it has got
+    python -m torch_moe_ops.backends.flashinfer status    # how far it has got; once built,
+                                                          # which symbols it leaves unresolved
 
 or ``torch_moe_ops.backends.flashinfer.build()``. The module lands in FlashInfer's JIT
 cache (``~/.cache/flashinfer/<version>/<arch>/cached_ops/<module>/``;
@@ -30,11 +31,12 @@ on, ``FLASHINFER_CUDA_ARCH_LIST``), or that first call compiles it again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
 
-from torch_moe_ops.backends.flashinfer import cutlass_spec, library
+from torch_moe_ops.backends.flashinfer import cutlass_spec, cutlass_symbols, library
 
 BUILD_ENV = "TORCH_MOE_OPS_FLASHINFER_BUILD"
 BUILD_COMMAND = "python -m torch_moe_ops.backends.flashinfer build"
@@ -62,6 +64,25 @@ def use_trimmed_module() -> None:
 
     # cutlass_fused_moe reaches its sm90 spec through this name of its module.
     core.gen_cutlass_fused_moe_sm90_module = _trimmed_sm90_spec
+
+
+@functools.cache
+def check_symbols() -> None:
+    """Once per process, before the backend first calls the built module: raise RuntimeError
+    where it leaves a symbol of a runner the backend calls unresolved (`cutlass_symbols`),
+    which would end the process at that call. Checks nothing where the module is not built
+    yet (built on first use: `build` prints the check) or ``nm`` cannot read it."""
+    path = built_path()
+    if path is None:
+        return
+    try:
+        report = cutlass_symbols.check(path)
+    except RuntimeError:
+        return
+    if report.kept:
+        raise RuntimeError(f"FlashInfer's fused-MoE module {path} cannot run the kernels the "
+                           f"flashinfer experts backend calls: {report}\nRebuild it with "
+                           f"`{BUILD_COMMAND}` after removing {path.parent}")
 
 
 def _trimmed_sm90_spec(use_fast_build: bool = False):
@@ -151,11 +172,26 @@ def progress() -> BuildProgress:
     return BuildProgress(name, build_dir, done, len(objects), built_path())
 
 
+def symbols_line(library: Path) -> tuple[bool, str]:
+    """``(ok, report)``: `cutlass_symbols.check` of the built ``library`` (ok: nothing the
+    backend runs is unresolved), or why it could not be checked (not ok)."""
+    try:
+        report = cutlass_symbols.check(library)
+    except RuntimeError as error:
+        return False, f"symbols not checked: {error}"
+    return report.ok, str(report)
+
+
 USAGE = f"""usage: python -m torch_moe_ops.backends.flashinfer {{build,status}}
 
   build   compile the trimmed SM90 fused-MoE module ({BUILD_TIME}) into FlashInfer's JIT cache,
-          in the foreground ({DETACHED_COMMAND} runs it detached, logging to a file)
-  status  whether it is built, or how many of its objects a build has compiled"""
+          in the foreground ({DETACHED_COMMAND} runs it detached, logging to a file), then
+          list the symbols it leaves unresolved
+  status  whether it is built (and its unresolved symbols), or how many of its objects a
+          build has compiled
+
+Exit status: 0 built with every symbol the backend calls defined, 3 not built, 4 built with
+one of them (or something else of TensorRT-LLM's) unresolved or unchecked."""
 
 
 def main(argv: list[str]) -> int:
@@ -171,8 +207,14 @@ def main(argv: list[str]) -> int:
         print(f"flashinfer: {reason}", file=sys.stderr)
         return 1
     if argv[0] == "build":
-        print(f"built: {build()}")
-        return 0
-    state = progress()
-    print(state)
-    return 0 if state.library is not None else 3
+        library_path = build()
+        print(f"built: {library_path}")
+    else:
+        state = progress()
+        print(state)
+        if state.library is None:
+            return 3
+        library_path = state.library
+    ok, report = symbols_line(library_path)
+    print(report)
+    return 0 if ok else 4

@@ -22,6 +22,7 @@ dropped pairs. Their calls into the dropped objects stay unresolved in the libra
 FlashInfer loads it lazily (``dlopen(RTLD_LAZY)``, and the link asks for
 ``-z lazy``), so they resolve only if called: a dropped pair must never be
 called through this module (a call ends the process with "undefined symbol").
+`cutlass_symbols` lists what the built module leaves unresolved, after each build.
 
 Legend: op, one kernel instantiation of FlashInfer's generator.
 """
