@@ -33,7 +33,10 @@ Per row: prefill ms (time to first token: from the call to the moment the first
 token's logits exist; uncompiled unless ``--compiled-prefill``), decode tokens/s (``B * (N - 1)``
 over the time after that), the seconds of the first (compiling) call, and
 whether the new tokens equal ``hf-grouped_mm``'s (else the first position where
-a sequence differs).
+a sequence differs), and how the first new token's logits compare
+(`first_token_agreement`: with random weights the top logits nearly tie, so bf16
+rounding alone can change a greedy token; a change beyond rounding is a real
+disagreement).
 Per way, the graph breaks Dynamo counted while compiling the forward (the
 patched model must have none), the graphs compiled, and Inductor's CUDA-graph
 skips. Rows run longest prompt first, so that the static cache, which
@@ -113,18 +116,21 @@ class Clock:
 
 class FirstToken(transformers.LogitsProcessor):
     """Leaves the scores alone; marks when the first token's logits exist (the end of
-    prefill) and which experts implementation the model's config names then (the
-    one decode runs: ``generate`` switches it before the first token)."""
+    prefill), keeps them (``[B, V]`` fp32, on the host) and which experts implementation
+    the model's config names then (the one decode runs: ``generate`` switches it before
+    the first token)."""
 
     def __init__(self, clock: Clock, config):
         self.clock, self.config = clock, config
         self.marked = None
         self.decode_experts = None
+        self.scores_BV = None
 
     def __call__(self, input_ids, scores):
         if self.marked is None:
             self.marked = self.clock.mark()
             self.decode_experts = getattr(self.config, "_experts_implementation", None)
+            self.scores_BV = scores.float().cpu()
         return scores
 
 
@@ -152,7 +158,24 @@ def generate_once(model, ids_BS: torch.Tensor, new_tokens: int, clock: Clock,
     prefill_ms = clock.ms(start, first.marked)
     return {"tokens": out_BT[:, ids_BS.shape[1]:].cpu(), "prefill_ms": prefill_ms,
             "decode_ms": clock.ms(start, end) - prefill_ms,
-            "decode_experts": first.decode_experts}
+            "decode_experts": first.decode_experts, "first_scores": first.scores_BV}
+
+
+def first_token_agreement(got_BV: torch.Tensor, want_BV: torch.Tensor) -> dict:
+    """How the first new token's logits of two ways compare: the largest difference over
+    the largest logit, the sequences whose greedy token differs, and of those, the ones
+    not explained by that difference (the reference's logit of the token chosen is more
+    than twice the row's largest difference below its best: a real disagreement, where
+    bf16 rounding of random-weight models, whose top logits nearly tie, explains the
+    rest)."""
+    diff_B = (got_BV - want_BV).abs().amax(dim=1)
+    chosen_B = got_BV.argmax(dim=1)
+    differs_B = chosen_B != want_BV.argmax(dim=1)
+    gap_B = want_BV.amax(dim=1) - want_BV.gather(1, chosen_B[:, None])[:, 0]
+    unexplained_B = differs_B & (gap_B > 2 * diff_B)
+    return {"logits_rel_diff": float(diff_B.max() / want_BV.abs().amax().clamp(min=1e-12)),
+            "first_token_differs": int(differs_B.sum()),
+            "first_token_differs_beyond_rounding": int(unexplained_B.sum())}
 
 
 def first_mismatch(got_BN: torch.Tensor, want_BN: torch.Tensor) -> int | None:
@@ -169,8 +192,8 @@ def prompts(cfg, batch: int, seq: int, device: torch.device) -> torch.Tensor:
 def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
               reference: dict) -> tuple[list[dict], dict]:
     """Every (B, S) row of one model and way; ``reference`` maps (B, S) to the new
-    tokens of `REFERENCE_WAY` (filled when ``way`` is it). Returns the rows and
-    what compiling ``forward`` counted."""
+    tokens and first-token logits of `REFERENCE_WAY` (filled when ``way`` is it).
+    Returns the rows and what compiling ``forward`` counted."""
     device = torch.device(args.device)
     clock = Clock(device)
     model = bench_model.build(shape, way, args.layers, device=args.device, dtype=args.dtype)
@@ -185,10 +208,10 @@ def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
                               args.compiled_prefill)
                 for _ in range(args.warmup + args.repeats)]
         timed = runs[args.warmup:]
-        tokens_BN = timed[-1]["tokens"]
+        tokens_BN, scores_BV = timed[-1]["tokens"], timed[-1]["first_scores"]
         if way == REFERENCE_WAY:
-            reference[(batch, seq)] = tokens_BN
-        want_BN = reference.get((batch, seq))
+            reference[(batch, seq)] = (tokens_BN, scores_BV)
+        want_BN, want_BV = reference.get((batch, seq), (None, None))
         prefill_ms = statistics.median(r["prefill_ms"] for r in timed)
         decode_ms = statistics.median(r["decode_ms"] for r in timed)
         first_call_s = (runs[0]["prefill_ms"] + runs[0]["decode_ms"]) / 1e3
@@ -201,6 +224,7 @@ def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
                "tokens_equal_reference": None if want_BN is None
                else bool(torch.equal(tokens_BN, want_BN)),
                "first_mismatch": None if want_BN is None else first_mismatch(tokens_BN, want_BN),
+               **({} if want_BV is None else first_token_agreement(scores_BV, want_BV)),
                "row_s": time.perf_counter() - begin}
         print(f"{name:14s} {way:14s} B={batch:<3d} S={seq:<5d} prefill {prefill_ms:9.2f} ms  "
               f"decode {row['decode_tok_s']:9.1f} tok/s  first call {first_call_s:6.1f} s  "
@@ -244,6 +268,9 @@ def table(rows: list[dict], compiled: list[dict]) -> str:
             continue
         equal = ("yes" if ours["tokens_equal_reference"]
                  else f"no, from token {ours['first_mismatch']}")
+        equal += (f"; first token: logits {ours['logits_rel_diff']:.1e} apart, "
+                  f"{ours['first_token_differs']} of {batch} differ, "
+                  f"{ours['first_token_differs_beyond_rounding']} beyond rounding")
         lines.append(
             f"| {shape} | {batch} | {seq} | {hf['prefill_ms']:.2f} / {ours['prefill_ms']:.2f} | "
             f"{hf['prefill_ms'] / ours['prefill_ms']:.2f}x | {hf['decode_tok_s']:.1f} / "
