@@ -54,6 +54,9 @@ M_NORMAL, M_LOW_LATENCY = 8, 6
 # (K, E_l): K above, at and below E_l.
 SHAPES = ((2, 3), (3, 2), (1, 4))
 STATIC = ("silu", 1.702, 7.0)
+# torch.library.opcheck's checks that call combine_tokens once, each run on its own (its
+# AOT-dispatch check calls it twice for one dispatch; the compiled layers below trace it).
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 def _use_emulator():
@@ -229,8 +232,14 @@ def _check_tokens(rank, world_size, top_k, num_local, route, max_tokens):
                                            *(w[local] for w in full), *STATIC)
     combine_args = (y_NH, ids_NK[mine], num_experts, *ep_args)
     if route == "random":
-        torch.library.opcheck(torch.ops.moe_deepep.combine_tokens.default, combine_args)
+        # One combine answers one dispatch: each check that runs the op gets its own.
+        for check in OPCHECK_UTILS:
+            torch.library.opcheck(torch.ops.moe_deepep.combine_tokens.default, combine_args,
+                                  test_utils=check)
+            torch.ops.moe_deepep.dispatch_tokens(*args)
     out_TH = torch.ops.moe_deepep.combine_tokens(*combine_args)
+    with pytest.raises(RuntimeError, match="must answer the dispatch_tokens before it"):
+        torch.ops.moe_deepep.combine_tokens(*combine_args)
     ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
     assert out_TH.shape == (mine.stop - mine.start, H)
     check_bf16_out(out_TH, ref_NH[mine])

@@ -17,8 +17,8 @@ and ``[N, K]``, and DeepEP's layout and dispatch calls are Python on a ``Buffer`
 Inductor cannot trace, so tracing would only fuse those two casts into neighbours.
 
 DeepEP's handle (prefix matrices, send heads) stays in the communicator
-(`DeepEPCommunicator.tokens_dispatch`): ``combine_tokens`` answers the ``dispatch_tokens``
-before it, as the format's contract says. No gradient ops: a gradient needs the handle of
+(`DeepEPCommunicator.tokens_dispatch`) until ``combine_tokens`` answers the ``dispatch_tokens``
+before it, as the format's contract says, once: a second combine of the same dispatch raises. No gradient ops: a gradient needs the handle of
 the same layer's forward while several layers' are in flight, and the contract's backward
 gets only the layer's ``topk_ids`` (an input, which two layers may share and a compiled
 backward may get as a recomputed copy), not an output of the dispatch to key it on as the
@@ -75,4 +75,8 @@ def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_toke
                                   f"sent {sent.num_tokens} tokens"))
         combined_TH, _, _ = comm.buffer.combine(y_NH.contiguous(), sent.handle,
                                                 config=comm.combine_config)
+        # One combine answers one dispatch, and the handle dies with it: held past the pair,
+        # its tensors would be allocations of a CUDA-graph pool that no output accounts
+        # for ("tensor(s) in the cudagraph pool not tracked as outputs").
+        comm.tokens_dispatch = None
         return combined_TH[:num_tokens]
