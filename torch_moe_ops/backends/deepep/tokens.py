@@ -17,9 +17,10 @@ and ``[N, K]``, and DeepEP's layout and dispatch calls are Python on a ``Buffer`
 Inductor cannot trace, so tracing would only fuse those two casts into neighbours.
 
 DeepEP's handle (prefix matrices, send heads) stays in the communicator
-(`DeepEPCommunicator.tokens_dispatch`) until ``combine_tokens`` answers the ``dispatch_tokens``
-before it, as the format's contract says, once: a second combine of the same dispatch raises. No gradient ops: a gradient needs the handle of
-the same layer's forward while several layers' are in flight, and the contract's backward
+(`DeepEPCommunicator.tokens_dispatch`) until ``combine_tokens`` answers the
+``dispatch_tokens`` before it, as the format's contract says, once: a second combine of
+the same dispatch raises. No gradient ops: a gradient needs the handle of the same
+layer's forward while several layers' are in flight, and the contract's backward
 gets only the layer's ``topk_ids`` (an input, which two layers may share and a compiled
 backward may get as a recomputed copy), not an output of the dispatch to key it on as the
 rows format keys it on ``src_rows``. A layer that trains takes the rows format.
