@@ -197,6 +197,17 @@ def test_experts_rows_match_reference(emulated, expert_inputs, activation):
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def rows_error(inputs, activation: str) -> float:
+    """``experts_rows_quant`` of flashinfer against the reference on the rows a dispatch of
+    ``inputs``' tokens gives (4 experts): the relative error."""
+    f = inputs.float_inputs
+    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
+                                                              f.topk_ids_TK, 4)
+    rows_args = (x_RH, None, expert_R, count_E, *inputs.weight_args(activation, 1.702, 7.0))
+    return relative_error(torch.ops.moe_flashinfer.experts_rows_quant(*rows_args),
+                          torch.ops.moe_reference.experts_rows_quant(*rows_args))
+
+
 def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
     inputs = quant_inputs(FP8_BLOCK, num_tokens=8, hidden_size=256, intermediate_size=128,
                           num_experts=4, top_k=2, dtype=torch.bfloat16, bias=True,
@@ -205,13 +216,7 @@ def test_fp8_blocks_match_reference(emulated, quant_inputs, activation):
     out_TH = torch.ops.moe_flashinfer.experts_quant(*args)
     ref_TH = torch.ops.moe_reference.experts_quant(*args)
     assert relative_error(out_TH, ref_TH) < FP8_BOUND
-    f = inputs.float_inputs
-    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
-                                                              f.topk_ids_TK, 4)
-    rows_args = (x_RH, None, expert_R, count_E, *inputs.weight_args(activation, 1.702, 7.0))
-    out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
-    ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
-    assert relative_error(out_RH, ref_RH) < FP8_BOUND
+    assert rows_error(inputs, activation) < FP8_BOUND
     assert all(call["block_scale"] for call in emulated.CALLS)
 
 
@@ -264,12 +269,7 @@ def test_mxfp4_matches_reference(emulated, quant_inputs, widths, activation):
     assert out_TH.shape == ref_TH.shape == (8, MXFP4_WIDTHS[widths][0])
     assert out_TH.is_contiguous() and relative_error(out_TH, ref_TH) < BF16_BOUND
     f = inputs.float_inputs
-    x_RH, expert_R, _, _, count_E, _ = torch.ops.moe.dispatch(f.hidden_TH, f.topk_weights_TK,
-                                                              f.topk_ids_TK, 4)
-    rows_args = (x_RH, None, expert_R, count_E, *inputs.weight_args(activation, 1.702, 7.0))
-    out_RH = torch.ops.moe_flashinfer.experts_rows_quant(*rows_args)
-    ref_RH = torch.ops.moe_reference.experts_rows_quant(*rows_args)
-    assert relative_error(out_RH, ref_RH) < BF16_BOUND
+    assert rows_error(inputs, activation) < BF16_BOUND
     assert all(call["w4"] and not call["block_scale"] for call in emulated.CALLS)
     # Padded widths run padded tokens; aligned ones the caller's own.
     padded_input = emulated.CALLS[0]["input"].shape[1] != f.hidden_TH.shape[1]
