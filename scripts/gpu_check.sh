@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
-# skips them), then with TUNE=<shapes> the config tuning of those benchmark
+# skips them; SHARDS=N, default one per GPU, runs the single-GPU tests as N pytest
+# processes of whole files, each on its own GPU (scripts/gpu_shards.py; DURATIONS_LOG, a
+# log of an earlier run, balances them), then the multigpu tests on all; TEST_SECONDS
+# bounds each part), then with TUNE=<shapes> the config tuning of those benchmark
 # shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the bf16 experts
 # benchmark, one shape at a time (BENCH_ARGS="--formats ..." for others; quantized
 # formats: scripts/quant_gpu_check.sh); with MODEL=<shapes> the whole-model benchmark
@@ -12,8 +15,29 @@ source scripts/install_on_device.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider ${PYTEST_ARGS:-} ${TEST_PATHS:-tests graph_tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  shards=${SHARDS:-$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+  python3 scripts/gpu_shards.py "$shards" ${TEST_PATHS:-tests graph_tests} \
+    ${DURATIONS_LOG:+--durations-log "$DURATIONS_LOG"} >"$OUT/shards.txt"
+  gpu=0
+  while read -r files; do
+    # SIGINT at the bound: pytest then reports what failed so far and the durations.
+    [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu timeout -s INT -k 30 "${TEST_SECONDS:-540}" \
+      python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} $files \
+      >"$OUT/gpu_tests_$gpu.log" 2>&1; echo $? >"$OUT/gpu_tests_$gpu.rc") &
+    gpu=$((gpu + 1))
+  done <"$OUT/shards.txt"
+  wait
+  for log in "$OUT"/gpu_tests_*.log; do
+    rc=$(cat "${log%.log}.rc")
+    echo "$log: rc=$rc $(tail -1 "$log")"
+    [ "$rc" = 0 ] || status=1
+  done
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    timeout -s INT -k 30 "${TEST_SECONDS:-540}" python3 -m pytest -q -m multigpu \
+      -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} ${TEST_PATHS:-tests graph_tests} \
+      >"$OUT/multigpu_tests.log" 2>&1 || status=1
+    echo "multigpu: $(tail -1 "$OUT/multigpu_tests.log")"
+  fi
   python3 examples/quickstart.py --tokens 256 2>&1 | tee "$OUT/quickstart.log" | tail -8
 fi
 if [ -n "${TUNE:-}" ]; then
