@@ -1,0 +1,86 @@
+"""The masked format (`ops.masked`) on the fused MoE's tiled kernels: each expert's block of
+``[E, C, H]`` is cut into GEMM blocks of BLOCK_M rows where it stands, and a block that
+starts at or past its expert's count has no expert, so its programs return at once.
+
+Legend: E experts held here, C rows per expert, H hidden size, I expert intermediate size,
+M rows per GEMM block (``BLOCK_M``), B = E * ceil(C / M) blocks, P = B * M.
+
+    for e, b: if b * M < count[e]:                          (otherwise: no program works)
+        rows e * C + b * M + [0, M) below e * C + count[e]  -> tiled_gemms (K = 1, no weights)
+
+No sort and no align: the block table is a comparison of positions with the counts on
+the device, sized by E, C and M alone, so nothing waits on the host and a call captures
+in a CUDA graph. Rows past a count are neither read nor written: the output keeps there
+what its allocation held, as the contract allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from torch_moe_ops.backends.triton.configs import device_name, get_config
+from torch_moe_ops.backends.triton.fused import (
+    Experts,
+    check_activation,
+    check_dtype,
+    tiled_gemms,
+)
+
+
+def masked_blocks(count_E: torch.Tensor, rows_per_expert: int, block_m: int):
+    """`align.align_rows`' three outputs for the blocks of the masked format, in place:
+    ``sorted_row_ids_P`` int32 (row ``e * C + c`` where ``c < count[e]``, else the sentinel
+    ``E * C``), ``block_expert_B`` int32 (``e``, or -1 for a block at or past the count) and
+    ``num_padded_rows_1`` int32 (P: the kernels skip blocks by their expert)."""
+    num_experts = count_E.shape[0]
+    blocks_per_expert = triton.cdiv(rows_per_expert, block_m)
+    device = count_E.device
+    count_E1 = count_E.unsqueeze(1)
+    expert_E1 = torch.arange(num_experts, dtype=torch.int32, device=device).unsqueeze(1)
+    position_X = torch.arange(blocks_per_expert * block_m, dtype=torch.int32, device=device)
+    sorted_row_ids_EX = torch.where(position_X < count_E1, expert_E1 * rows_per_expert + position_X,
+                                    num_experts * rows_per_expert)
+    first_row_EB = position_X[::block_m]
+    block_expert_EB = torch.where(first_row_EB < count_E1, expert_E1, -1)
+    num_padded_rows_1 = torch.full((1,), num_experts * blocks_per_expert * block_m,
+                                   dtype=torch.int32, device=device)
+    return (sorted_row_ids_EX.reshape(-1).to(torch.int32),
+            block_expert_EB.reshape(-1).to(torch.int32), num_padded_rows_1)
+
+
+def fused_experts_masked(x_ECH: torch.Tensor, count_E: torch.Tensor, w13_EFH: torch.Tensor,
+                         w2_EHI: torch.Tensor, b13_EF: torch.Tensor | None,
+                         b2_EH: torch.Tensor | None, activation: str, swiglu_alpha: float,
+                         swiglu_limit: float) -> torch.Tensor:
+    """Each expert on the rows of its block that carry a token: ``y_ECH [E, C, H]``.
+
+        y[e, c] = act(x[e, c] @ w13[e].T + b13[e]) @ w2[e].T + b2[e]   for c < count[e]
+
+    Args:
+        x_ECH: ``[E, C, H]`` fp16, bf16 or fp32; rows from ``count_E[e]`` on are not read.
+        count_E: ``[E]`` int32, rows of each block that carry a token (<= C).
+        w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit: as in
+            `fused.fused_experts`.
+
+    Returns ``y_ECH`` in ``x_ECH``'s dtype, contiguous; rows past a count are not written.
+    The tiles are those tuned for C tokens of one expert each (C rows over E experts: the
+    rows of a decode batch where K matches the ranks), always on the tiled kernels.
+    """
+    check_dtype("x_masked", x_ECH.dtype)
+    check_activation(activation)
+    num_experts, rows_per_expert, hidden_size = x_ECH.shape
+    y_ECH = torch.empty((num_experts, rows_per_expert, hidden_size), dtype=x_ECH.dtype,
+                        device=x_ECH.device)
+    if y_ECH.numel() == 0:
+        return y_ECH
+    config = get_config(num_experts, w13_EFH.shape[1] // 2, hidden_size, x_ECH.dtype,
+                        rows_per_expert, 1, device_name(x_ECH.device))
+    config = dataclasses.replace(config, path="tiled")
+    experts = Experts(w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
+    tiled_gemms(config, experts, x_ECH.reshape(-1, hidden_size), None, None, 1,
+                masked_blocks(count_E, rows_per_expert, config.BLOCK_M),
+                y_ECH.view(-1, hidden_size))
+    return y_ECH
