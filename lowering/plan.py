@@ -15,6 +15,7 @@ from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
     FORMATS,
+    MASKED_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
@@ -51,9 +52,9 @@ class LayerPlan:
         """The namespace whose op runs ``moe::<op_name>`` in this layer."""
         if op_name in EXPERTS_OPS + QUANT_EXPERTS_OPS:
             return self.experts.namespace
-        if op_name == "experts_backward":
-            return backward_namespace(self.experts.namespace)
-        if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS:
+        if op_name in ("experts_backward", "experts_masked_backward"):
+            return backward_namespace(self.experts.namespace, op_name)
+        if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS + MASKED_OPS:
             return self.a2a.namespace
         if op_name == "route":
             return self.route.namespace
@@ -69,23 +70,31 @@ def _refusals(kind: str, backends: dict, spec: BackendSpec, problem: Problem,
             and (reason := backend.why_not(spec, problem, device)) is not None]
 
 
+# Why the first format both backends run is taken, where none was passed over before it.
+_MERITS = {"masked": "the transport's decode layout, read where it arrives (no copy into rows)",
+           "tokens": "the format that moves the fewest bytes"}
+
+
 def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
                   ) -> tuple[str, str]:
-    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``."""
+    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; the
+    formats passed over, and why, are in ``why``."""
     if problem.quant is not None and "rows" in a2a.formats:
-        return "rows", "quantized layer: rows travel in the dispatch dtype with their scales"
+        # The masked and tokens formats have no quantized experts op: an fp8 dispatch
+        # (DeepEP's low-latency one too) hands its rows and scales to experts_rows_quant.
+        return "rows", ("quantized layer: rows travel in the dispatch dtype with their scales "
+                        "(no other format has quantized experts)")
     skipped = []
-    for fmt in FORMATS:
-        if fmt not in a2a.formats:
-            skipped.append(f"{a2a.name} does not produce {fmt}")
-        elif fmt not in experts.formats:
+    # Formats the transport does not produce are not listed: they were never candidates.
+    for fmt in (f for f in FORMATS if f in a2a.formats):
+        if fmt not in experts.formats:
             skipped.append(f"{experts.name} does not read {fmt}")
         elif problem.training and not a2a.trains(fmt):
             skipped.append(f"{a2a.name} carries no gradient in {fmt}")
         elif a2a.format_reason is not None and (why := a2a.format_reason(fmt, problem)):
             skipped.append(f"{a2a.name} cannot move this layer in {fmt}: {why}")
         else:
-            return fmt, "; ".join(skipped) or "the format that moves the fewest bytes"
+            return fmt, "; ".join(skipped) or _MERITS.get(fmt, "the one format both run")
     raise ValueError(f"a2a backend {a2a.name!r} and experts backend {experts.name!r} share no "
                      f"format for this layer: " + "; ".join(skipped))
 

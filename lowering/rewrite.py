@@ -13,7 +13,10 @@ dispatch and combine). A layer whose plan takes the tokens format is lowered who
 ``moe::dispatch -> moe::experts_rows -> moe::combine`` becomes the a2a backend's
 ``dispatch_tokens``, the experts backend's ``experts`` on the receive buffers (tokens with
 local expert ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_tokens``: no
-rows, no copy into them, and every op in the graph by name.
+rows, no copy into them, and every op in the graph by name. A layer whose plan takes the
+masked format is lowered the same way, to ``dispatch_masked``, the experts backend's
+``experts_masked`` on the per-expert blocks as they arrived, and ``combine_masked``, which
+takes the routing weights (`torch_moe_ops.ops.masked`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatc
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
+    CONSUMER_OPS,
     EXPERTS_OPS,
+    FORMAT_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     Problem,
@@ -159,10 +164,10 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
             plan.a2a.prepare(plan.format, *_example_args(node)[:7])
-    tokens = _lower_tokens_chains(gm, plans, spec)
-    changed = bool(tokens)
+    chains = _lower_chains(gm, plans, spec)
+    changed = bool(chains)
     for node, plan in plans.items():
-        if node in tokens:
+        if node in chains:
             continue
         name = generic_op(node)
         namespace = plan.namespace_for(name)
@@ -215,44 +220,57 @@ def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
         node.meta[_meta_key(node)] = op(*values)
 
 
-def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
-                         spec: BackendSpec) -> set[fx.Node]:
-    """Lower each layer whose plan takes the tokens format as its tokens chain; returns the
-    generic nodes that took the chain's ops."""
+def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
+                  spec: BackendSpec) -> set[fx.Node]:
+    """Lower each layer whose plan takes the tokens or the masked format as that format's
+    chain; returns the generic nodes that took the chain's ops."""
     lowered: set[fx.Node] = set()
     for dispatch, plan in plans.items():
-        if generic_op(dispatch) != "dispatch" or plan.format != "tokens":
+        if generic_op(dispatch) != "dispatch" or plan.format not in _CHAINS:
             continue
         chain = _rows_chain(dispatch)
         if chain is None:
-            raise ValueError(f"cannot lower {dispatch.format_node()} to the tokens format: its "
-                             "outputs must feed one moe::experts_rows and the moe::combine of "
-                             "its result, and nothing else (as MoE emits them)")
+            raise ValueError(f"cannot lower {dispatch.format_node()} to the {plan.format} "
+                             "format: its outputs must feed one moe::experts_rows and the "
+                             "moe::combine of its result, and nothing else (as MoE emits them)")
         experts, combine = chain
-        namespace = plan.a2a.namespace
         hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
-        expert_args = _schema_args(experts)[3:]
         items = list(dispatch.users)
-        # Tokens travel in the activations' dtype: no transport sends them quantized.
+        # Tokens and masked blocks travel in the activations' dtype: neither format has
+        # quantized experts (`plan.choose_format` sends quantized layers in rows).
         sides = dataclasses.replace(DispatchSides.of(plan.a2a, plan.experts),
                                     sends_quantized=False)
         chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, None, sides)
-        # The dispatch node becomes dispatch_tokens; its three outputs, new getitems.
-        _retarget(dispatch, op_overload(namespace, "dispatch_tokens"),
+        # The dispatch node becomes the format's dispatch; its outputs, new getitems.
+        _retarget(dispatch, op_overload(plan.a2a.namespace, FORMAT_OPS[plan.format][0]),
                   (hidden, topk_weights, topk_ids, num_experts, *ep_args))
         dispatch.meta["moe_dispatch_dtype"] = chosen
         with gm.graph.inserting_after(dispatch):
-            sent = [gm.graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
+            sent = [gm.graph.call_function(operator.getitem, (dispatch, i))
+                    for i in range(len(_value(dispatch)))]
         for item, value in zip(sent, _value(dispatch)):
             item.meta[_meta_key(dispatch)] = value
-        _retarget(experts, op_overload(plan.experts.namespace, "experts"),
-                  (*sent, *expert_args))
-        _retarget(combine, op_overload(namespace, "combine_tokens"),
-                  (experts, topk_ids, num_experts, *ep_args))
+        experts_inputs, combine_inputs = _CHAINS[plan.format](sent, topk_weights, topk_ids)
+        _retarget(experts, op_overload(plan.experts.namespace, CONSUMER_OPS[plan.format]),
+                  (*experts_inputs, *_schema_args(experts)[3:]))
+        _retarget(combine, op_overload(plan.a2a.namespace, FORMAT_OPS[plan.format][1]),
+                  (experts, *combine_inputs, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)
         lowered |= {dispatch, experts, combine}
     return lowered
+
+
+# Per format: from its dispatch's outputs and the layer's routing, the inputs of its experts
+# op before the weights, and those of its combine between the experts' output and E.
+_CHAINS = {
+    # x_tokens, topk_weights_tokens, topk_ids_tokens -> experts; combine_tokens(y, topk_ids).
+    "tokens": lambda sent, topk_weights, topk_ids: (sent, (topk_ids,)),
+    # x_masked, count_experts -> experts_masked; combine_masked(y, src_info, layout_range,
+    # topk_weights, topk_ids).
+    "masked": lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:], topk_weights,
+                                                               topk_ids)),
+}
 
 
 def _schema_args(node: fx.Node) -> list:

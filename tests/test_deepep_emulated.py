@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import sys
 
 import pytest
@@ -42,6 +43,7 @@ from ep_problems import (
     token_slice,
     trained_and_served,
 )
+from torch_moe_ops.backends.common.kernels.rows import masked_valid
 from torch_moe_ops.backends.deepep import fp8_transport_reason
 from torch_moe_ops.backends.registry import REGISTRY
 from torch_moe_ops.config import QuantSpec
@@ -49,8 +51,13 @@ from torch_moe_ops.lowering.rewrite import moe_op_sequence
 
 # A hidden size DeepEP's low-latency kernels are compiled for.
 H, I = 2048, 16
-TOKENS_PER_RANK = {2: (5, 0), 4: (6, 0, 3, 1)}
+TOKENS_PER_RANK = {2: (5, 0), 3: (4, 0, 7), 4: (6, 0, 3, 1)}
 M_NORMAL, M_LOW_LATENCY = 8, 6
+# Low-latency mode does not run 2 * 7 positions (a multiple of 4): a decode layer of this
+# size takes the tokens format and normal mode.
+M_NOT_LOW_LATENCY = 7
+# The masked format at 2 and 3 ranks: low-latency mode needs P * M to be a multiple of 4.
+M_MASKED = 8
 # (K, E_l): K above, at and below E_l.
 SHAPES = ((2, 3), (3, 2), (1, 4))
 STATIC = ("silu", 1.702, 7.0)
@@ -271,13 +278,114 @@ def _tokens_cases(rank, world_size):
             torch.zeros(world_size * M_LOW_LATENCY, H, dtype=torch.bfloat16),
             torch.zeros(3, 1, dtype=torch.int32), 4 * world_size, *ep_args)
     deepep.close_all()
-    _check_tokens_compiled(rank, world_size, deepep, M_LOW_LATENCY)
+    _check_tokens_compiled(rank, world_size, deepep, M_NOT_LOW_LATENCY)
     deepep.close_all()
     assert not deepep.open_communicators()
 
 
 def test_tokens_chain_matches_single_process():
     run_on_ranks(2, _tokens_cases)
+
+
+# The masked format: DeepEP's low-latency blocks as they arrive, for layers without gradients.
+
+MASKED_OPS = ("moe_deepep::dispatch_masked", "moe_reference::experts_masked",
+              "moe_deepep::combine_masked")
+# Besides the tokens routings: every token's first slot on expert 0 (its other slots on
+# expert 0 skipped), so that one expert gets every token of every rank.
+MASKED_ROUTINGS = (*TOKENS_ROUTINGS, "hot")
+FAKE_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _masked_routing(world_size, num_experts, top_k, route):
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(
+        world_size, num_experts, top_k, route if route == "one_rank" else "random")
+    if route == "repeated":
+        ids_NK[1::2, -1] = ids_NK[1::2, 0]
+    if route == "hot":
+        ids_NK = torch.where(ids_NK == 0, -1, ids_NK)
+        ids_NK[:, 0] = 0
+    return hidden_NH, weights_NK, ids_NK, full
+
+
+def _check_masked(rank, world_size, top_k, num_local, route):
+    """dispatch_masked -> moe_reference::experts_masked on DeepEP's blocks as they are ->
+    combine_masked against the reference on all tokens, with the experts' rows past each
+    count poisoned (nothing may read them); the counts against the routing; with the
+    random routing, the fakes against the real outputs (opcheck)."""
+    num_experts = num_local * world_size
+    hidden_NH, weights_NK, ids_NK, full = _masked_routing(world_size, num_experts, top_k, route)
+    mine, local = _my_tokens(rank, world_size), slice(rank * num_local, (rank + 1) * num_local)
+    ep_args = (world_size, dist.group.WORLD.group_name, M_MASKED)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *ep_args)
+    if route == "random":
+        # Not the eager-against-traced test: two dispatches differ in arrival order and in
+        # the garbage past the counts, as DeepEP's do.
+        torch.library.opcheck(torch.ops.moe_deepep.dispatch_masked.default, args,
+                              test_utils=FAKE_TESTS)
+    x_EQH, count_E, src_info_EQ, layout_range_EP = torch.ops.moe_deepep.dispatch_masked(*args)
+    rows_per_expert = world_size * M_MASKED
+    assert x_EQH.shape == (num_local, rows_per_expert, H) and count_E.dtype == torch.int32
+    expected_E = torch.stack([(ids_NK == e).sum() for e in range(num_experts)])[local]
+    assert count_E.tolist() == expected_E.tolist()
+    y_EQH = torch.ops.moe_reference.experts_masked(x_EQH, count_E, *(w[local] for w in full),
+                                                   *STATIC)
+    past_count_EQ1 = ~masked_valid(count_E, rows_per_expert)
+    y_EQH = y_EQH.masked_fill(past_count_EQ1, math.nan)
+    combine_args = (y_EQH, src_info_EQ, layout_range_EP, weights_NK[mine], ids_NK[mine],
+                    num_experts, *ep_args)
+    if route == "random":
+        torch.library.opcheck(torch.ops.moe_deepep.combine_masked.default, combine_args)
+    out_TH = torch.ops.moe_deepep.combine_masked(*combine_args)
+    ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    assert out_TH.shape == (mine.stop - mine.start, H)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _check_masked_compiled(rank, world_size, deepep):
+    """A `MoE` sharded over the group and compiled with ``a2a="deepep"`` at decode size:
+    with gradients it takes low-latency rows, without them the masked chain on the same
+    low-latency communicator; both against the same layer in one process."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, M_MASKED), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, M_MASKED), dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                       generator=torch.Generator().manual_seed(9)).bfloat16()
+    trained, served = trained_and_served(single, sharded, x_NH, _my_tokens(rank, world_size),
+                                         a2a="deepep", experts="reference")
+    assert "moe_deepep::dispatch\n" in trained and "masked" not in trained, trained
+    assert served == "moe_reference::route\n" + "\n".join(MASKED_OPS), served
+    assert {comm.mode for comm in deepep.open_communicators()} == {"low_latency"}
+
+
+def _masked_cases(rank, world_size):
+    deepep = _use_emulator()
+    for top_k, num_local in SHAPES:
+        for route in MASKED_ROUTINGS:
+            _check_masked(rank, world_size, top_k, num_local, route)
+        # One NVSHMEM communicator per process: close it before the next shape.
+        deepep.close_all()
+    # The transport's receive buffers carry no gradient: asking for one says so.
+    hidden_NH, weights_NK, ids_NK, _ = _masked_routing(world_size, 4 * world_size, 2, "random")
+    mine = _my_tokens(rank, world_size)
+    hidden_TH = hidden_NH[mine].clone().requires_grad_()
+    x_EQH, *_ = torch.ops.moe_deepep.dispatch_masked(
+        hidden_TH, weights_NK[mine], ids_NK[mine], 4 * world_size, world_size,
+        dist.group.WORLD.group_name, M_MASKED)
+    with pytest.raises(RuntimeError, match="dispatch_masked has no gradient"):
+        x_EQH.float().sum().backward()
+    deepep.close_all()
+    _check_masked_compiled(rank, world_size, deepep)
+    deepep.close_all()
+    assert not deepep.open_communicators()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_masked_chain_matches_single_process(world_size):
+    run_on_ranks(world_size, _masked_cases)
 
 
 # Quantized layers: fp8 rows through DeepEP.

@@ -1,6 +1,8 @@
 """Which backends exist, what each supports, and how a choice is resolved.
 
-Experts backends implement ``experts`` and ``experts_rows``, and those with a
+Experts backends implement ``experts`` and ``experts_rows`` (and those that read the
+masked format ``experts_masked``, with ``experts_masked_backward`` where they have a
+gradient of their own), and those with a
 gradient of their own ``experts_backward`` (``ExpertsBackend.backward`` says
 where it computes the gradient itself); the gradient of the others runs on the
 reference backend's ``experts_backward``. A2A
@@ -11,12 +13,14 @@ implement ``route``; its gradient is the op contract's formula on the selection
 the backend made (`torch_moe_ops.ops.route`), whichever backend ran it.
 
 Formats are declared by what a namespace defines (`FORMAT_OPS`): an a2a backend produces
+the masked format (`ops.masked`) where it defines ``dispatch_masked`` and ``combine_masked``,
 the tokens format (`ops.tokens`) where it defines ``dispatch_tokens`` and ``combine_tokens``
 and the rows format (`ops.rows`) where it defines ``dispatch`` and ``combine``; an experts
-backend consumes tokens through its ``experts`` op (the receive buffers as they are, ids
-local) and rows through ``experts_rows``. A format trains where the a2a namespace defines
-its gradient ops too (`TRAINING_OPS`). The lowering picks one format per layer (`FORMATS`
-in order of preference).
+backend consumes masked blocks through its ``experts_masked`` op, tokens through its
+``experts`` op (the receive buffers as they are, ids local) and rows through
+``experts_rows``. A format trains where the a2a namespace defines its gradient ops too
+(`TRAINING_OPS`; the masked format has none). The lowering picks one format per layer
+(`FORMATS` in order of preference).
 
 ``supports(spec, problem, device)`` returns ``None`` when the backend can run the
 `Problem` there, otherwise the reason it cannot. The compile backend reads the
@@ -36,7 +40,7 @@ from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, defines
 # The last line of `available_backends()`: formats no backend here has kernels for.
 UNSUPPORTED_FORMATS = ("quantized formats not supported by any backend: nvfp4 and the other "
                        "Blackwell-only formats (QuantSpec lists what is)")
-EXPERTS_OPS = ("experts", "experts_rows")
+EXPERTS_OPS = ("experts", "experts_rows", "experts_masked")
 # The experts ops on quantized weights: a backend has kernels for quantized
 # weights exactly where its namespace defines these (its `supports` says which formats).
 QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
@@ -46,12 +50,18 @@ QUANT_A2A_OPS = ("dispatch_quant",)
 # The formats between dispatch and combine, best first (the wire is the cost: tokens cross
 # once per rank that needs them); what an a2a namespace defines to produce each, what an
 # experts namespace defines to consume it, and what an a2a namespace defines for its gradient.
-FORMATS = ("tokens", "rows")
-FORMAT_OPS = {"tokens": ("dispatch_tokens", "combine_tokens"), "rows": ("dispatch", "combine")}
-CONSUMER_OPS = {"tokens": "experts", "rows": "experts_rows"}
+# The masked format (DeepEP low-latency's per-expert blocks) comes first where a transport
+# produces it: the experts read its receive buffer where it is, and a transport makes it
+# only where its engine's own layout is that (`A2ABackend.format_reason` says where not).
+# A format without gradient ops in `TRAINING_OPS` serves inference only.
+FORMATS = ("masked", "tokens", "rows")
+FORMAT_OPS = {"masked": ("dispatch_masked", "combine_masked"),
+              "tokens": ("dispatch_tokens", "combine_tokens"), "rows": ("dispatch", "combine")}
+CONSUMER_OPS = {"masked": "experts_masked", "tokens": "experts", "rows": "experts_rows"}
 TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
                 "rows": ("dispatch_backward", "combine_backward")}
 TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
+MASKED_OPS = FORMAT_OPS["masked"]
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -189,7 +199,8 @@ class A2ABackend:
 
     def trains(self, fmt: str) -> bool:
         """Whether its transport in ``fmt`` carries gradients."""
-        return all(defines(self.namespace, op) for op in TRAINING_OPS[fmt])
+        return fmt in TRAINING_OPS and all(defines(self.namespace, op)
+                                           for op in TRAINING_OPS[fmt])
 
     @property
     def sends_quantized(self) -> bool:
