@@ -299,9 +299,10 @@ class Registry:
     def register_route(self, backend: RouteBackend) -> None:
         self.route[backend.name] = backend
 
-    def choose_experts(self, spec: BackendSpec, problem: Problem,
-                       device: torch.device) -> ExpertsBackend:
-        """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here.
+    def choose_experts(self, spec: BackendSpec, problem: Problem, device: torch.device,
+                       op: str = EXPERTS_OPS[0]) -> ExpertsBackend:
+        """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here,
+        among those that define ``op`` (not every backend reads every format).
 
         Raises ValueError naming what is registered and why the choice is out.
         """
@@ -310,7 +311,12 @@ class Registry:
                 return -backend.training_priority
             return -backend.priority
 
-        return self._choose("experts", self.experts, spec.experts, rank, spec, problem, device)
+        defining = {name: backend for name, backend in self.experts.items()
+                    if defines(backend.namespace, op)}
+        if spec.experts in self.experts and spec.experts not in defining:
+            raise ValueError(f"experts backend {spec.experts!r} does not define {op}; "
+                             f"backends that do: {', '.join(defining)}")
+        return self._choose("experts", defining, spec.experts, rank, spec, problem, device)
 
     def choose_a2a(self, spec: BackendSpec, problem: Problem, device: torch.device) -> A2ABackend:
         return self._choose("a2a", self.a2a, spec.a2a, None, spec, problem, device)
