@@ -359,6 +359,14 @@ def _check_masked_compiled(rank, world_size, deepep):
     assert "moe_deepep::dispatch\n" in trained and "masked" not in trained, trained
     assert served == "moe_reference::route\n" + "\n".join(MASKED_OPS), served
     assert {comm.mode for comm in deepep.open_communicators()} == {"low_latency"}
+    # `tmo.explain` says so: the format, why, and one bf16 row per (token, slot) at most.
+    with torch.no_grad():
+        (report,) = tmo.explain(sharded, x_NH[_my_tokens(rank, world_size)], a2a="deepep",
+                                experts="reference")
+    text, row_bytes = str(report), M_MASKED * 2 * H * 2
+    assert "format:  masked (the transport's decode layout, read where it arrives" in text, text
+    assert (f"bytes each rank sends per call: dispatch {row_bytes:,}, combine {row_bytes:,}"
+            in text), text
 
 
 def _masked_cases(rank, world_size):
