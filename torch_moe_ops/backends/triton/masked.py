@@ -3,7 +3,7 @@
 starts at or past its expert's count has no expert, so its programs return at once.
 
 Legend: E experts held here, C rows per expert, H hidden size, I expert intermediate size,
-M rows per GEMM block (``BLOCK_M``), B = E * ceil(C / M) blocks, P = B * M.
+M rows per GEMM block (``BLOCK_M``), B = E * ceil(C / M) blocks, P = B * M, L = E * C.
 
     for e, b: if b * M < count[e]:                          (otherwise: no program works)
         rows e * C + b * M + [0, M) below e * C + count[e]  -> tiled_gemms (K = 1, no weights)
@@ -72,15 +72,15 @@ def fused_experts_masked(x_ECH: torch.Tensor, count_E: torch.Tensor, w13_EFH: to
     check_dtype("x_masked", x_ECH.dtype)
     check_activation(activation)
     num_experts, rows_per_expert, hidden_size = x_ECH.shape
-    y_ECH = torch.empty((num_experts, rows_per_expert, hidden_size), dtype=x_ECH.dtype,
-                        device=x_ECH.device)
-    if y_ECH.numel() == 0:
-        return y_ECH
-    config = get_config(num_experts, w13_EFH.shape[1] // 2, hidden_size, x_ECH.dtype,
-                        rows_per_expert, 1, device_name(x_ECH.device))
-    config = dataclasses.replace(config, path="tiled")
-    experts = Experts(w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
-    tiled_gemms(config, experts, x_ECH.reshape(-1, hidden_size), None, None, 1,
-                masked_blocks(count_E, rows_per_expert, config.BLOCK_M),
-                y_ECH.view(-1, hidden_size))
-    return y_ECH
+    # The kernels write rows of a 2-D buffer, which the result views as blocks.
+    y_LH = torch.empty((num_experts * rows_per_expert, hidden_size), dtype=x_ECH.dtype,
+                       device=x_ECH.device)
+    if y_LH.numel():
+        config = get_config(num_experts, w13_EFH.shape[1] // 2, hidden_size, x_ECH.dtype,
+                            rows_per_expert, 1, device_name(x_ECH.device))
+        config = dataclasses.replace(config, path="tiled")
+        experts = Experts(w13_EFH, w2_EHI, b13_EF, b2_EH, activation, swiglu_alpha,
+                          swiglu_limit)
+        tiled_gemms(config, experts, x_ECH.reshape(-1, hidden_size), None, None, 1,
+                    masked_blocks(count_E, rows_per_expert, config.BLOCK_M), y_LH)
+    return y_LH.view(num_experts, rows_per_expert, hidden_size)
