@@ -181,3 +181,13 @@ def test_triton_blocks_past_each_count_have_no_expert():
     for e, count in enumerate(COUNTS):
         assert rows_EX[e, :count].tolist() == list(range(e * C, e * C + count))
         assert (rows_EX[e, count:] == sentinel).all()
+
+
+def test_a_backend_that_does_not_read_masked_blocks_is_refused_by_name():
+    from torch_moe_ops.backends.registry import REGISTRY, Problem
+    from torch_moe_ops.config import BackendSpec
+
+    with pytest.raises(ValueError, match=re.escape(
+            "experts backend 'cpu' does not define experts_masked; backends that do: ")):
+        REGISTRY.choose_experts(BackendSpec(experts="cpu"), Problem(torch.float32),
+                                torch.device("cpu"), "experts_masked")

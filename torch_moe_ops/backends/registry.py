@@ -311,12 +311,17 @@ class Registry:
                 return -backend.training_priority
             return -backend.priority
 
-        defining = {name: backend for name, backend in self.experts.items()
-                    if defines(backend.namespace, op)}
-        if spec.experts in self.experts and spec.experts not in defining:
+        # A backend that cannot run here keeps its own reason; one that can but does not
+        # define ``op`` is no candidate.
+        candidates = {name: backend for name, backend in self.experts.items()
+                      if defines(backend.namespace, op)
+                      or backend.why_not(spec, problem, device) is not None}
+        if spec.experts in self.experts and spec.experts not in candidates:
             raise ValueError(f"experts backend {spec.experts!r} does not define {op}; "
-                             f"backends that do: {', '.join(defining)}")
-        return self._choose("experts", defining, spec.experts, rank, spec, problem, device)
+                             "backends that do: " + ", ".join(
+                                 name for name, backend in self.experts.items()
+                                 if defines(backend.namespace, op)))
+        return self._choose("experts", candidates, spec.experts, rank, spec, problem, device)
 
     def choose_a2a(self, spec: BackendSpec, problem: Problem, device: torch.device) -> A2ABackend:
         return self._choose("a2a", self.a2a, spec.a2a, None, spec, problem, device)
