@@ -127,11 +127,6 @@ def _backward(ctx, grad_out_ECH):
             grad_b2 if b2_EH is not None else None, None, None, None)
 
 
-def check_dispatch(*args) -> None:
-    # The tokens format's dispatch takes the same arguments: the same checks, the same errors.
-    tokens.check_dispatch(*args)
-
-
 def fake_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=1,
                   group_name="", max_tokens_per_rank=0):
     num_local = num_experts // ep_size
@@ -150,9 +145,7 @@ def check_combine(y_ECH, src_info_EC, layout_range_EP, topk_weights_TK, topk_ids
     checks.check_tensor("topk_weights", topk_weights_TK, 2, checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids_TK, 2, checks.INDEX_DTYPES)
     rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
-    if num_experts <= 0 or num_experts % ep_size:
-        raise ValueError(f"num_experts must be > 0 and divisible by ep_size ({ep_size}), got "
-                         f"{num_experts}")
+    tokens.check_experts_split(num_experts, ep_size)
     num_local = num_experts // ep_size
     rows_per_expert = tokens.num_positions(ep_size, max_tokens_per_rank)
     checks.check_size("y_masked", y_ECH, 0, num_local, "num_experts // ep_size (E)")
@@ -195,8 +188,9 @@ def _transport_contract(name, schema, check_fn, fake_fn, check_values=None) -> O
                       setup_context=setup_context, ordered=True)
 
 
-DISPATCH = _transport_contract("dispatch_masked", DISPATCH_SCHEMA, check_dispatch, fake_dispatch,
-                               rows.check_dispatch_values)
+# The tokens format's dispatch takes the same arguments: the same checks, the same errors.
+DISPATCH = _transport_contract("dispatch_masked", DISPATCH_SCHEMA, tokens.check_dispatch,
+                               fake_dispatch, rows.check_dispatch_values)
 COMBINE = _transport_contract("combine_masked", COMBINE_SCHEMA, check_combine, fake_combine)
 CONTRACTS = {contract.name: contract
              for contract in (CONTRACT, BACKWARD_CONTRACT, DISPATCH, COMBINE)}
