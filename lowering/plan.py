@@ -83,7 +83,7 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
         # The masked and tokens formats have no quantized experts op: an fp8 dispatch
         # (DeepEP's low-latency one too) hands its rows and scales to experts_rows_quant.
         return "rows", ("quantized layer: rows travel in the dispatch dtype with their scales "
-                        "(no other format has quantized experts)")
+                        "(the masked and tokens formats have no quantized experts op)")
     skipped = []
     # Formats the transport does not produce are not listed: they were never candidates.
     for fmt in (f for f in FORMATS if f in a2a.formats):

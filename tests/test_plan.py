@@ -44,7 +44,8 @@ def deepep_runs_here(monkeypatch):
                                  "gradient in tokens")),
     # fp8 rows and their scales (DeepEP's low-latency fp8 cast among them) reach
     # experts_rows_quant: the masked format has no quantized experts op.
-    ({"quant": QuantSpec("fp8_block")}, "rows", "no other format has quantized experts"),
+    ({"quant": QuantSpec("fp8_block")}, "rows",
+     "the masked and tokens formats have no quantized experts op"),
     # Normal mode runs 2, 4 or 8 ranks of one host; low-latency mode 3 too.
     ({"ep_size": 3, "num_experts": 63}, "masked", "read where it arrives"),
 ], ids=["decode", "prefill", "training", "quantized", "three_ranks"])
