@@ -20,7 +20,10 @@ The masked format (`experts_masked`, ``[E, C, H]`` blocks with a count per exper
 grouped GEMM of its own in torch (``torch._grouped_mm`` takes groups that follow each
 other, and the rows past each count would be computed as part of the next group, C rows
 per expert): the rows that carry a token are gathered into the rows format, run as
-`experts_rows`, and scattered back (`rows.masked_to_rows`); its gradient likewise.
+`experts_rows`, and scattered back (`rows.masked_to_rows`); its gradient likewise. The
+GEMMs run the counted rows only, but the gather, the epilogues and the scatter pass over
+all ``E * C`` rows, so at decode sizes the ``triton`` backend's masked kernels, which skip
+the blocks past each count, are the fast path (``experts="auto"`` takes them first).
 
 The ``grouped_mm`` experts backend is these functions; the ``triton`` backend
 hands prefill-sized calls and, where `supports` holds, its gradient to them.
