@@ -21,6 +21,7 @@ import torch
 import formulas
 from torch_moe_ops.backends.common.kernels.rows import masked_valid
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E, C, H, I = 4, 21, 16, 8
 # Rows of each expert's block that carry a token: some, none, all, one.
 COUNTS = (5, 0, C, 1)
@@ -28,12 +29,13 @@ COUNTS = (5, 0, C, 1)
 EMPTY = COUNTS.index(0)
 STATIC = {"silu": ("silu", 1.702, 7.0), "gelu": ("gelu", 1.702, 7.0),
           "swiglu_oai": ("swiglu_oai", 1.702, 0.5)}
+# The Triton interpreter mishandles bf16: bf16 runs on a GPU.
+DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE.type == "cuda" else ())
 BACKENDS = [pytest.param(namespace, dtype, marks=pytest.mark.triton,
                          id=f"{namespace}-{str(dtype).removeprefix('torch.')}")
-            for namespace in ("moe_triton", "moe_grouped_mm")
-            for dtype in (torch.float32, torch.float16)]
-TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3}
-GRAD_TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2}
+            for namespace in ("moe_triton", "moe_grouped_mm") for dtype in DTYPES]
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+GRAD_TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def masked_inputs(dtype, bias=True, seed=0):
@@ -42,9 +44,9 @@ def masked_inputs(dtype, bias=True, seed=0):
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(shape, generator=generator) * scale).to(dtype)
+        return (torch.randn(shape, generator=generator) * scale).to(DEVICE, dtype)
 
-    count_E = torch.tensor(COUNTS, dtype=torch.int32)
+    count_E = torch.tensor(COUNTS, dtype=torch.int32, device=DEVICE)
     x_ECH = randn(E, C, H).masked_fill(~masked_valid(count_E, C), math.nan)
     weights = [randn(E, 2 * I, H, scale=H ** -0.5), randn(E, H, I, scale=I ** -0.5),
                randn(E, 2 * I, scale=0.5) if bias else None,
@@ -105,7 +107,8 @@ def test_gradient_matches_autograd_of_the_per_row_formula(namespace, dtype, act)
     leaves = [t.clone().requires_grad_() for t in (x_ECH, *weights)]
     y_ECH = getattr(torch.ops, namespace).experts_masked(leaves[0], count_E, *leaves[1:],
                                                          *STATIC[act])
-    grad_ECH = torch.randn(y_ECH.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grad_ECH = torch.randn(y_ECH.shape, generator=torch.Generator().manual_seed(1)).to(
+        DEVICE, dtype)
     # The gradient of an output row past a count is not read either.
     grad_ECH = grad_ECH.masked_fill(~masked_valid(count_E, C), math.nan)
     y_ECH.backward(grad_ECH)
@@ -172,7 +175,7 @@ def test_triton_blocks_past_each_count_have_no_expert():
     return at once)."""
     from torch_moe_ops.backends.triton.masked import masked_blocks
 
-    count_E = torch.tensor(COUNTS, dtype=torch.int32)
+    count_E = torch.tensor(COUNTS, dtype=torch.int32, device=DEVICE)
     sorted_row_ids_P, block_expert_B, num_padded_rows_1 = masked_blocks(count_E, C, 16)
     assert block_expert_B.tolist() == [0, -1, -1, -1, 2, 2, 3, -1]
     assert num_padded_rows_1.tolist() == [E * 2 * 16]
@@ -191,3 +194,34 @@ def test_a_backend_that_does_not_read_masked_blocks_is_refused_by_name():
             "experts backend 'cpu' does not define experts_masked; backends that do: ")):
         REGISTRY.choose_experts(BackendSpec(experts="cpu"), Problem(torch.float32),
                                 torch.device("cpu"), "experts_masked")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("namespace", ["moe_reference", "moe_triton", "moe_grouped_mm"])
+def test_captures_in_a_cuda_graph_and_replays_new_counts(namespace):
+    """No host sync: one capture, replayed with other counts and rows, gives each replay's
+    rows below its counts."""
+    x_ECH, count_E, *weights = masked_inputs(torch.bfloat16)
+    op = getattr(torch.ops, namespace).experts_masked
+    static = [x_ECH.clone(), count_E.clone()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            op(*static, *weights, *STATIC["silu"])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_ECH = op(*static, *weights, *STATIC["silu"])
+    # The expert without rows keeps none: its weights are NaN.
+    for seed, counts in ((1, (C, 0, 3, 7)), (2, (0, 0, 1, C))):
+        new_count_E = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        new_x_ECH = masked_inputs(torch.bfloat16, seed=seed)[0].nan_to_num(nan=0.0).masked_fill(
+            ~masked_valid(new_count_E, C), math.nan)
+        static[0].copy_(new_x_ECH)
+        static[1].copy_(new_count_E)
+        graph.replay()
+        expected = torch.ops.moe_reference.experts_masked(static[0], new_count_E, *weights,
+                                                          *STATIC["silu"])
+        assert_scaled_close(valid_rows(y_ECH, new_count_E), valid_rows(expected, new_count_E),
+                            TOLERANCES[torch.bfloat16])
