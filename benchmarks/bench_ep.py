@@ -769,6 +769,8 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
             key = {"allgather": ("ag+rs", tokens),
                    "flashinfer": ("flashinfer", cfg.num_experts, tokens)}.get(
                 a2a, ("a2a", tokens if fmt == "tokens" else cfg.rows_per_rank))
+            if fmt == "masked":
+                key = ("deepep_low_latency", cfg.num_experts, tokens)
             if key in raw:
                 row["raw_us"] = raw[key]["total_us"]
             if "layer_us" in row and "raw_us" in row:
