@@ -19,7 +19,8 @@ tests/test_deepep_gpu.py runs the real one.
   ``p``'s messages for expert ``e`` land in one block ``[begin, begin + count)``, the
   blocks in an arbitrary (here random) arrival order and the messages of a block in
   an arbitrary (random) order; ``layout_range`` packs count (low 32 bits) and begin
-  (high); positions past the count hold garbage. ``low_latency_combine`` sends each
+  (high), at most M messages from one rank to one expert (DeepEP stages them in M slots);
+  positions past the count hold garbage. ``low_latency_combine`` sends each
   block back by ``src_info`` and ``layout_range`` (a row per (expert, token): a token that
   chose one expert in two slots sends two rows, which must be equal, to one place) and
   sums ``weight * row`` over each token's slots, reading rows of its blocks only.
@@ -251,6 +252,8 @@ class Buffer:
             begin = 0
             for p in arrival:
                 block = [m for m in got[p] if m[0] == e]
+                # DeepEP stages one rank's messages to one expert in M slots.
+                assert len(block) <= max_tokens, (p, e, len(block))
                 self.arrival.shuffle(block)
                 for i, (_, t, rows) in enumerate(block):
                     src_info_EQ[e, begin + i] = t

@@ -11,7 +11,9 @@ pair needs no state between them (a CUDA graph captures it; DeepEP alternates be
 buffers, and each captured pair keeps that parity). ``low_latency_combine`` weights each
 slot by ``topk_weights`` and sums a token's slots on its own rank. A token that chose one
 expert in two slots arrives twice; both rows compute the same values and go back to one
-place, which both slots read with their weights.
+place, which both slots read with their weights. DeepEP stages one rank's messages to one
+expert in M slots: routing that repeats ids must send no expert more than M of them from
+one rank (top-k routing sends at most one per token).
 
 Bookkeeping around DeepEP's calls, as in `tokens`: the ids cast to ``topk_idx_t`` and an
 idle rank's one padding row routed nowhere (DeepEP's kernels take no empty tensor).
