@@ -23,7 +23,8 @@ activation format, then run as above: the oracle of every quantized kernel.
 ``experts_masked`` (the masked format, `ops.masked`: ``[E, C, H]`` blocks with a count of
 rows per expert) runs every row of every block as one batched GEMM per projection and
 keeps the rows below the count with `torch.where`: rows past it (garbage, NaN) reach no
-output row and no gradient, and come out as zeros.
+output row and no gradient, and come out as zeros. ``experts_masked_quant`` is
+``experts_rows_quant`` on every cell of the blocks, those past a count of no expert.
 """
 
 from __future__ import annotations
@@ -271,6 +272,21 @@ def experts_masked_backward(grad_out_ECH, x_ECH, count_E, w13_EFH, w2_EHI, b13_E
             like(grad_y_ECH.sum(1), b2_EH))
 
 
+def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
+                         weight_format, activation_format, block_size, act, alpha, limit,
+                         out_dtype):
+    # Every cell of the blocks is a row of its expert, or of none (-1) past the count.
+    num_experts, rows_per_expert, hidden_size = x_ECH.shape
+    expert_E1 = torch.arange(num_experts, device=x_ECH.device).unsqueeze(1)
+    expert_L = torch.where(masked_valid(count_E, rows_per_expert)[..., 0], expert_E1, -1)
+    x_scale_L = None if x_scale is None else x_scale.flatten(0, 1)
+    y_LH = experts_rows_quant(x_ECH.flatten(0, 1), x_scale_L, expert_L.reshape(-1).int(),
+                              count_E, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
+                              weight_format, activation_format, block_size, act, alpha, limit,
+                              out_dtype)
+    return y_LH.view(num_experts, rows_per_expert, hidden_size)
+
+
 def supports(spec, problem, device) -> str | None:
     return None
 
@@ -280,7 +296,8 @@ define_backend_ops(NAMESPACE, {"route": route, "experts": experts,
                                "experts_rows": experts_rows, "experts_quant": experts_quant,
                                "experts_rows_quant": experts_rows_quant,
                                "experts_masked": experts_masked,
-                               "experts_masked_backward": experts_masked_backward})
+                               "experts_masked_backward": experts_masked_backward,
+                               "experts_masked_quant": experts_masked_quant})
 # Routing is a handful of small torch ops: compiled, Inductor fuses them with the
 # router's matmul epilogue instead of launching each from a Python kernel.
 decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)

@@ -6,8 +6,8 @@ the routing weight, and a deterministic sum over the K slots of each token.
 Tile sizes come from tuned JSON files (`configs`), read on the first call of a
 shape. Weights are used in the canonical layout.
 
-The masked format (``experts_masked``, `masked`) runs the tiled kernels on each expert's
-block where it stands, skipping the blocks past its count.
+The masked format (``experts_masked``, ``experts_masked_quant``: `masked`) runs the tiled
+kernels on each expert's block where it stands, skipping the blocks past its count.
 
 The gradient (`experts_backward`, ``experts_masked_backward``) is the ``grouped_mm`` path's
 (`common.kernels.grouped_gemm`: grouped GEMMs on the routed rows) where that runs
@@ -88,8 +88,9 @@ if TRITON_INSTALLED:
         on_first_call("torch_moe_ops.backends.triton.fused", name) for name in (
             "fused_experts", "fused_experts_rows", "fused_experts_quant",
             "fused_experts_rows_quant"))
-    fused_experts_masked = on_first_call("torch_moe_ops.backends.triton.masked",
-                                         "fused_experts_masked")
+    fused_experts_masked, fused_experts_masked_quant = (
+        on_first_call("torch_moe_ops.backends.triton.masked", name)
+        for name in ("fused_experts_masked", "fused_experts_masked_quant"))
 
     def _grouped_runs(x, w13_EFH) -> bool:
         problem = Problem(x.dtype, hidden_size=w13_EFH.shape[2],
@@ -122,13 +123,15 @@ if TRITON_INSTALLED:
                                    "experts_quant": fused_experts_quant,
                                    "experts_rows_quant": fused_experts_rows_quant,
                                    "experts_masked": fused_experts_masked,
-                                   "experts_masked_backward": experts_masked_backward})
+                                   "experts_masked_backward": experts_masked_backward,
+                                   "experts_masked_quant": fused_experts_masked_quant})
     # Compiled with fixed sizes, the kernels are launched by Inductor's own code.
     decompose_backend_ops(NAMESPACE, {"experts": traced(fused_experts),
                                       "experts_rows": traced(fused_experts_rows),
                                       "experts_quant": traced(fused_experts_quant),
                                       "experts_rows_quant": traced(fused_experts_rows_quant),
-                                      "experts_masked": traced(fused_experts_masked)},
+                                      "experts_masked": traced(fused_experts_masked),
+                                      "experts_masked_quant": traced(fused_experts_masked_quant)},
                           static_shapes_on_cuda)
     decompose_backend_ops(NAMESPACE, {"experts_backward": traced(grouped_gemm.experts_backward)},
                           lambda *args: static_shapes_on_cuda(*args)

@@ -380,7 +380,7 @@ def _check_rows(expert_R: torch.Tensor) -> None:
         raise ValueError(f"expert_rows must be 1-D, got shape {tuple(expert_R.shape)}")
 
 
-def _first_gemm_input(experts: Experts, x_MH: torch.Tensor):
+def first_gemm_input(experts: Experts, x_MH: torch.Tensor):
     """What the gate-up GEMM reads of the activation rows: themselves, or fp8
     rows and scales (quantized here, once per row)."""
     if experts.quantized_activations:
@@ -441,7 +441,7 @@ def experts_quant_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
         w13_EFH, w2_EHI = _dequantized(experts, hidden_TH.dtype)
         return grouped_gemm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
                                     b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
-    x_TH, x_scale = _first_gemm_input(experts, hidden_TH)
+    x_TH, x_scale = first_gemm_input(experts, hidden_TH)
     return _RUNNERS[config.path](config, experts, x_TH, x_scale, topk_weights_TK.reshape(-1),
                                  topk_ids_TK, hidden_TH.dtype)
 
@@ -479,5 +479,5 @@ def fused_experts_rows_quant(x_RH: torch.Tensor, x_scale: torch.Tensor | None,
         return grouped_gemm.experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF,
                                          b2_EH, activation, swiglu_alpha, swiglu_limit)
     if x_scale is None:
-        x_RH, x_scale = _first_gemm_input(experts, x_RH)
+        x_RH, x_scale = first_gemm_input(experts, x_RH)
     return _RUNNERS[config.path](config, experts, x_RH, x_scale, None, expert_R1, dtype)
