@@ -90,6 +90,17 @@ SCHEMAS = {
     "combine_masked": "(Tensor y_masked, Tensor src_info, Tensor layout_range, "
                       "Tensor topk_weights, Tensor topk_ids, int num_experts, "
                       f"{EP_ARGS}) -> Tensor",
+    "experts_masked_quant": "(Tensor x_masked, Tensor? x_scale, Tensor count_experts, "
+                            "Tensor w13, Tensor w2, Tensor w13_scale, Tensor w2_scale, "
+                            "Tensor? b13, Tensor? b2, str weight_format, "
+                            "str activation_format, int[] block_size, str activation, "
+                            "float swiglu_alpha, float swiglu_limit, "
+                            "ScalarType? out_dtype=None) -> Tensor",
+    "dispatch_masked_quant": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
+                             "int num_experts, str weight_format, str activation_format, "
+                             f"int[] block_size, {EP_ARGS}) -> (Tensor x_masked, "
+                             "Tensor count_experts, Tensor src_info, Tensor layout_range, "
+                             "Tensor x_scale)",
 }
 # The ops of the masked format's experts, and the transport ops that run on several ranks only.
 MASKED_EXPERTS_OPS = ("experts_masked", "experts_masked_backward")
@@ -115,7 +126,8 @@ def implementations(dtype: torch.dtype, spec: QuantSpec = None
     for name, backend in REGISTRY.experts.items():
         if hasattr(getattr(torch.ops, backend.namespace), QUANT_EXPERTS_OPS[0]):
             reason = backend.why_not(BackendSpec(experts=name), Problem(dtype, quant=spec), CPU)
-            found.update({(backend.namespace, op): reason for op in QUANT_EXPERTS_OPS})
+            found.update({(backend.namespace, op): reason for op in QUANT_EXPERTS_OPS
+                          if hasattr(getattr(torch.ops, backend.namespace), op)})
     # One process: the expert-parallel backends are opchecked on several
     # (tests/test_expert_parallel.py).
     a2a_reasons = {name: backend.supports(BackendSpec(a2a=name), Problem(dtype, ep_size=1), CPU)
@@ -229,6 +241,15 @@ def quant_op_args(op_name: str, case: str, generator, quant_inputs) -> tuple:
     if op_name == "experts_quant":
         return inputs.args(*static)
     f = inputs.float_inputs
+    if op_name == "experts_masked_quant":
+        x_ECH = masked_blocks((2, 0, 3, 1), generator, f.hidden_TH.shape[1], f.hidden_TH.dtype)
+        if not prequantized:
+            return (x_ECH, None, torch.tensor((2, 0, 3, 1), dtype=torch.int32),
+                    *inputs.weight_args(*static))
+        x_q_LH, x_scale = quant.quantize_activations(x_ECH.flatten(0, 1), spec)
+        return (x_q_LH.view(x_ECH.shape), x_scale.view(*x_ECH.shape[:2], *x_scale.shape[1:]),
+                torch.tensor((2, 0, 3, 1), dtype=torch.int32), *inputs.weight_args(*static),
+                x_ECH.dtype)
     if op_name == "dispatch_quant":
         return (f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, E, spec.weights,
                 spec.activations, spec.block_list)
@@ -240,15 +261,22 @@ def quant_op_args(op_name: str, case: str, generator, quant_inputs) -> tuple:
     return (x_q_RH, x_scale, expert_R, count_E, *inputs.weight_args(*static), x_RH.dtype)
 
 
+def masked_blocks(counts: tuple, generator, hidden_size: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """``[E, MASKED_ROWS, H]`` blocks with ``counts`` rows that carry a token each, garbage
+    (finite: the schema check compares inputs) past them."""
+    count_E = torch.tensor(counts, dtype=torch.int32)
+    x_ECH = torch.randn((len(counts), MASKED_ROWS, hidden_size), generator=generator)
+    past_count_EC1 = (torch.arange(MASKED_ROWS) >= count_E.unsqueeze(1)).unsqueeze(2)
+    return x_ECH.masked_fill(past_count_EC1, 1e4).to(dtype)
+
+
 def masked_args(op_name: str, case: str, generator, expert_inputs) -> tuple:
-    """The arguments of ``moe::experts_masked`` (``_backward``) for ``case``: blocks of
-    `MASKED_ROWS` rows, garbage (finite: the schema check compares inputs) past the counts."""
+    """The arguments of ``moe::experts_masked`` (``_backward``) for ``case``: `masked_blocks`."""
     counts, sizes, static = MASKED_CASES[case]
     inputs = expert_inputs(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, **sizes)
     count_E = torch.tensor(counts, dtype=torch.int32)
-    x_ECH = torch.randn((E, MASKED_ROWS, H), generator=generator)
-    past_count_EC1 = (torch.arange(MASKED_ROWS) >= count_E.unsqueeze(1)).unsqueeze(2)
-    x_ECH = x_ECH.masked_fill(past_count_EC1, 1e4).to(inputs.hidden_TH.dtype)
+    x_ECH = masked_blocks(counts, generator, H, inputs.hidden_TH.dtype)
     weights = inputs.args(*static)[3:]
     if op_name == "experts_masked":
         return with_grad((x_ECH, count_E, *weights))
@@ -316,7 +344,9 @@ def case_names(op_name: str) -> list:
         return fp8_activations
     if op_name in QUANT_EXPERTS_OPS:
         prequantized = [f"{name}_prequantized" for name in fp8_activations]
-        return list(QUANT_CASES) + (prequantized if op_name == "experts_rows_quant" else [])
+        return list(QUANT_CASES) + (prequantized if op_name in ("experts_rows_quant",
+                                                                 "experts_masked_quant")
+                                    else [])
     names = list(EXPERT_CASES)
     if op_name in ("experts_rows", "combine", "dispatch_backward", "combine_backward"):
         names.append("minus_one_rows")
@@ -360,7 +390,8 @@ def test_opcheck(namespace, op_name, case, generator, expert_inputs, quant_input
         # for float8 (torch 2.13: "mul_cpu_reduced_float" not implemented): its
         # mutation check cannot run; the other three can.
         utils = tuple(u for u in utils if u != "test_schema")
-    if op_name == "experts_masked" and case != "masked_full_bias":
+    if op_name == "experts_masked_quant" or (op_name == "experts_masked"
+                                              and case != "masked_full_bias"):
         # Output rows past the counts are unspecified (a backend may leave them unwritten):
         # the eager-against-traced comparison, which reads every row, runs where all count.
         utils = tuple(u for u in utils if u != "test_aot_dispatch_dynamic")

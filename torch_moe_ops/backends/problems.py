@@ -66,6 +66,9 @@ def _problem_of(op_name: str, args: tuple) -> Problem:
         x_masked, _, w13, _, _, _, activation, *_ = args[op_name.endswith("_backward"):]
         # Rows of every expert's block: the sizes are those of rows.
         return _experts_problem(x_masked.flatten(0, 1), w13, activation)
+    if op_name == "experts_masked_quant":
+        x_masked, _, _, w13, _, _, _, _, _, *static = args
+        return _quant_problem(x_masked.flatten(0, 1), w13, static, out_dtype=static[-1])
     if op_name == "experts_quant":
         hidden, _, topk_ids, w13, _, _, _, _, _, *static = args
         return _quant_problem(hidden, w13, static, topk_ids.shape[1])
@@ -79,6 +82,11 @@ def _problem_of(op_name: str, args: tuple) -> Problem:
         hidden, _, topk_ids, num_experts, *static, ep_size, _, max_tokens, capacity = args
         return dataclasses.replace(
             _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts, capacity),
+            quant=spec_of(*static))
+    if op_name == "dispatch_masked_quant":
+        hidden, _, topk_ids, num_experts, *static, ep_size, _, max_tokens = args
+        return dataclasses.replace(
+            _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts),
             quant=spec_of(*static))
     if op_name in ("dispatch_tokens", "dispatch_masked"):
         hidden, _, topk_ids, num_experts, ep_size, _, max_tokens = args

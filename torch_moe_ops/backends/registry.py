@@ -43,10 +43,15 @@ UNSUPPORTED_FORMATS = ("quantized formats not supported by any backend: nvfp4 an
 EXPERTS_OPS = ("experts", "experts_rows", "experts_masked")
 # The experts ops on quantized weights: a backend has kernels for quantized
 # weights exactly where its namespace defines these (its `supports` says which formats).
-QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
+QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant", "experts_masked_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
 QUANT_A2A_OPS = ("dispatch_quant",)
+# Quantized layers: per format, what an a2a namespace defines to send its activations in
+# fp8 and what an experts namespace defines to read them (with quantized weights). The
+# tokens format has neither: quantized layers take another.
+QUANT_FORMAT_OPS = {"masked": ("dispatch_masked_quant", "experts_masked_quant"),
+                    "rows": ("dispatch_quant", "experts_rows_quant")}
 # The formats between dispatch and combine, best first (the wire is the cost: tokens cross
 # once per rank that needs them); what an a2a namespace defines to produce each, what an
 # experts namespace defines to consume it, and what an a2a namespace defines for its gradient.
@@ -61,7 +66,8 @@ CONSUMER_OPS = {"masked": "experts_masked", "tokens": "experts", "rows": "expert
 TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
                 "rows": ("dispatch_backward", "combine_backward")}
 TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
-MASKED_OPS = FORMAT_OPS["masked"]
+# The transport ops of the masked format (its quantized dispatch defined below).
+MASKED_OPS = (*FORMAT_OPS["masked"], "dispatch_masked_quant")
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
