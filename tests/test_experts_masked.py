@@ -1,7 +1,9 @@
 """``moe::experts_masked`` (the masked format, `torch_moe_ops.ops.masked`): the reference
 against an fp64 formula per row, every backend that reads the format against the
 reference, forward and gradient, with garbage (NaN) in the rows past the counts, an
-expert with no rows and NaN weights, an expert whose block is full, and bad input.
+expert with no rows and NaN weights, an expert whose block is full, and bad input; on
+quantized weights (``experts_masked_quant``, blocks in float or in fp8 with their scales)
+against the reference's ``experts_rows_quant`` on the rows below the counts.
 
 The triton and grouped_mm backends run here under the Triton interpreter (the `triton`
 marker; fp32 and fp16, the interpreter mishandles bf16), grouped_mm's GEMMs through
@@ -19,7 +21,9 @@ import pytest
 import torch
 
 import formulas
+from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels.rows import masked_valid
+from torch_moe_ops.config import QuantSpec
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E, C, H, I = 4, 21, 16, 8
@@ -225,3 +229,64 @@ def test_captures_in_a_cuda_graph_and_replays_new_counts(namespace):
                                                           *STATIC["silu"])
         assert_scaled_close(valid_rows(y_ECH, new_count_E), valid_rows(expected, new_count_E),
                             TOLERANCES[torch.bfloat16])
+
+
+# Quantized weights: (spec, whether the blocks arrive in fp8 with their scales).
+QUANT_CASES = {
+    "fp8_block_prequantized": (QuantSpec("fp8_block"), True),
+    "fp8_block": (QuantSpec("fp8_block"), False),
+    "fp8_channel_prequantized": (QuantSpec("fp8_channel"), True),
+    "fp8_block_w8a16": (QuantSpec("fp8_block", "none", (32, 32)), False),
+    "mxfp4": (QuantSpec("mxfp4"), False),
+}
+QUANT_H = QUANT_I = 128
+
+
+def quant_masked_args(case: str):
+    """``experts_masked_quant``'s arguments (NaN past the counts; fp8 bytes and scales of
+    NaN there where the blocks arrive quantized) and the reference's rows: the rows below
+    the counts with their experts, for ``experts_rows_quant``."""
+    spec, prequantized = QUANT_CASES[case]
+    generator = torch.Generator().manual_seed(3)
+    w13 = torch.randn((E, 2 * QUANT_I, QUANT_H), generator=generator) * QUANT_H ** -0.5
+    w2 = torch.randn((E, QUANT_H, QUANT_I), generator=generator) * QUANT_I ** -0.5
+    w13, w13_scale = quant.quantize_weights(w13, spec)
+    w2, w2_scale = quant.quantize_weights(w2, spec)
+    weights = [t.to(DEVICE) for t in (w13, w2, w13_scale, w2_scale)]
+    count_E = torch.tensor(COUNTS, dtype=torch.int32, device=DEVICE)
+    valid_EC1 = masked_valid(count_E, C)
+    x_ECH = torch.randn((E, C, QUANT_H), generator=generator).to(DEVICE)
+    x_scale, out_dtype = None, None
+    if prequantized:
+        x_LH, x_scale_L = quant.quantize_activations(x_ECH.flatten(0, 1), spec)
+        x_ECH, out_dtype = x_LH.view(x_ECH.shape), torch.float32
+        x_scale = x_scale_L.view(E, C, *x_scale_L.shape[1:])
+        x_scale = x_scale.masked_fill(~valid_EC1.view(E, C, *([1] * (x_scale.dim() - 2))),
+                                      math.nan)
+        # NaN bytes of e4m3 (0x7f) past the counts.
+        x_ECH = x_ECH.view(torch.uint8).masked_fill(~valid_EC1, 0x7F).view(x_ECH.dtype)
+    else:
+        x_ECH = x_ECH.masked_fill(~valid_EC1, math.nan)
+    static = (spec.weights, spec.activations, spec.block_list, *STATIC["silu"])
+    args = (x_ECH, x_scale, count_E, *weights, None, None, *static, out_dtype)
+    expert_EC = torch.arange(E, device=DEVICE).unsqueeze(1).expand(E, C)
+    valid_EC = valid_EC1[..., 0]
+    rows = (x_ECH.view(torch.uint8)[valid_EC].view(x_ECH.dtype),
+            None if x_scale is None else x_scale[valid_EC],
+            expert_EC[valid_EC].int(), count_E, *weights, None, None, *static, out_dtype)
+    return args, rows
+
+
+@pytest.mark.parametrize("namespace", [
+    "moe_reference", pytest.param("moe_triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("case", sorted(QUANT_CASES))
+def test_quantized_blocks_match_the_rows_reference(namespace, case):
+    """``experts_masked_quant`` on the rows below the counts against the reference's
+    ``experts_rows_quant`` on those rows alone, whatever the rows past the counts hold."""
+    args, rows = quant_masked_args(case)
+    y_ECH = getattr(torch.ops, namespace).experts_masked_quant(*args)
+    assert y_ECH.shape == args[0].shape and y_ECH.dtype == torch.float32
+    expected = torch.ops.moe_reference.experts_rows_quant(*rows)
+    ours = valid_rows(y_ECH, args[2])
+    assert torch.isfinite(ours).all()
+    assert_scaled_close(ours, expected, 1e-5)
