@@ -18,6 +18,7 @@ from torch_moe_ops.backends.registry import (
     MASKED_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
+    QUANT_FORMAT_OPS,
     REGISTRY,
     TOKENS_OPS,
     A2ABackend,
@@ -27,6 +28,7 @@ from torch_moe_ops.backends.registry import (
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops.experts import backward_namespace
+from torch_moe_ops.ops.library import defines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +82,7 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
     """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; the
     formats passed over, and why, are in ``why``."""
     if problem.quant is not None and "rows" in a2a.formats:
-        # The masked and tokens formats have no quantized experts op: an fp8 dispatch
-        # (DeepEP's low-latency one too) hands its rows and scales to experts_rows_quant.
-        return "rows", ("quantized layer: rows travel in the dispatch dtype with their scales "
-                        "(the masked and tokens formats have no quantized experts op)")
+        return _quantized_format(a2a, experts, problem)
     skipped = []
     # Formats the transport does not produce are not listed: they were never candidates.
     for fmt in (f for f in FORMATS if f in a2a.formats):
@@ -97,6 +96,25 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
             return fmt, "; ".join(skipped) or _MERITS.get(fmt, "the one format both run")
     raise ValueError(f"a2a backend {a2a.name!r} and experts backend {experts.name!r} share no "
                      f"format for this layer: " + "; ".join(skipped))
+
+
+def _quantized_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
+                      ) -> tuple[str, str]:
+    """``(format, why)`` of a quantized layer: the first of `FORMATS` with quantized experts
+    (`QUANT_FORMAT_OPS`) that both backends run for it, else rows, which every transport
+    that has them sends in the dispatch dtype with their scales."""
+    skipped = []
+    for fmt in (f for f in FORMATS if f in a2a.formats and f != "rows"):
+        if fmt not in QUANT_FORMAT_OPS:
+            skipped.append(f"the {fmt} format has no quantized experts op")
+        elif not defines(experts.namespace, QUANT_FORMAT_OPS[fmt][1]):
+            skipped.append(f"{experts.name} reads no quantized {fmt} format")
+        elif a2a.format_reason is not None and (why := a2a.format_reason(fmt, problem)):
+            skipped.append(f"{a2a.name} cannot move this layer in {fmt}: {why}")
+        else:
+            return fmt, "quantized layer: " + ("; ".join(skipped) or _MERITS[fmt])
+    return "rows", ("quantized layer: rows travel in the dispatch dtype with their scales ("
+                    + "; ".join(skipped) + ")")
 
 
 def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,

@@ -57,6 +57,7 @@ define_backend_ops(NAMESPACE, {"dispatch": rows.dispatch, "combine": rows.combin
                                "dispatch_tokens": tokens.dispatch_tokens,
                                "combine_tokens": tokens.combine_tokens,
                                "dispatch_masked": masked.dispatch_masked,
+                               "dispatch_masked_quant": masked.dispatch_masked_quant,
                                "combine_masked": masked.combine_masked})
 
 def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,

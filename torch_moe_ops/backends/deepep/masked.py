@@ -18,12 +18,16 @@ one rank (top-k routing sends at most one per token).
 Bookkeeping around DeepEP's calls, as in `tokens`: the ids cast to ``topk_idx_t`` and an
 idle rank's one padding row routed nowhere (DeepEP's kernels take no empty tensor).
 No gradient ops: the receive buffers are DeepEP's, and a layer that trains takes rows.
-fp8: quantized layers take rows (`lowering.plan.choose_format`), whose low-latency
-dispatch carries DeepEP's fp8 cast (`low_latency`).
+
+fp8 (``dispatch_masked_quant``): DeepEP casts each token itself inside
+``low_latency_dispatch(use_fp8=True)``, one scale per 128 columns, so only ``fp8_group``
+with ``block_size[1] == 128`` travels in fp8 blocks (`modes.fp8_transport_reason`; its
+rounding is ours up to fp32 rounding, as `low_latency` says). Its scales come
+column-major and are copied contiguous (``G / H`` of the fp8 bytes, in fp32: 3%).
 
 Legend: T tokens on this rank, T1 = max(T, 1) tokens handed to DeepEP, H hidden size, K
 experts per token, E experts, E_l = E / P experts per rank, P ranks, M =
-max_tokens_per_rank, Q = P * M rows per local expert.
+max_tokens_per_rank, Q = P * M rows per local expert, G = H / 128 fp8 scales per row.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ import torch
 
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.deepep.buffer import check_tensor, communicator, on, opened, pad_tokens
-from torch_moe_ops.backends.deepep.modes import LOW_LATENCY
+from torch_moe_ops.backends.deepep.modes import LOW_LATENCY, fp8_transport_reason
+from torch_moe_ops.config import QuantSpec
 
 
-def dispatch_masked(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
-                    max_tokens_per_rank):
+def _dispatch(hidden_TH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank,
+              use_fp8):
+    """``Buffer.low_latency_dispatch``: ``(recv_x, count_E, src_info_EQ, layout_range_EP)``,
+    ``recv_x`` bf16 or, with ``use_fp8``, DeepEP's pair (fp8 values, scales)."""
     check_tensor("hidden", hidden_TH)
     num_tokens, top_k = topk_ids_TK.shape
     collectives.rank_in(group_name, ep_size)
@@ -48,11 +55,31 @@ def dispatch_masked(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
         padded = max(num_tokens, 1)
         x_TH = pad_tokens(hidden_TH, padded, 0)
         ids_TK = pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
-        x_EQH, count_E, handle, _, _ = comm.buffer.low_latency_dispatch(
-            x_TH, ids_TK, max_tokens_per_rank, num_experts, use_fp8=False, async_finish=False,
-            return_recv_hook=False)
-        src_info_EQ, layout_range_EP = handle[0], handle[1]
-        return x_EQH, count_E, src_info_EQ, layout_range_EP
+        recv_x, count_E, handle, _, _ = comm.buffer.low_latency_dispatch(
+            x_TH, ids_TK, max_tokens_per_rank, num_experts, use_fp8=use_fp8,
+            async_finish=False, return_recv_hook=False)
+        return recv_x, count_E, handle[0], handle[1]
+
+
+def dispatch_masked(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
+                    max_tokens_per_rank):
+    return _dispatch(hidden_TH, topk_ids_TK, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, use_fp8=False)
+
+
+def dispatch_masked_quant(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, weight_format,
+                          activation_format, block_size, ep_size, group_name,
+                          max_tokens_per_rank):
+    spec = QuantSpec.from_op_args(weight_format, activation_format, block_size)
+    reason = fp8_transport_reason(LOW_LATENCY, spec, hidden_TH.shape[1])
+    if reason is not None:
+        raise ValueError(f"a2a backend 'deepep' sends masked blocks in fp8 through DeepEP's "
+                         f"low-latency cast only: {reason}")
+    (x_EQH, scale_EQG), *bookkeeping = _dispatch(hidden_TH, topk_ids_TK, num_experts,
+                                                 ep_size, group_name, max_tokens_per_rank,
+                                                 use_fp8=True)
+    # DeepEP's scales are column-major ([E_l, G, Q] storage): the contract's are contiguous.
+    return x_EQH, *bookkeeping, scale_EQG.contiguous()
 
 
 def combine_masked(y_EQH, src_info_EQ, layout_range_EP, topk_weights_TK, topk_ids_TK,

@@ -8,12 +8,15 @@ import torch.distributed as dist
 from torch_moe_ops.backends.deepep.buffer import import_deep_ep
 from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
+    LOW_LATENCY,
     LOW_LATENCY_MAX_TOKENS,
     choose_mode,
+    fp8_transport_reason,
     low_latency_mode_reason,
     mode_reason,
     normal_mode_reason,
 )
+from torch_moe_ops.ops.dispatch_quant import FP8_ACTIVATION_FORMATS
 
 
 def supports(spec, problem, device) -> str | None:
@@ -54,6 +57,12 @@ def format_reason(fmt: str, problem) -> str | None:
                       f"<= {LOW_LATENCY_MAX_TOKENS}, got {problem.max_tokens_per_rank}")
         else:
             reason = low_latency_mode_reason(*shape, problem.max_tokens_per_rank)
+        quant = problem.quant
+        if (reason is None and quant is not None and problem.hidden_size is not None
+                and quant.activations in FP8_ACTIVATION_FORMATS):
+            why = fp8_transport_reason(LOW_LATENCY, quant, problem.hidden_size)
+            if why is not None:
+                return f"its fp8 blocks travel through DeepEP's low-latency cast only: {why}"
         return None if reason is None else f"the masked format runs low-latency mode: {reason}"
     if fmt == "tokens":
         reason = normal_mode_reason(*shape, num_local)
