@@ -16,7 +16,9 @@ local expert ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_to
 rows, no copy into them, and every op in the graph by name. A layer whose plan takes the
 masked format is lowered the same way, to ``dispatch_masked``, the experts backend's
 ``experts_masked`` on the per-expert blocks as they arrived, and ``combine_masked``, which
-takes the routing weights (`torch_moe_ops.ops.masked`).
+takes the routing weights (`torch_moe_ops.ops.masked`); a quantized one to
+``experts_masked_quant``, after ``dispatch_masked_quant`` where its blocks travel in fp8
+(their scales handed to the experts, which return the activation dtype).
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ from torch_moe_ops.backends.registry import (
     FORMAT_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
+    QUANT_FORMAT_OPS,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
-from torch_moe_ops.ops.library import full_args, op_overload
+from torch_moe_ops.ops.library import defines, full_args, op_overload
 
 # The ops that carry a layer's activations: they decide (and must agree on) its backends.
 ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
@@ -193,18 +196,25 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
 
 def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(experts_rows, combine)`` where ``dispatch``'s outputs feed one ``moe::experts_rows``
-    and the ``moe::combine`` of its output and nothing else (as a layer emits them)."""
+    (or ``moe::experts_rows_quant`` of unquantized rows) and the ``moe::combine`` of its
+    output and nothing else (as a layer emits them)."""
     items = list(dispatch.users)
     if any(item.target is not operator.getitem for item in items):
         return None
     readers = {reader for item in items for reader in item.users}
-    experts = [r for r in readers if generic_op(r) == "experts_rows"]
+    experts = [r for r in readers if generic_op(r) in ("experts_rows", "experts_rows_quant")]
     combine = [r for r in readers if generic_op(r) == "combine"]
     if len(experts) != 1 or len(combine) != 1 or len(readers) != 2:
         return None
     (experts,), (combine,) = experts, combine
     output = {item: item.args[1] for item in items}
-    x_rows, expert_rows, count = _schema_args(experts)[:3]
+    rows_args = _schema_args(experts)
+    if generic_op(experts) == "experts_rows_quant":
+        x_rows, x_scale, expert_rows, count = rows_args[:4]
+        if x_scale is not None or rows_args[-1] is not None:
+            return None
+    else:
+        x_rows, expert_rows, count = rows_args[:3]
     y_rows, weight_rows, src_rows, slot_map = _schema_args(combine)[:4]
     if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, slot_map)]
             != [0, 1, 4, 2, 3, 5] or y_rows is not experts or set(experts.users) != {combine}):
@@ -236,14 +246,21 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         experts, combine = chain
         hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
         items = list(dispatch.users)
-        # Tokens and masked blocks travel in the activations' dtype: neither format has
-        # quantized experts (`plan.choose_format` sends quantized layers in rows).
+        quant = plan.problem.quant
+        dispatch_op, experts_op = FORMAT_OPS[plan.format][0], CONSUMER_OPS[plan.format]
+        if quant is not None:
+            dispatch_op, experts_op = QUANT_FORMAT_OPS[plan.format]
+        # The format's blocks travel in fp8 where its quantized dispatch and experts meet
+        # (`dispatch_dtype`), else in the activations' dtype.
         sides = dataclasses.replace(DispatchSides.of(plan.a2a, plan.experts),
-                                    sends_quantized=False)
-        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, None, sides)
+                                    sends_quantized=defines(plan.a2a.namespace, dispatch_op))
+        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, quant, sides)
+        fp8 = chosen.dtype != plan.problem.dtype
+        quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()
         # The dispatch node becomes the format's dispatch; its outputs, new getitems.
-        _retarget(dispatch, op_overload(plan.a2a.namespace, FORMAT_OPS[plan.format][0]),
-                  (hidden, topk_weights, topk_ids, num_experts, *ep_args))
+        _retarget(dispatch, op_overload(plan.a2a.namespace, dispatch_op if fp8
+                                        else FORMAT_OPS[plan.format][0]),
+                  (hidden, topk_weights, topk_ids, num_experts, *quant_args, *ep_args))
         dispatch.meta["moe_dispatch_dtype"] = chosen
         with gm.graph.inserting_after(dispatch):
             sent = [gm.graph.call_function(operator.getitem, (dispatch, i))
@@ -251,8 +268,15 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         for item, value in zip(sent, _value(dispatch)):
             item.meta[_meta_key(dispatch)] = value
         experts_inputs, combine_inputs = _CHAINS[plan.format](sent, topk_weights, topk_ids)
-        _retarget(experts, op_overload(plan.experts.namespace, CONSUMER_OPS[plan.format]),
-                  (*experts_inputs, *_schema_args(experts)[3:]))
+        if quant is None:
+            experts_args = (*experts_inputs, *_schema_args(experts)[3:])
+        else:
+            # experts_masked_quant(x, x_scale, count, weights..., out_dtype): the scales
+            # come last from a quantized dispatch.
+            x_masked, count = experts_inputs
+            experts_args = (x_masked, sent[-1] if fp8 else None, count,
+                            *_schema_args(experts)[4:-1], plan.problem.dtype if fp8 else None)
+        _retarget(experts, op_overload(plan.experts.namespace, experts_op), experts_args)
         _retarget(combine, op_overload(plan.a2a.namespace, FORMAT_OPS[plan.format][1]),
                   (experts, *combine_inputs, num_experts, *ep_args))
         for item in items:
@@ -268,7 +292,7 @@ _CHAINS = {
     "tokens": lambda sent, topk_weights, topk_ids: (sent, (topk_ids,)),
     # x_masked, count_experts -> experts_masked; combine_masked(y, src_info, layout_range,
     # topk_weights, topk_ids).
-    "masked": lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:], topk_weights,
+    "masked": lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:4], topk_weights,
                                                                topk_ids)),
 }
 

@@ -43,6 +43,7 @@ from ep_problems import (
     token_slice,
     trained_and_served,
 )
+from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels.rows import masked_valid
 from torch_moe_ops.backends.deepep import fp8_transport_reason
 from torch_moe_ops.backends.registry import REGISTRY
@@ -431,14 +432,21 @@ def _check_dispatch_quant(rank, world_size, mode, spec):
                               (*args, *static, *ep_args))
 
 
+# The layers' sizes per mode: normal mode where low-latency mode cannot run the layer.
+LAYER_TOKENS = {"normal": M_NOT_LOW_LATENCY, "low_latency": M_LOW_LATENCY}
+QUANT_MASKED_OPS = ("moe_deepep::dispatch_masked_quant", "moe_reference::experts_masked_quant",
+                    "moe_deepep::combine_masked")
+
+
 def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True):
     """A quantized `MoE` sharded over the group, compiled with ``a2a="deepep"``
     (aot_eager), against the same layer in one process. ``reads_fp8``: the experts
     read fp8 rows (the lowered graph dispatches with ``dispatch_quant``, through
     DeepEP's fp8 path where `fp8_transport_reason` says so); else they quantize
-    inside and get bf16 rows."""
+    inside and get bf16 rows. In low-latency mode, blocks that DeepEP's fp8 cast can
+    carry take the masked format: fp8 blocks and scales as they arrive."""
     torch._dynamo.reset()
-    max_tokens = MODES[mode]
+    max_tokens = LAYER_TOKENS[mode]
     comm = deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
                                torch.bfloat16, mode=mode, device="cpu")
     torch.manual_seed(5)
@@ -464,14 +472,48 @@ def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True)
         out_TH = compiled(x_NH[mine])
     assert out_TH.dtype == torch.bfloat16 and out_TH.shape == expected_TH.shape
     check_bf16_out(out_TH, expected_TH)
-    dispatch = "dispatch_quant" if reads_fp8 else "dispatch"
-    assert moe_op_sequence(graphs[0]) == (f"moe_reference::route\nmoe_deepep::{dispatch}\n"
-                                          "moe_reference::experts_rows_quant\n"
-                                          "moe_deepep::combine")
     fp8_transport = reads_fp8 and fp8_transport_reason(mode, spec, H) is None
+    dispatch = "dispatch_quant" if reads_fp8 else "dispatch"
+    expected = (f"moe_deepep::{dispatch}", "moe_reference::experts_rows_quant",
+                "moe_deepep::combine")
+    if mode == "low_latency" and fp8_transport:
+        expected = QUANT_MASKED_OPS
+    assert moe_op_sequence(graphs[0]) == "\n".join(("moe_reference::route", *expected))
     transport = "dispatch" if mode == "normal" else "low_latency_dispatch"
     assert comm.buffer.calls[f"fp8_{transport}"] == int(fp8_transport)
     assert comm.buffer.calls[transport] == int(not fp8_transport)
+
+
+def _check_dispatch_masked_quant(rank, world_size):
+    """``moe_deepep::dispatch_masked_quant``: DeepEP's fp8 blocks and (contiguous) scales,
+    the same blocks as ``dispatch_masked`` quantized by DeepEP's cast, and its fake
+    (opcheck); formats DeepEP's cast does not make are refused by name."""
+    num_experts, top_k = 4 * world_size, 2
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(world_size, num_experts, top_k, "random")
+    mine = _my_tokens(rank, world_size)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts)
+    ep_args = (world_size, dist.group.WORLD.group_name, M_LOW_LATENCY)
+    spec = QUANT_SPECS["fp8_group"]
+    static = (spec.weights, spec.activations, spec.block_list)
+    torch.library.opcheck(torch.ops.moe_deepep.dispatch_masked_quant.default,
+                          (*args, *static, *ep_args), test_utils=FAKE_TESTS[1:])
+    x_EQH, count_E, _, _, x_scale = torch.ops.moe_deepep.dispatch_masked_quant(
+        *args, *static, *ep_args)
+    assert x_EQH.dtype == torch.float8_e4m3fn and x_scale.is_contiguous()
+    assert x_scale.shape == (*x_EQH.shape[:2], H // 128)
+    blocks_EQH, blocks_count_E, *_ = torch.ops.moe_deepep.dispatch_masked(*args, *ep_args)
+    assert count_E.tolist() == blocks_count_E.tolist()
+    # Arrival order differs between two dispatches: compare each expert's rows as a set.
+    for e, count in enumerate(count_E.tolist()):
+        values = quant.dequantize_activations(x_EQH[e, :count], x_scale[e, :count], spec)
+        expected = blocks_EQH[e, :count].float()
+        torch.testing.assert_close(values.sort(0).values, expected.sort(0).values,
+                                   rtol=0.07, atol=1e-3)
+    token_spec = QUANT_SPECS["fp8_token"]
+    with pytest.raises(ValueError, match="sends masked blocks in fp8 through DeepEP's "
+                                         "low-latency cast only"):
+        torch.ops.moe_deepep.dispatch_masked_quant(
+            *args, token_spec.weights, token_spec.activations, token_spec.block_list, *ep_args)
 
 
 def _quantized_cases(rank, world_size):
@@ -481,6 +523,8 @@ def _quantized_cases(rank, world_size):
                             torch.bfloat16, mode=mode, device="cpu")
         for spec in QUANT_SPECS.values():
             _check_dispatch_quant(rank, world_size, mode, spec)
+        if mode == "low_latency":
+            _check_dispatch_masked_quant(rank, world_size)
         # DeepEP's fp8 path, and (low-latency fp8_token) bf16 quantized on arrival.
         names = ("fp8_group",) if mode == "normal" else ("fp8_group", "fp8_token")
         for name in names:
