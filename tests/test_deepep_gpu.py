@@ -376,7 +376,8 @@ def _check_dispatch_quant(rank, mode, max_tokens):
 def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
     """A quantized `MoE` sharded over the group and compiled by Inductor with
     ``a2a="deepep"`` (under ``"reduce-overhead"``: CUDA graphs replaying new tokens),
-    against one GPU holding every expert; the lowered graph dispatches fp8 rows."""
+    against one GPU holding every expert; the lowered graph dispatches fp8 rows, or in
+    low-latency mode, where DeepEP's fp8 cast takes the format, fp8 masked blocks."""
     single, sharded = _single_and_sharded(max_tokens, seed=5, quant=QUANT_SPECS[name])
     device = single.w13.device
     graphs = []
@@ -397,17 +398,21 @@ def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             assert_close_scaled(out_TH, single(x_NH)[_mine(rank)], 2e-2, 2e-2)
-    assert moe_op_sequence(graphs[0]) == (f"moe_reference::route\nmoe_deepep::dispatch_quant\n"
-                                          f"moe_{experts}::experts_rows_quant\n"
-                                          "moe_deepep::combine")
+    expected = ("moe_deepep::dispatch_quant", f"moe_{experts}::experts_rows_quant",
+                "moe_deepep::combine")
+    if (deepep.choose_mode(WORLD, H, K, max_tokens) == "low_latency"
+            and deepep.fp8_transport_reason("low_latency", QUANT_SPECS[name], H) is None):
+        expected = ("moe_deepep::dispatch_masked_quant", f"moe_{experts}::experts_masked_quant",
+                    "moe_deepep::combine_masked")
+    assert moe_op_sequence(graphs[0]) == "\n".join(("moe_reference::route", *expected))
     if compile_mode == "reduce-overhead":
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
 
 
 def _run_quantized(rank, world_size, mode):
-    max_tokens = M_NORMAL if mode == "normal" else M_LOW_LATENCY
-    # max_tokens_per_rank this small would take the low-latency kernels: fix the mode.
+    # Normal mode: a size low-latency mode cannot run, so that compiled layers take it too.
+    max_tokens = M_NOT_LOW_LATENCY if mode == "normal" else M_LOW_LATENCY
     comm = deepep.communicator(dist.group.WORLD.group_name, H, E, K, max_tokens,
                                torch.bfloat16, mode=mode)
     assert comm.mode == mode
