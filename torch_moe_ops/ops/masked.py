@@ -36,7 +36,7 @@ token's rows over its slots, weighted by ``topk_weights`` (a slot that is -1 add
 A token that chose one expert in two slots arrives twice and is summed with both weights.
 Every rank calls both ops, with 0 tokens too. The receive buffers are the transport's, so
 the pair carries no gradient (asking for one raises): a layer that trains takes another
-format.
+format. Quantized layers: `ops.masked_quant`.
 """
 
 from __future__ import annotations

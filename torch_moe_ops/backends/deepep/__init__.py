@@ -1,9 +1,10 @@
 """The ``deepep`` a2a backend: DeepEP's expert-parallel kernels (NVLink, RDMA) on its public
 ``deep_ep.Buffer`` API, in three formats (`registry.FORMATS`):
 
-- masked (`masked`: ``moe::dispatch_masked`` / ``moe::combine_masked``), DeepEP's
-  low-latency mode with its per-expert receive blocks as they are, for decode layers
-  (``max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS``) without gradients;
+- masked (`masked`: ``moe::dispatch_masked`` / ``moe::combine_masked``, and
+  ``moe::dispatch_masked_quant`` for fp8 blocks), DeepEP's low-latency mode with its
+  per-expert receive blocks as they are, for decode layers
+  (``max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS``) without gradients, quantized too;
 - tokens (`tokens`: ``moe::dispatch_tokens`` / ``moe::combine_tokens``), DeepEP's normal
   mode at its worst-case token count, for layers without gradients;
 - rows (`rows`: ``moe::dispatch``, ``moe::dispatch_quant``, ``moe::combine`` and their
@@ -49,7 +50,7 @@ NAMESPACE = "moe_deepep"
 FORMAT_MODES = {"tokens": NORMAL, "masked": LOW_LATENCY}
 
 # The tokens and masked ops have no gradient ops (`tokens`, `masked` say why): a layer that
-# trains takes rows.
+# trains takes rows. Quantized layers have no gradient in any format.
 define_backend_ops(NAMESPACE, {"dispatch": rows.dispatch, "combine": rows.combine,
                                "dispatch_backward": rows.dispatch_backward,
                                "combine_backward": rows.combine_backward,
