@@ -41,8 +41,9 @@ from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, defines
 UNSUPPORTED_FORMATS = ("quantized formats not supported by any backend: nvfp4 and the other "
                        "Blackwell-only formats (QuantSpec lists what is)")
 EXPERTS_OPS = ("experts", "experts_rows", "experts_masked")
-# The experts ops on quantized weights: a backend has kernels for quantized
-# weights exactly where its namespace defines these (its `supports` says which formats).
+# The experts ops on quantized weights: a backend has kernels for quantized weights
+# exactly where its namespace defines the first two (its `supports` says which formats),
+# and reads the masked format's quantized blocks where it defines the third.
 QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant", "experts_masked_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
