@@ -5,10 +5,16 @@ rank, skipped slots, every slot on one rank, a capacity below the worst case, an
 low-latency messages arriving in a random order. The tokens format (DeepEP's normal mode,
 ``dispatch_tokens -> moe_reference::experts -> combine_tokens``) against the same reference
 with an idle rank, skipped slots, repeated ids and every slot on one rank, its fakes
-(opcheck), and compiled layers that take it without gradients and rows with. Quantized
-layers: fp8 rows and their scales through DeepEP's fp8 dispatch
-(``moe_deepep::dispatch_quant``, in the lowered graph) against the single-process
-quantized layer, and bf16 rows to experts that quantize inside.
+(opcheck), and compiled layers that take it without gradients and rows with. The masked
+format (DeepEP's low-latency mode, ``dispatch_masked -> moe_reference::experts_masked ->
+combine_masked``) on 2 and 3 ranks against the same reference with an idle rank, uneven
+token counts, skipped slots, repeated ids, every slot on one rank and one expert that
+every token chooses, the experts' rows past each count poisoned, its fakes (opcheck), the
+gradient it refuses, and compiled layers that take it without gradients (`tmo.explain`
+says so) and low-latency rows with. Quantized layers: fp8 rows and their scales through
+DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``, in the lowered graph), and at
+decode size fp8 masked blocks (``moe_deepep::dispatch_masked_quant``), against the
+single-process quantized layer, and bf16 rows to experts that quantize inside.
 
 What this cannot tell is whether DeepEP's kernels behave as the emulator does:
 tests/test_deepep_gpu.py runs the real one on GPUs.
