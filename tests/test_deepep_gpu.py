@@ -13,7 +13,8 @@ experts backend that reads it: reference, triton, grouped_mm) against the same r
 one rank idle, and captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and
 their scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``) against
 dispatch then quantize, and quantized `MoE` layers compiled with ``a2a="deepep"``
-against one GPU holding every expert.
+against one GPU holding every expert (in low-latency mode, fp8 masked blocks where
+DeepEP's cast takes the format: ``dispatch_masked_quant -> experts_masked_quant``).
 
 Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
 I expert intermediate size, E experts, E_l = E / P, K experts per token, M
