@@ -3,7 +3,8 @@
 starts at or past its expert's count has no expert, so its programs return at once.
 
 Legend: E experts held here, C rows per expert, H hidden size, I expert intermediate size,
-M rows per GEMM block (``BLOCK_M``), B = E * ceil(C / M) blocks, P = B * M, L = E * C.
+M rows per GEMM block (``BLOCK_M``), X = ceil(C / M) * M positions of one expert's GEMM
+blocks, B = E * ceil(C / M) blocks, P = B * M, L = E * C.
 
     for e, b: if b * M < count[e]:                          (otherwise: no program works)
         rows e * C + b * M + [0, M) below e * C + count[e]  -> tiled_gemms (K = 1, no weights)
