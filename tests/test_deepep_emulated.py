@@ -46,6 +46,7 @@ from ep_problems import (
     check_bf16_out,
     draw_problem,
     leaves,
+    recording_backend,
     token_slice,
     trained_and_served,
 )
@@ -401,6 +402,35 @@ def _masked_cases(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_masked_chain_matches_single_process(world_size):
     run_on_ranks(world_size, _masked_cases)
+
+
+def _masked_inductor_cases(rank, world_size):
+    """The masked chain compiled by Inductor, serving: the idle rank's dispatch and
+    combine survive though their outputs are empty (ordered effects)."""
+    deepep = _use_emulator()
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, M_MASKED), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, M_MASKED), dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    sequences = []
+    compiled = torch.compile(sharded, backend=recording_backend(
+        sequences, a2a="deepep", experts="reference", inner="inductor"), fullgraph=True,
+        dynamic=False)
+    mine = _my_tokens(rank, world_size)
+    with torch.no_grad():
+        for seed in (9, 10):
+            x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                               generator=torch.Generator().manual_seed(seed)).bfloat16()
+            check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
+    assert sequences == ["moe_reference::route\n" + "\n".join(MASKED_OPS)], sequences
+    deepep.close_all()
+
+
+@pytest.mark.slow
+def test_masked_chain_keeps_the_idle_rank_under_inductor():
+    run_on_ranks(2, _masked_inductor_cases)
 
 
 # Quantized layers: fp8 rows through DeepEP.
