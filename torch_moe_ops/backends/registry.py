@@ -1,11 +1,9 @@
 """Which backends exist, what each supports, and how a choice is resolved.
 
-Experts backends implement ``experts`` and ``experts_rows`` (and those that read the
-masked format ``experts_masked``, with ``experts_masked_backward`` where they have a
-gradient of their own), and those with a
-gradient of their own ``experts_backward`` (``ExpertsBackend.backward`` says
-where it computes the gradient itself); the gradient of the others runs on the
-reference backend's ``experts_backward``. A2A
+Experts backends implement ``experts`` and ``experts_rows``, those that read the masked
+format ``experts_masked`` too, and those with a gradient of their own ``experts_backward``
+(and ``experts_masked_backward``; ``ExpertsBackend.backward`` says where it computes the
+gradient itself); the gradient of the others runs on the reference backend's. A2A
 backends implement ``dispatch`` and ``combine`` and the gradients of both
 (``dispatch_backward``, ``combine_backward``: the same transport, reversed), and
 those that send rows quantized to fp8 ``dispatch_quant``. Route backends
@@ -67,8 +65,8 @@ CONSUMER_OPS = {"masked": "experts_masked", "tokens": "experts", "rows": "expert
 TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
                 "rows": ("dispatch_backward", "combine_backward")}
 TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
-# The transport ops of the masked format (its quantized dispatch defined below).
-MASKED_OPS = (*FORMAT_OPS["masked"], "dispatch_masked_quant")
+# The transport ops of the masked format, its quantized dispatch among them.
+MASKED_OPS = (*FORMAT_OPS["masked"], QUANT_FORMAT_OPS["masked"][0])
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
