@@ -26,7 +26,11 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    mode ``tokens``: ``dispatch_tokens`` + ``combine_tokens`` with the receive buffers sent
    back untouched), judged against raw NCCL moving one row per token per peer; DeepEP's
    own tests (tests/test_intranode.py, tests/test_low_latency.py) run at the same sizes in
-   the same call (`scripts/ep_gpu_check.sh`), and are its yardstick. ``flashinfer`` (where
+   the same call (`scripts/ep_gpu_check.sh`), and are its yardstick. At T=128 also its
+   masked format (mode ``masked``: ``dispatch_masked`` + ``combine_masked`` of the receive
+   blocks untouched, low-latency mode, captured as a pair) against DeepEP's own round trip,
+   ``Buffer.low_latency_dispatch`` + ``low_latency_combine`` of the same payloads called
+   directly, captured alike (target: within 1.05x of it). ``flashinfer`` (where
    flashinfer-python runs): its rows ops as a captured dispatch + combine pair, eager only
    (they stay whole in a compiled graph); then its tokens transport, ``dispatch_tokens``
    + ``combine_tokens`` with the receive buffers sent back untouched (mode ``tokens``), and
@@ -50,7 +54,8 @@ Bytes one rank sends its peers (GB/s = those bytes / time):
     all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
     allgather   (P-1) * M * (2*H*b + 8*K) all-gather of tokens, ids, weights + reduce-scatter
     deepep      (P-1) * M * 2*H*b         each token to each peer at most once, there and back
-                (tokens: + 12*K, its int64 ids and fp32 weights)
+                (tokens: + 12*K, its int64 ids and fp32 weights; masked: (P-1)/P * M * K
+                rows there and back, one per (token, slot) on another rank)
     flashinfer  (P-1) * M * (2*H*b + 8*K + 4)  the same, with ids, weights and token index
     raw a2a     2 * (P-1) * C * H * b     (even share: C = T * K / P)
     raw ag+rs   2 * (P-1) * M * H * b
@@ -117,7 +122,11 @@ PAIRED_A2A_NAMES = ("deepep", "flashinfer")
 CAPACITY_A2A_NAMES = ("all_to_all",)
 # Those whose tokens format is timed (the format the lowering takes where it can).
 TOKENS_A2A_NAMES = ("all_to_all", "allgather", "deepep", "flashinfer")
+# Those whose masked format (DeepEP low-latency's blocks) is timed, at decode sizes.
+MASKED_A2A_NAMES = ("deepep",)
 TARGET_TRANSPORT = 1.25
+# The deepep masked transport against DeepEP's own low-latency round trip.
+TARGET_DEEPEP_LOW_LATENCY = 1.05
 # The flashinfer tokens transport against FlashInfer's own round trip.
 TARGET_FLASHINFER = 1.05
 # The deepep backend against DeepEP's own round trip (peer_deepep).
@@ -484,7 +493,8 @@ def time_deepep_raw(run: Run, sizes: Sizes, case: tuple[int, int, str]) -> dict:
     timed = peer_deepep.time_normal if mode == "normal" else peer_deepep.time_low_latency
     row = timed(run, sizes, (num_experts, tokens), routing, capture_and_time)
     release_communicators("deepep")
-    sent = bytes_sent("deepep", run, sizes, tokens, 0)
+    sent = (bytes_sent("deepep", run, sizes, tokens, 0) if mode == "normal"
+            else masked_bytes_sent(run, sizes, tokens))
     if "total_us" in row:
         row.update(bytes_sent=sent, gb_per_s=sent / row["total_us"] / 1e3,
                    there_us=None, back_us=None)
@@ -525,6 +535,39 @@ def time_tokens(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int,
                check_in_graph=True, dispatch_us=None, combine_us=None,
                total_us=total_s * 1e6, gb_per_s=sent / total_s / 1e9)
     return row
+
+
+def time_masked(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int) -> dict:
+    """The masked format's transport (what the lowering takes for DeepEP at decode sizes):
+    ``dispatch_masked``, then ``combine_masked`` of the receive blocks untouched, captured
+    as a pair; checked once (each slot's row comes back weighted: ``hidden * sum_k w``)."""
+    hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, num_experts, seed=1)
+    ep_args = (run.world, run.group_name, tokens)
+    namespace = REGISTRY.a2a[a2a].namespace
+    dispatch = op_overload(namespace, "dispatch_masked")
+    combine = op_overload(namespace, "combine_masked")
+
+    def pair():
+        x_EQH, _, src_info_EQ, layout_range_EP = dispatch(hidden_TH, weights_TK, ids_TK,
+                                                          num_experts, *ep_args)
+        return combine(x_EQH, src_info_EQ, layout_range_EP, weights_TK, ids_TK, num_experts,
+                       *ep_args)
+
+    error = relative_error(pair(), hidden_TH.float() * weights_TK.sum(-1, keepdim=True))
+    replay, _ = run.capture(pair)
+    (total_s,) = run.time([replay])
+    sent = masked_bytes_sent(run, sizes, tokens)
+    return {"a2a": a2a, "mode": "masked", "experts": num_experts, "tokens": tokens,
+            "capacity": tokens, "worst_capacity": tokens, "even_rows": None,
+            "rel_err": error, "bytes_sent": sent, "check_in_graph": True,
+            "dispatch_us": None, "combine_us": None, "total_us": total_s * 1e6,
+            "gb_per_s": sent / total_s / 1e9}
+
+
+def masked_bytes_sent(run: Run, sizes: Sizes, tokens: int) -> int:
+    """What one rank sends its peers in the masked format, at uniform routing: a row per
+    (token, slot) whose expert is on another rank ((P - 1) / P of the K), there and back."""
+    return (run.world - 1) * tokens * sizes.top_k * 2 * sizes.hidden * DTYPE_BYTES // run.world
 
 
 def tokens_bytes_sent(a2a: str, run: Run, sizes: Sizes, tokens: int) -> int:
@@ -642,6 +685,16 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
                         base = raw_case(("a2a", tokens), time_raw_all_to_all, tokens,
                                         f"one row per token per peer, T={tokens}")
                     judged(row, base)
+                what = f"transport {a2a} masked E={num_experts} T={tokens}"
+                if (a2a in MASKED_A2A_NAMES and tokens <= deepep.LOW_LATENCY_MAX_TOKENS
+                        and run.within_budget(what)):
+                    row = time_masked(run, sizes, a2a, num_experts, tokens)
+                    release_communicators(a2a)
+                    run.release()
+                    # Judged against DeepEP's own low-latency round trip of the same payloads.
+                    judged(row, raw_case(("deepep", num_experts, tokens, "low_latency"),
+                                         time_deepep_raw, (num_experts, tokens, "low_latency"),
+                                         f"deepep low_latency, E={num_experts}, T={tokens}"))
             raw_case(("a2a", even), time_raw_all_to_all, even, f"even share, T={tokens}")
 
 
@@ -744,6 +797,8 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
                    "flashinfer": ("flashinfer", cfg.num_experts, tokens),
                    "deepep": ("deepep", cfg.num_experts, tokens, deepep_mode)}.get(
                 a2a, ("a2a", tokens if fmt == "tokens" else cfg.rows_per_rank))
+            if fmt == "masked":
+                key = ("deepep", cfg.num_experts, tokens, "low_latency")
             if key in raw:
                 row["raw_us"] = raw[key]["total_us"]
             if "layer_us" in row and "raw_us" in row:
@@ -859,7 +914,9 @@ def short_table(transport: list[dict], layers: list[dict]) -> str:
                      f"{_fmt(r.get('vs_local_plus_raw'), '.2f'):>8}")
     lines.append(f"vs base: transport / raw NCCL same bytes (all_to_all target <= "
                  f"{TARGET_TRANSPORT}); flashinfer / MoeAlltoAll's own round trip, same "
-                 f"payloads (tokens target <= {TARGET_FLASHINFER}); layer / (local experts + "
+                 f"payloads (tokens target <= {TARGET_FLASHINFER}); deepep masked / DeepEP's "
+                 f"own low-latency round trip (target <= {TARGET_DEEPEP_LOW_LATENCY}); "
+                 f"layer / (local experts + "
                  f"raw transport) (target <= {TARGET_LAYER})")
     return "\n".join(lines)
 

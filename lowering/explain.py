@@ -26,13 +26,18 @@ def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtyp
     static sizes (every position is sent, filled or not: the splits are static).
 
     tokens: M rows of H, with K ids and weights (8 bytes each), to each peer, and M rows
-    back; rows: C rows of H with an id and a weight to each peer, C rows back.
+    back; rows: C rows of H with an id and a weight to each peer, C rows back; masked: one
+    message of H per (token, slot) to its expert's rank and one back, at most M * K (the
+    transport sends the messages there are, not static blocks; the bound counts them all).
     """
     if fmt is None or not problem.ep_size or problem.ep_size < 2:
         return 0, 0
     peers, hidden = problem.ep_size - 1, problem.hidden_size
     row_out = hidden * dispatch_dtype.itemsize
     row_back = hidden * problem.dtype.itemsize
+    if fmt == "masked":
+        messages = problem.max_tokens_per_rank * problem.top_k
+        return messages * row_out, messages * row_back
     if fmt == "tokens":
         rows = problem.max_tokens_per_rank
         return peers * rows * (row_out + 8 * problem.top_k), peers * rows * row_back

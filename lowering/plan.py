@@ -14,10 +14,13 @@ import torch
 from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
+    CONSUMER_OPS,
     EXPERTS_OPS,
     FORMATS,
+    MASKED_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
+    QUANT_FORMAT_OPS,
     REGISTRY,
     TOKENS_OPS,
     A2ABackend,
@@ -27,6 +30,7 @@ from torch_moe_ops.backends.registry import (
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops.experts import backward_namespace
+from torch_moe_ops.ops.library import defines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +56,9 @@ class LayerPlan:
         """The namespace whose op runs ``moe::<op_name>`` in this layer."""
         if op_name in EXPERTS_OPS + QUANT_EXPERTS_OPS:
             return self.experts.namespace
-        if op_name == "experts_backward":
-            return backward_namespace(self.experts.namespace)
-        if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS:
+        if op_name in ("experts_backward", "experts_masked_backward"):
+            return backward_namespace(self.experts.namespace, op_name)
+        if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS + MASKED_OPS:
             return self.a2a.namespace
         if op_name == "route":
             return self.route.namespace
@@ -70,6 +74,11 @@ def _refusals(kind: str, backends: dict, spec: BackendSpec, problem: Problem,
             and (reason := backend.why_not(spec, problem, device)) is not None]
 
 
+# Why the first format both backends run is taken, where none was passed over before it.
+_MERITS = {"masked": "the transport's decode layout, read where it arrives (no copy into rows)",
+           "tokens": "the format that moves the fewest bytes"}
+
+
 def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem) -> bool:
     """Whether a quantized layer's rows would cross in fp8 between these backends (the
     dispatch dtype rule with no explicit choice): the a2a sends fp8 rows, the experts read
@@ -79,25 +88,37 @@ def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Pro
     return chosen.dtype != problem.dtype
 
 
+def experts_op(fmt: str, quantized: bool) -> str:
+    """The experts op that reads ``fmt``: a quantized layer's is the format's own
+    (`QUANT_FORMAT_OPS`), or for tokens ``experts_quant``, which quantizes them inside."""
+    if not quantized:
+        return CONSUMER_OPS[fmt]
+    return QUANT_FORMAT_OPS[fmt][1] if fmt in QUANT_FORMAT_OPS else "experts_quant"
+
+
 def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
                   ) -> tuple[str, str]:
-    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; rows for
-    a quantized layer whose rows travel in fp8 (half the bytes of bf16 tokens)."""
-    if (problem.quant is not None and "rows" in a2a.formats
-            and rows_travel_quantized(a2a, experts, problem)):
-        return "rows", "quantized layer: rows travel in fp8 with their scales"
+    """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; the
+    formats passed over, and why, are in ``why``. A quantized layer takes the format's
+    quantized experts op (`experts_op`), and rows before tokens where its rows cross in
+    fp8 (half the bytes of tokens in the activations' dtype)."""
+    quantized = problem.quant is not None
     skipped = []
-    for fmt in FORMATS:
-        if fmt not in a2a.formats:
-            skipped.append(f"{a2a.name} does not produce {fmt}")
-        elif fmt not in experts.formats:
-            skipped.append(f"{experts.name} does not read {fmt}")
+    # Formats the transport does not produce are not listed: they were never candidates.
+    for fmt in (f for f in FORMATS if f in a2a.formats):
+        if (quantized and fmt == "tokens" and "rows" in a2a.formats
+                and rows_travel_quantized(a2a, experts, problem)):
+            skipped.append("rows travel in fp8 with their scales, tokens in the activations' "
+                           "dtype")
+        elif not defines(experts.namespace, experts_op(fmt, quantized)):
+            skipped.append(f"{experts.name} does not read {'quantized ' * quantized}{fmt}")
         elif problem.training and not a2a.trains(fmt):
             skipped.append(f"{a2a.name} carries no gradient in {fmt}")
         elif a2a.format_reason is not None and (why := a2a.format_reason(fmt, problem)):
             skipped.append(f"{a2a.name} cannot move this layer in {fmt}: {why}")
         else:
-            return fmt, "; ".join(skipped) or "the format that moves the fewest bytes"
+            why = "; ".join(skipped) or _MERITS.get(fmt, "the one format both run")
+            return fmt, ("quantized layer: " if quantized else "") + why
     raise ValueError(f"a2a backend {a2a.name!r} and experts backend {experts.name!r} share no "
                      f"format for this layer: " + "; ".join(skipped))
 

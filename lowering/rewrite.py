@@ -14,7 +14,12 @@ dispatch and combine). A layer whose plan takes the tokens format is lowered who
 ``dispatch_tokens``, the experts backend's ``experts`` (``experts_quant`` for a quantized
 layer whose rows would travel unquantized) on the receive buffers (tokens with local expert
 ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_tokens``: no rows, no copy
-into them, and every op in the graph by name.
+into them, and every op in the graph by name. A layer whose plan takes the
+masked format is lowered the same way, to ``dispatch_masked``, the experts backend's
+``experts_masked`` on the per-expert blocks as they arrived, and ``combine_masked``, which
+takes the routing weights (`torch_moe_ops.ops.masked`); a quantized one to
+``experts_masked_quant``, after ``dispatch_masked_quant`` where its blocks travel in fp8
+(their scales handed to the experts, which return the activation dtype).
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
+    FORMAT_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
+    QUANT_FORMAT_OPS,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
-from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
+from torch_moe_ops.lowering.plan import LayerPlan, experts_op, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
-from torch_moe_ops.ops.library import full_args, op_overload
+from torch_moe_ops.ops.library import defines, full_args, op_overload
 
 # The ops that carry a layer's activations: they decide (and must agree on) its backends.
 ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
@@ -160,10 +167,10 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
             plan.a2a.prepare(plan.format, *_example_args(node)[:7])
-    tokens = _lower_tokens_chains(gm, plans, spec)
-    changed = bool(tokens)
+    chains = _lower_chains(gm, plans, spec)
+    changed = bool(chains)
     for node, plan in plans.items():
-        if node in tokens:
+        if node in chains:
             continue
         name = generic_op(node)
         namespace = plan.namespace_for(name)
@@ -201,28 +208,18 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         return None
     (experts,), (combine,) = experts, combine
     output = {item: item.args[1] for item in items}
-    rows_args = _rows_reader_args(experts)
-    if rows_args is None:
-        return None
-    x_rows, expert_rows, count = rows_args[:3]
+    rows_args = _schema_args(experts)
+    if generic_op(experts) == "experts_rows_quant":
+        x_rows, x_scale, expert_rows, count = rows_args[:4]
+        if x_scale is not None or rows_args[-1] is not None:
+            return None
+    else:
+        x_rows, expert_rows, count = rows_args[:3]
     y_rows, weight_rows, src_rows, slot_map = _schema_args(combine)[:4]
     if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, slot_map)]
             != [0, 1, 4, 2, 3, 5] or y_rows is not experts or set(experts.users) != {combine}):
         return None
     return experts, combine
-
-
-def _rows_reader_args(experts: fx.Node) -> tuple | None:
-    """``(x_rows, expert_rows, count, *weights)`` of a rows reader, ``weights`` the arguments
-    its tokens op (``experts`` or ``experts_quant``) takes after the routing; None for an
-    ``experts_rows_quant`` of rows that arrive quantized or leave in another dtype."""
-    args = _schema_args(experts)
-    if generic_op(experts) == "experts_rows":
-        return tuple(args)
-    x_rows, x_scale, expert_rows, count, *weights, out_dtype = args
-    if x_scale is not None or out_dtype is not None:
-        return None
-    return (x_rows, expert_rows, count, *weights)
 
 
 def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
@@ -233,48 +230,79 @@ def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
         node.meta[_meta_key(node)] = op(*values)
 
 
-def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
-                         spec: BackendSpec) -> set[fx.Node]:
-    """Lower each layer whose plan takes the tokens format as its tokens chain; returns the
-    generic nodes that took the chain's ops."""
+def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
+                  spec: BackendSpec) -> set[fx.Node]:
+    """Lower each layer whose plan takes the tokens or the masked format as that format's
+    chain; returns the generic nodes that took the chain's ops."""
     lowered: set[fx.Node] = set()
     for dispatch, plan in plans.items():
-        if generic_op(dispatch) != "dispatch" or plan.format != "tokens":
+        if generic_op(dispatch) != "dispatch" or plan.format not in _CHAINS:
             continue
         chain = _rows_chain(dispatch)
         if chain is None:
-            raise ValueError(f"cannot lower {dispatch.format_node()} to the tokens format: its "
-                             "outputs must feed one moe::experts_rows (or experts_rows_quant of "
-                             "unquantized rows) and the moe::combine of its result, and nothing "
-                             "else (as MoE emits them)")
+            raise ValueError(f"cannot lower {dispatch.format_node()} to the {plan.format} "
+                             "format: its outputs must feed one moe::experts_rows and the "
+                             "moe::combine of its result, and nothing else (as MoE emits them)")
         experts, combine = chain
-        namespace = plan.a2a.namespace
         hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
-        expert_args = _rows_reader_args(experts)[3:]
-        tokens_op = "experts" if generic_op(experts) == "experts_rows" else "experts_quant"
         items = list(dispatch.users)
-        # Tokens travel in the activations' dtype. The plan takes tokens only where rows would
-        # not travel in fp8 either (`plan.rows_travel_quantized`), so the rule resolves that
-        # dtype, warning (with the rule's reason) where fp8 was asked for.
-        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype,
-                                        plan.problem.quant,
-                                        DispatchSides.of(plan.a2a, plan.experts))
-        # The dispatch node becomes dispatch_tokens; its three outputs, new getitems.
-        _retarget(dispatch, op_overload(namespace, "dispatch_tokens"),
-                  (hidden, topk_weights, topk_ids, num_experts, *ep_args))
+        quant = plan.problem.quant
+        dispatch_op = FORMAT_OPS[plan.format][0]
+        # A format with a quantized dispatch of its own (`QUANT_FORMAT_OPS`: masked) sends its
+        # blocks in fp8 where that dispatch and its experts meet (`dispatch_dtype`); tokens
+        # travel in the activations' dtype, and the rule says so where fp8 was asked for.
+        quant_dispatch = (QUANT_FORMAT_OPS[plan.format][0]
+                          if quant is not None and plan.format in QUANT_FORMAT_OPS else None)
+        sides = dataclasses.replace(
+            DispatchSides.of(plan.a2a, plan.experts),
+            sends_quantized=quant_dispatch is not None
+            and defines(plan.a2a.namespace, quant_dispatch))
+        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, quant, sides)
+        fp8 = chosen.dtype != plan.problem.dtype
+        quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()
+        # The dispatch node becomes the format's dispatch; its outputs, new getitems.
+        _retarget(dispatch, op_overload(plan.a2a.namespace, quant_dispatch if fp8
+                                        else dispatch_op),
+                  (hidden, topk_weights, topk_ids, num_experts, *quant_args, *ep_args))
         dispatch.meta["moe_dispatch_dtype"] = chosen
         with gm.graph.inserting_after(dispatch):
-            sent = [gm.graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
+            sent = [gm.graph.call_function(operator.getitem, (dispatch, i))
+                    for i in range(len(_value(dispatch)))]
         for item, value in zip(sent, _value(dispatch)):
             item.meta[_meta_key(dispatch)] = value
-        _retarget(experts, op_overload(plan.experts.namespace, tokens_op),
-                  (*sent, *expert_args))
-        _retarget(combine, op_overload(namespace, "combine_tokens"),
-                  (experts, topk_ids, num_experts, *ep_args))
+        experts_inputs, combine_inputs = _CHAINS[plan.format](sent, topk_weights, topk_ids)
+        if quant is None:
+            experts_args = (*experts_inputs, *_schema_args(experts)[3:])
+        elif plan.format == "masked":
+            # experts_masked_quant(x, x_scale, count, weights..., out_dtype): the scales
+            # come last from a quantized dispatch.
+            x_masked, count = experts_inputs
+            experts_args = (x_masked, sent[-1] if fp8 else None, count,
+                            *_schema_args(experts)[4:-1], plan.problem.dtype if fp8 else None)
+        else:
+            # experts_quant(x, topk_weights, topk_ids, weights...) quantizes the tokens inside.
+            experts_args = (*experts_inputs, *_schema_args(experts)[4:-1])
+        _retarget(experts, op_overload(plan.experts.namespace,
+                                       experts_op(plan.format, quant is not None)),
+                  experts_args)
+        _retarget(combine, op_overload(plan.a2a.namespace, FORMAT_OPS[plan.format][1]),
+                  (experts, *combine_inputs, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)
         lowered |= {dispatch, experts, combine}
     return lowered
+
+
+# Per format: from its dispatch's outputs and the layer's routing, the inputs of its experts
+# op before the weights, and those of its combine between the experts' output and E.
+_CHAINS = {
+    # x_tokens, topk_weights_tokens, topk_ids_tokens -> experts; combine_tokens(y, topk_ids).
+    "tokens": lambda sent, topk_weights, topk_ids: (sent, (topk_ids,)),
+    # x_masked, count_experts -> experts_masked; combine_masked(y, src_info, layout_range,
+    # topk_weights, topk_ids).
+    "masked": lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:4], topk_weights,
+                                                               topk_ids)),
+}
 
 
 def _schema_args(node: fx.Node) -> list:

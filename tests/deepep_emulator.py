@@ -19,8 +19,11 @@ tests/test_deepep_gpu.py runs the real one.
   ``p``'s messages for expert ``e`` land in one block ``[begin, begin + count)``, the
   blocks in an arbitrary (here random) arrival order and the messages of a block in
   an arbitrary (random) order; ``layout_range`` packs count (low 32 bits) and begin
-  (high); positions past the count hold garbage. ``low_latency_combine`` sends each
-  block back by ``src_info`` and ``layout_range`` and sums ``weight * row`` per token.
+  (high), at most M messages from one rank to one expert (DeepEP stages them in M slots);
+  positions past the count hold garbage. ``low_latency_combine`` sends each
+  block back by ``src_info`` and ``layout_range`` (a row per (expert, token): a token that
+  chose one expert in two slots sends two rows, which must be equal, to one place) and
+  sums ``weight * row`` over each token's slots, reading rows of its blocks only.
   ``use_fp8=True`` casts each token to e4m3 before it leaves, one scale per 128
   columns, as DeepEP's kernel does (`ll_fp8_cast`), and returns ``(x [E_l, Q, H] fp8,
   scales [E_l, Q, H / 128])``, the scales column-major (a transposed ``[E_l, H / 128,
@@ -249,6 +252,8 @@ class Buffer:
             begin = 0
             for p in arrival:
                 block = [m for m in got[p] if m[0] == e]
+                # DeepEP stages one rank's messages to one expert in M slots.
+                assert len(block) <= max_tokens, (p, e, len(block))
                 self.arrival.shuffle(block)
                 for i, (_, t, rows) in enumerate(block):
                     src_info_EQ[e, begin + i] = t
@@ -285,7 +290,9 @@ class Buffer:
                 begin, count = packed >> 32, packed & 0xFFFFFFFF
                 for j in range(begin, begin + count):
                     key = (self.rank * num_local + e, int(src_info_EQ[e, j]))
-                    assert key not in sends[p], key
+                    # A token that chose an expert in two slots came twice: both rows go
+                    # back to one place, the last write winning (they must be equal).
+                    assert key not in sends[p] or torch.equal(sends[p][key], x[e, j]), key
                     sends[p][key] = x[e, j]
         received = {}
         for sent in _exchange(sends, self.group):

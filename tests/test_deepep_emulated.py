@@ -5,10 +5,16 @@ rank, skipped slots, every slot on one rank, a capacity below the worst case, an
 low-latency messages arriving in a random order. The tokens format (DeepEP's normal mode,
 ``dispatch_tokens -> moe_reference::experts -> combine_tokens``) against the same reference
 with an idle rank, skipped slots, repeated ids and every slot on one rank, its fakes
-(opcheck), and compiled layers that take it without gradients and rows with. Quantized
-layers: fp8 rows and their scales through DeepEP's fp8 dispatch
-(``moe_deepep::dispatch_quant``, in the lowered graph) against the single-process
-quantized layer, and bf16 tokens to experts that quantize inside.
+(opcheck), and compiled layers that take it without gradients and rows with. The masked
+format (DeepEP's low-latency mode, ``dispatch_masked -> moe_reference::experts_masked ->
+combine_masked``) on 2 and 3 ranks against the same reference with an idle rank, uneven
+token counts, skipped slots, repeated ids, every slot on one rank and one expert that
+every token chooses, the experts' rows past each count poisoned, its fakes (opcheck), the
+gradient it refuses, and compiled layers that take it without gradients (`tmo.explain`
+says so) and low-latency rows with. Quantized layers: fp8 rows and their scales through
+DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``, in the lowered graph), and at
+decode size fp8 masked blocks (``moe_deepep::dispatch_masked_quant``), against the
+single-process quantized layer, and bf16 tokens to experts that quantize inside.
 
 What this cannot tell is whether DeepEP's kernels behave as the emulator does:
 tests/test_deepep_gpu.py runs the real one on GPUs.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import sys
 
 import pytest
@@ -39,9 +46,12 @@ from ep_problems import (
     check_bf16_out,
     draw_problem,
     leaves,
+    recording_backend,
     token_slice,
     trained_and_served,
 )
+from torch_moe_ops import quant
+from torch_moe_ops.backends.common.kernels.rows import masked_valid
 from torch_moe_ops.backends.deepep import fp8_transport_reason
 from torch_moe_ops.backends.registry import REGISTRY
 from torch_moe_ops.config import QuantSpec
@@ -49,8 +59,13 @@ from torch_moe_ops.lowering.rewrite import moe_op_sequence
 
 # A hidden size DeepEP's low-latency kernels are compiled for.
 H, I = 2048, 16
-TOKENS_PER_RANK = {2: (5, 0), 4: (6, 0, 3, 1)}
+TOKENS_PER_RANK = {2: (5, 0), 3: (4, 0, 7), 4: (6, 0, 3, 1)}
 M_NORMAL, M_LOW_LATENCY = 8, 6
+# Low-latency mode does not run 2 * 7 positions (a multiple of 4): a decode layer of this
+# size takes the tokens format and normal mode.
+M_NOT_LOW_LATENCY = 7
+# The masked format at 2 and 3 ranks: low-latency mode needs P * M to be a multiple of 4.
+M_MASKED = 8
 # (K, E_l): K above, at and below E_l.
 SHAPES = ((2, 3), (3, 2), (1, 4))
 STATIC = ("silu", 1.702, 7.0)
@@ -280,13 +295,151 @@ def _tokens_cases(rank, world_size):
             torch.zeros(world_size * M_LOW_LATENCY, H, dtype=torch.bfloat16),
             torch.zeros(3, 1, dtype=torch.int32), 4 * world_size, *ep_args)
     deepep.close_all()
-    _check_tokens_compiled(rank, world_size, deepep, M_LOW_LATENCY)
+    _check_tokens_compiled(rank, world_size, deepep, M_NOT_LOW_LATENCY)
     deepep.close_all()
     assert not deepep.open_communicators()
 
 
 def test_tokens_chain_matches_single_process():
     run_on_ranks(2, _tokens_cases)
+
+
+# The masked format: DeepEP's low-latency blocks as they arrive, for layers without gradients.
+
+MASKED_OPS = ("moe_deepep::dispatch_masked", "moe_reference::experts_masked",
+              "moe_deepep::combine_masked")
+# Besides the tokens routings: every token's first slot on expert 0 (its other slots on
+# expert 0 skipped), so that one expert gets every token of every rank.
+MASKED_ROUTINGS = (*TOKENS_ROUTINGS, "hot")
+FAKE_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _masked_routing(world_size, num_experts, top_k, route):
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(
+        world_size, num_experts, top_k, route if route == "one_rank" else "random")
+    if route == "repeated":
+        ids_NK[1::2, -1] = ids_NK[1::2, 0]
+    if route == "hot":
+        ids_NK = torch.where(ids_NK == 0, -1, ids_NK)
+        ids_NK[:, 0] = 0
+    return hidden_NH, weights_NK, ids_NK, full
+
+
+def _check_masked(rank, world_size, top_k, num_local, route):
+    """dispatch_masked -> moe_reference::experts_masked on DeepEP's blocks as they are ->
+    combine_masked against the reference on all tokens, with the experts' rows past each
+    count poisoned (nothing may read them); the counts against the routing; with the
+    random routing, the fakes against the real outputs (opcheck)."""
+    num_experts = num_local * world_size
+    hidden_NH, weights_NK, ids_NK, full = _masked_routing(world_size, num_experts, top_k, route)
+    mine, local = _my_tokens(rank, world_size), slice(rank * num_local, (rank + 1) * num_local)
+    ep_args = (world_size, dist.group.WORLD.group_name, M_MASKED)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *ep_args)
+    if route == "random":
+        # Not the eager-against-traced test: two dispatches differ in arrival order and in
+        # the garbage past the counts, as DeepEP's do.
+        torch.library.opcheck(torch.ops.moe_deepep.dispatch_masked.default, args,
+                              test_utils=FAKE_TESTS)
+    x_EQH, count_E, src_info_EQ, layout_range_EP = torch.ops.moe_deepep.dispatch_masked(*args)
+    rows_per_expert = world_size * M_MASKED
+    assert x_EQH.shape == (num_local, rows_per_expert, H) and count_E.dtype == torch.int32
+    expected_E = torch.stack([(ids_NK == e).sum() for e in range(num_experts)])[local]
+    assert count_E.tolist() == expected_E.tolist()
+    y_EQH = torch.ops.moe_reference.experts_masked(x_EQH, count_E, *(w[local] for w in full),
+                                                   *STATIC)
+    past_count_EQ1 = ~masked_valid(count_E, rows_per_expert)
+    y_EQH = y_EQH.masked_fill(past_count_EQ1, math.nan)
+    combine_args = (y_EQH, src_info_EQ, layout_range_EP, weights_NK[mine], ids_NK[mine],
+                    num_experts, *ep_args)
+    if route == "random":
+        torch.library.opcheck(torch.ops.moe_deepep.combine_masked.default, combine_args)
+    out_TH = torch.ops.moe_deepep.combine_masked(*combine_args)
+    ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    assert out_TH.shape == (mine.stop - mine.start, H)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _check_masked_compiled(rank, world_size, deepep):
+    """A `MoE` sharded over the group and compiled with ``a2a="deepep"`` at decode size:
+    with gradients it takes low-latency rows, without them the masked chain on the same
+    low-latency communicator; both against the same layer in one process."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, M_MASKED), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, M_MASKED), dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                       generator=torch.Generator().manual_seed(9)).bfloat16()
+    trained, served = trained_and_served(single, sharded, x_NH, _my_tokens(rank, world_size),
+                                         a2a="deepep", experts="reference")
+    assert "moe_deepep::dispatch\n" in trained and "masked" not in trained, trained
+    assert served == "moe_reference::route\n" + "\n".join(MASKED_OPS), served
+    assert {comm.mode for comm in deepep.open_communicators()} == {"low_latency"}
+    # `tmo.explain` says so: the format, why, and one bf16 row per (token, slot) at most.
+    with torch.no_grad():
+        (report,) = tmo.explain(sharded, x_NH[_my_tokens(rank, world_size)], a2a="deepep",
+                                experts="reference")
+    text, row_bytes = str(report), M_MASKED * 2 * H * 2
+    assert "format:  masked (the transport's decode layout, read where it arrives" in text, text
+    assert (f"bytes each rank sends per call: dispatch {row_bytes:,}, combine {row_bytes:,}"
+            in text), text
+
+
+def _masked_cases(rank, world_size):
+    deepep = _use_emulator()
+    for top_k, num_local in SHAPES:
+        for route in MASKED_ROUTINGS:
+            _check_masked(rank, world_size, top_k, num_local, route)
+        # One NVSHMEM communicator per process: close it before the next shape.
+        deepep.close_all()
+    # The transport's receive buffers carry no gradient: asking for one says so.
+    hidden_NH, weights_NK, ids_NK, _ = _masked_routing(world_size, 4 * world_size, 2, "random")
+    mine = _my_tokens(rank, world_size)
+    hidden_TH = hidden_NH[mine].clone().requires_grad_()
+    x_EQH, *_ = torch.ops.moe_deepep.dispatch_masked(
+        hidden_TH, weights_NK[mine], ids_NK[mine], 4 * world_size, world_size,
+        dist.group.WORLD.group_name, M_MASKED)
+    with pytest.raises(RuntimeError, match="dispatch_masked has no gradient"):
+        x_EQH.float().sum().backward()
+    deepep.close_all()
+    _check_masked_compiled(rank, world_size, deepep)
+    deepep.close_all()
+    assert not deepep.open_communicators()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_masked_chain_matches_single_process(world_size):
+    run_on_ranks(world_size, _masked_cases)
+
+
+def _masked_inductor_cases(rank, world_size):
+    """The masked chain compiled by Inductor, serving: the idle rank's dispatch and
+    combine survive though their outputs are empty (ordered effects)."""
+    deepep = _use_emulator()
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, M_MASKED), dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, M_MASKED), dtype=torch.bfloat16,
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    sequences = []
+    compiled = torch.compile(sharded, backend=recording_backend(
+        sequences, a2a="deepep", experts="reference", inner="inductor"), fullgraph=True,
+        dynamic=False)
+    mine = _my_tokens(rank, world_size)
+    with torch.no_grad():
+        for seed in (9, 10):
+            x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
+                               generator=torch.Generator().manual_seed(seed)).bfloat16()
+            check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
+    assert sequences == ["moe_reference::route\n" + "\n".join(MASKED_OPS)], sequences
+    deepep.close_all()
+
+
+@pytest.mark.slow
+def test_masked_chain_keeps_the_idle_rank_under_inductor():
+    run_on_ranks(2, _masked_inductor_cases)
 
 
 # Quantized layers: fp8 rows through DeepEP.
@@ -324,14 +477,22 @@ def _check_dispatch_quant(rank, world_size, mode, spec):
                               (*args, *static, *ep_args))
 
 
+# The layers' sizes per mode: normal mode where low-latency mode cannot run the layer.
+LAYER_TOKENS = {"normal": M_NOT_LOW_LATENCY, "low_latency": M_LOW_LATENCY}
+QUANT_MASKED_OPS = ("moe_deepep::dispatch_masked_quant", "moe_reference::experts_masked_quant",
+                    "moe_deepep::combine_masked")
+
+
 def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True):
     """A quantized `MoE` sharded over the group, compiled with ``a2a="deepep"``
     (aot_eager), against the same layer in one process. ``reads_fp8``: the experts
     read fp8 rows (the lowered graph dispatches with ``dispatch_quant``, through
     DeepEP's fp8 path where `fp8_transport_reason` says so); else they quantize
-    inside and get bf16 tokens (the tokens format)."""
+    inside and get bf16 tokens (the tokens format). In low-latency mode, blocks that
+    DeepEP's fp8 cast can carry take the masked format: fp8 blocks and scales as they
+    arrive."""
     torch._dynamo.reset()
-    max_tokens = MODES[mode]
+    max_tokens = LAYER_TOKENS[mode]
     comm = deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
                                torch.bfloat16, mode=mode, device="cpu")
     torch.manual_seed(5)
@@ -357,16 +518,53 @@ def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True)
         out_TH = compiled(x_NH[mine])
     assert out_TH.dtype == torch.bfloat16 and out_TH.shape == expected_TH.shape
     check_bf16_out(out_TH, expected_TH)
-    # Rows where they cross in fp8; tokens where they would cross in bf16 either way.
-    chain = ("moe_deepep::dispatch_quant\nmoe_reference::experts_rows_quant\nmoe_deepep::combine"
-             if reads_fp8 else
-             "moe_deepep::dispatch_tokens\nmoe_reference::experts_quant\n"
-             "moe_deepep::combine_tokens")
-    assert moe_op_sequence(graphs[0]) == f"moe_reference::route\n{chain}"
     fp8_transport = reads_fp8 and fp8_transport_reason(mode, spec, H) is None
+    # Masked blocks where DeepEP's cast carries them in fp8; else rows where they cross in
+    # fp8; tokens where they would cross in bf16 either way.
+    if mode == "low_latency" and fp8_transport:
+        expected = QUANT_MASKED_OPS
+    elif reads_fp8:
+        expected = ("moe_deepep::dispatch_quant", "moe_reference::experts_rows_quant",
+                    "moe_deepep::combine")
+    else:
+        expected = ("moe_deepep::dispatch_tokens", "moe_reference::experts_quant",
+                    "moe_deepep::combine_tokens")
+    assert moe_op_sequence(graphs[0]) == "\n".join(("moe_reference::route", *expected))
     transport = "dispatch" if mode == "normal" else "low_latency_dispatch"
     assert comm.buffer.calls[f"fp8_{transport}"] == int(fp8_transport)
     assert comm.buffer.calls[transport] == int(not fp8_transport)
+
+
+def _check_dispatch_masked_quant(rank, world_size):
+    """``moe_deepep::dispatch_masked_quant``: DeepEP's fp8 blocks and (contiguous) scales,
+    the same blocks as ``dispatch_masked`` quantized by DeepEP's cast, and its fake
+    (opcheck); formats DeepEP's cast does not make are refused by name."""
+    num_experts, top_k = 4 * world_size, 2
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(world_size, num_experts, top_k, "random")
+    mine = _my_tokens(rank, world_size)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts)
+    ep_args = (world_size, dist.group.WORLD.group_name, M_LOW_LATENCY)
+    spec = QUANT_SPECS["fp8_group"]
+    static = (spec.weights, spec.activations, spec.block_list)
+    torch.library.opcheck(torch.ops.moe_deepep.dispatch_masked_quant.default,
+                          (*args, *static, *ep_args), test_utils=FAKE_TESTS[1:])
+    x_EQH, count_E, _, _, x_scale = torch.ops.moe_deepep.dispatch_masked_quant(
+        *args, *static, *ep_args)
+    assert x_EQH.dtype == torch.float8_e4m3fn and x_scale.is_contiguous()
+    assert x_scale.shape == (*x_EQH.shape[:2], H // 128)
+    blocks_EQH, blocks_count_E, *_ = torch.ops.moe_deepep.dispatch_masked(*args, *ep_args)
+    assert count_E.tolist() == blocks_count_E.tolist()
+    # Arrival order differs between two dispatches: compare each expert's rows as a set.
+    for e, count in enumerate(count_E.tolist()):
+        values = quant.dequantize_activations(x_EQH[e, :count], x_scale[e, :count], spec)
+        expected = blocks_EQH[e, :count].float()
+        torch.testing.assert_close(values.sort(0).values, expected.sort(0).values,
+                                   rtol=0.07, atol=1e-3)
+    token_spec = QUANT_SPECS["fp8_token"]
+    with pytest.raises(ValueError, match="sends masked blocks in fp8 through DeepEP's "
+                                         "low-latency cast only"):
+        torch.ops.moe_deepep.dispatch_masked_quant(
+            *args, token_spec.weights, token_spec.activations, token_spec.block_list, *ep_args)
 
 
 def _quantized_cases(rank, world_size):
@@ -376,6 +574,8 @@ def _quantized_cases(rank, world_size):
                             torch.bfloat16, mode=mode, device="cpu")
         for spec in QUANT_SPECS.values():
             _check_dispatch_quant(rank, world_size, mode, spec)
+        if mode == "low_latency":
+            _check_dispatch_masked_quant(rank, world_size)
         # DeepEP's fp8 path, and (low-latency fp8_token) bf16 quantized on arrival.
         names = ("fp8_group",) if mode == "normal" else ("fp8_group", "fp8_token")
         for name in names:

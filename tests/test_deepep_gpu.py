@@ -4,13 +4,18 @@ weights (bf16 bounds), in
 DeepEP's normal and low-latency modes, with one rank idle, in a captured CUDA graph
 replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
 backward, through the rows format; and forward under ``mode="reduce-overhead"``, through
-the tokens format). The tokens format on DeepEP's normal mode (``dispatch_tokens ->
+the masked format at decode size and the tokens format where low-latency mode cannot run
+it). The tokens format on DeepEP's normal mode (``dispatch_tokens ->
 moe_reference::experts -> combine_tokens``) against the same reference at two token
 counts (one where rows would take the low-latency kernels), with one rank idle, and
-captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and
+captured in a CUDA graph replayed on new inputs. The masked format on DeepEP's
+low-latency mode (``dispatch_masked -> experts_masked -> combine_masked``, with each
+experts backend that reads it: reference, triton, grouped_mm) against the same reference,
+one rank idle, and captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and
 their scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``) against
 dispatch then quantize, and quantized `MoE` layers compiled with ``a2a="deepep"``
-against one GPU holding every expert.
+against one GPU holding every expert (in low-latency mode, fp8 masked blocks where
+DeepEP's cast takes the format: ``dispatch_masked_quant -> experts_masked_quant``).
 
 Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
 I expert intermediate size, E experts, E_l = E / P, K experts per token, M
@@ -60,8 +65,14 @@ TOKENS_PER_RANK = {2: (5, 0), 4: (5, 0, 2, 4)}
 # H: one of the sizes DeepEP's low-latency kernels are compiled for.
 H, I, E, K = 2048, 64, 8, 2
 M_NORMAL, M_LOW_LATENCY = 8, 6
+# Low-latency mode does not run 2 * 7 positions (a multiple of 4): a layer of this size
+# serves through the tokens format on normal mode.
+M_NOT_LOW_LATENCY = 7
 STATIC = ("silu", 1.702, 7.0)
 TOKENS_OPS = ("moe_deepep::dispatch_tokens", "moe_deepep::combine_tokens")
+MASKED_OPS = ("moe_deepep::dispatch_masked", "moe_deepep::combine_masked")
+# The experts backends that read the masked format, each on DeepEP's blocks as they arrive.
+MASKED_EXPERTS = ("moe_reference", "moe_triton", "moe_grouped_mm")
 # Quantized layers: 128 x 128 weight blocks need I to be a multiple of 128.
 QUANT_I = 128
 QUANT_SPECS = {
@@ -211,10 +222,11 @@ def _check_module(rank, max_tokens):
                         getattr(single, name).grad[local.start:local.stop])
 
 
-def _check_reduce_overhead(rank, max_tokens):
+def _check_reduce_overhead(rank, max_tokens, served_ops):
     """`MoE` compiled by Inductor with ``a2a="deepep"`` and ``mode="reduce-overhead"``
-    (CUDA graphs: warm-up, one recording, replays) for inference, through the tokens
-    format, against the single-process `MoE`."""
+    (CUDA graphs: warm-up, one recording, replays) for inference, through the format whose
+    transport ops are ``served_ops`` (masked at decode sizes, else tokens), against the
+    single-process `MoE`."""
     single, sharded = _single_and_sharded(max_tokens, seed=6)
     device = single.w13.device
     sequences = []
@@ -230,8 +242,7 @@ def _check_reduce_overhead(rank, max_tokens):
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
-    # Without gradients: the tokens format, on a normal-mode communicator whatever M.
-    assert all(op in sequences[-1] for op in TOKENS_OPS), sequences[-1]
+    assert all(op in sequences[-1] for op in served_ops), sequences[-1]
     # DeepEP's ops ran inside the CUDA graphs, not beside them.
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
@@ -255,7 +266,8 @@ def _run_normal(rank, world_size):
     _no_handles_left()
     _check_graph(rank, M_NORMAL)
     _check_module(rank, M_NORMAL)
-    _check_reduce_overhead(rank, M_NORMAL)
+    # Without gradients, where low-latency mode cannot run it: tokens, on normal mode.
+    _check_reduce_overhead(rank, M_NOT_LOW_LATENCY, TOKENS_OPS)
     _no_handles_left()
     # Collective: on every rank, and only once every rank got here.
     deepep.close_all()
@@ -271,9 +283,10 @@ def _run_low_latency(rank, world_size):
     _check_ops(rank, "random", M_LOW_LATENCY, worst - 1)
     _check_graph(rank, M_LOW_LATENCY)
     _check_module(rank, M_LOW_LATENCY)
-    _check_reduce_overhead(rank, M_LOW_LATENCY)
-    # Rows trained on the low-latency kernels, the tokens format served on normal mode.
-    assert sorted(c.mode for c in deepep.open_communicators()) == ["low_latency", "normal"]
+    # Without gradients at decode size: the masked format, on the same low-latency kernels.
+    _check_reduce_overhead(rank, M_LOW_LATENCY, MASKED_OPS)
+    # Rows trained and masked blocks served on one low-latency communicator.
+    assert [c.mode for c in deepep.open_communicators()] == ["low_latency"]
     deepep.close_all()
 
 
@@ -325,6 +338,44 @@ def test_tokens_format_matches_single_process(world_size):
     _launch(world_size, _run_tokens)
 
 
+def _masked_pipeline(hidden_TH, weights_TK, ids_TK, experts, namespace="moe_reference"):
+    """``moe_deepep::dispatch_masked -> <namespace>::experts_masked -> combine_masked`` at
+    ``M_LOW_LATENCY``: DeepEP's blocks as they arrive, this rank's ``[T, H]`` output."""
+    ep_args = (_world(), dist.group.WORLD.group_name, M_LOW_LATENCY)
+    x_EQH, count_E, src_info_EQ, layout_range_EP = torch.ops.moe_deepep.dispatch_masked(
+        hidden_TH, weights_TK, ids_TK, E, *ep_args)
+    assert x_EQH.shape == (E // _world(), _world() * M_LOW_LATENCY, H)
+    y_EQH = getattr(torch.ops, namespace).experts_masked(x_EQH, count_E, *experts, *STATIC)
+    return torch.ops.moe_deepep.combine_masked(y_EQH, src_info_EQ, layout_range_EP, weights_TK,
+                                               ids_TK, E, *ep_args)
+
+
+def _check_masked(rank, route, namespace):
+    """The masked chain against ``moe_reference::experts`` on all tokens."""
+    hidden_NH, weights_NK, ids_NK, full = _full_problem(8, route)
+    mine, local = _mine(rank), _local(rank)
+    with torch.no_grad():
+        out_TH = _masked_pipeline(hidden_NH[mine], weights_NK[mine], ids_NK[mine],
+                                  [w[local] for w in full], namespace)
+        ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
+    check_bf16_out(out_TH, ref_NH[mine])
+
+
+def _run_masked(rank, world_size):
+    for namespace in MASKED_EXPERTS:
+        for route in ("random", "one_rank"):
+            _check_masked(rank, route, namespace)
+        check_graph_replays(functools.partial(_masked_pipeline, namespace=namespace),
+                            _full_problem, _mine(rank), _local(rank), STATIC)
+    assert [c.mode for c in deepep.open_communicators()] == ["low_latency"]
+    deepep.close_all()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
+def test_masked_format_matches_single_process(world_size):
+    _launch(world_size, _run_masked)
+
+
 def _check_dispatch_quant(rank, mode, max_tokens):
     """``moe_deepep::dispatch_quant`` on DeepEP against ``moe_deepep::dispatch`` then the
     oracle's quantizer, in every format: bit for bit, or within one e4m3 step where
@@ -346,7 +397,8 @@ def _check_dispatch_quant(rank, mode, max_tokens):
 def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
     """A quantized `MoE` sharded over the group and compiled by Inductor with
     ``a2a="deepep"`` (under ``"reduce-overhead"``: CUDA graphs replaying new tokens),
-    against one GPU holding every expert; the lowered graph dispatches fp8 rows."""
+    against one GPU holding every expert; the lowered graph dispatches fp8 rows, or in
+    low-latency mode, where DeepEP's fp8 cast takes the format, fp8 masked blocks."""
     single, sharded = _single_and_sharded(max_tokens, seed=5, quant=QUANT_SPECS[name])
     device = single.w13.device
     graphs = []
@@ -367,17 +419,21 @@ def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             assert_close_scaled(out_TH, single(x_NH)[_mine(rank)], 2e-2, 2e-2)
-    assert moe_op_sequence(graphs[0]) == (f"moe_reference::route\nmoe_deepep::dispatch_quant\n"
-                                          f"moe_{experts}::experts_rows_quant\n"
-                                          "moe_deepep::combine")
+    expected = ("moe_deepep::dispatch_quant", f"moe_{experts}::experts_rows_quant",
+                "moe_deepep::combine")
+    if (deepep.choose_mode(_world(), H, K, max_tokens) == "low_latency"
+            and deepep.fp8_transport_reason("low_latency", QUANT_SPECS[name], H) is None):
+        expected = ("moe_deepep::dispatch_masked_quant", f"moe_{experts}::experts_masked_quant",
+                    "moe_deepep::combine_masked")
+    assert moe_op_sequence(graphs[0]) == "\n".join(("moe_reference::route", *expected))
     if compile_mode == "reduce-overhead":
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
 
 
 def _run_quantized(rank, world_size, mode):
-    max_tokens = M_NORMAL if mode == "normal" else M_LOW_LATENCY
-    # max_tokens_per_rank this small would take the low-latency kernels: fix the mode.
+    # Normal mode: a size low-latency mode cannot run, so that compiled layers take it too.
+    max_tokens = M_NOT_LOW_LATENCY if mode == "normal" else M_LOW_LATENCY
     comm = deepep.communicator(dist.group.WORLD.group_name, H, E, K, max_tokens,
                                torch.bfloat16, mode=mode)
     assert comm.mode == mode

@@ -101,11 +101,14 @@ def test_the_formats_follow_from_the_ops_each_namespace_defines():
     for name in ("all_to_all", "allgather"):
         assert REGISTRY.a2a[name].formats == ("tokens", "rows")
         assert REGISTRY.a2a[name].trains("tokens")
-    # DeepEP's tokens format keeps its handle for the next combine only: inference.
+    # DeepEP's tokens format keeps its handle for the next combine only, its masked blocks
+    # are its low-latency receive buffer: inference.
     deepep = REGISTRY.a2a["deepep"]
-    assert deepep.formats == ("tokens", "rows")
-    assert not deepep.trains("tokens") and deepep.trains("rows")
-    assert all(b.formats == ("tokens", "rows") for b in REGISTRY.experts.values())
+    assert deepep.formats == ("masked", "tokens", "rows")
+    assert not deepep.trains("masked") and not deepep.trains("tokens") and deepep.trains("rows")
+    reads_masked = {"reference", "triton", "grouped_mm"}
+    assert all(b.formats == (("masked",) if name in reads_masked else ()) + ("tokens", "rows")
+               for name, b in REGISTRY.experts.items())
     with pytest.raises(ValueError,
                        match="namespace 'moe_reference' must define the ops of a format"):
         REGISTRY.register_a2a(dataclasses.replace(flashinfer, name="nothing",

@@ -18,6 +18,7 @@ from torch_moe_ops.backends.registry import (
     A2A_OPS,
     BACKWARD_NAMESPACE,
     EXPERTS_OPS,
+    MASKED_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
@@ -79,7 +80,31 @@ SCHEMAS = {
                                 "(Tensor grad_hidden, Tensor grad_topk_weights)",
     "combine_tokens_backward": f"(Tensor grad_out, Tensor topk_ids, int num_experts, {EP_ARGS}) "
                                "-> Tensor",
+    "experts_masked": f"(Tensor x_masked, Tensor count_experts, {EXPERT_ARGS}) -> Tensor",
+    "experts_masked_backward": f"(Tensor grad_out, Tensor x_masked, Tensor count_experts, "
+                               f"{EXPERT_ARGS}) -> (Tensor grad_x_masked, Tensor grad_w13, "
+                               "Tensor grad_w2, Tensor grad_b13, Tensor grad_b2)",
+    "dispatch_masked": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
+                       f"{EP_ARGS}) -> (Tensor x_masked, Tensor count_experts, "
+                       "Tensor src_info, Tensor layout_range)",
+    "combine_masked": "(Tensor y_masked, Tensor src_info, Tensor layout_range, "
+                      "Tensor topk_weights, Tensor topk_ids, int num_experts, "
+                      f"{EP_ARGS}) -> Tensor",
+    "experts_masked_quant": "(Tensor x_masked, Tensor? x_scale, Tensor count_experts, "
+                            "Tensor w13, Tensor w2, Tensor w13_scale, Tensor w2_scale, "
+                            "Tensor? b13, Tensor? b2, str weight_format, "
+                            "str activation_format, int[] block_size, str activation, "
+                            "float swiglu_alpha, float swiglu_limit, "
+                            "ScalarType? out_dtype=None) -> Tensor",
+    "dispatch_masked_quant": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
+                             "int num_experts, str weight_format, str activation_format, "
+                             f"int[] block_size, {EP_ARGS}) -> (Tensor x_masked, "
+                             "Tensor count_experts, Tensor src_info, Tensor layout_range, "
+                             "Tensor x_scale)",
 }
+# The ops of the masked format's experts, and the transport ops that run on several ranks only.
+MASKED_EXPERTS_OPS = ("experts_masked", "experts_masked_backward")
+MULTI_RANK_OPS = TOKENS_OPS + MASKED_OPS
 # The ops on quantized experts and rows: cases of their own (QUANT_CASES).
 QUANT_OPS = QUANT_EXPERTS_OPS + QUANT_A2A_OPS
 
@@ -94,13 +119,15 @@ def implementations(dtype: torch.dtype, spec: QuantSpec = None
                   backend.supports(BackendSpec(route=name), Problem(dtype), CPU)
                   for name, backend in REGISTRY.route.items()})
     found[(BACKWARD_NAMESPACE, "experts_backward")] = None
+    found[(BACKWARD_NAMESPACE, "experts_masked_backward")] = None
     experts_reasons = {name: backend.supports(BackendSpec(experts=name), Problem(dtype), CPU)
                        for name, backend in REGISTRY.experts.items()}
     spec = spec or QuantSpec("fp8_channel")
     for name, backend in REGISTRY.experts.items():
         if hasattr(getattr(torch.ops, backend.namespace), QUANT_EXPERTS_OPS[0]):
             reason = backend.why_not(BackendSpec(experts=name), Problem(dtype, quant=spec), CPU)
-            found.update({(backend.namespace, op): reason for op in QUANT_EXPERTS_OPS})
+            found.update({(backend.namespace, op): reason for op in QUANT_EXPERTS_OPS
+                          if hasattr(getattr(torch.ops, backend.namespace), op)})
     # One process: the expert-parallel backends are opchecked on several
     # (tests/test_expert_parallel.py).
     a2a_reasons = {name: backend.supports(BackendSpec(a2a=name), Problem(dtype, ep_size=1), CPU)
@@ -108,13 +135,15 @@ def implementations(dtype: torch.dtype, spec: QuantSpec = None
     for name, backend in REGISTRY.experts.items():
         own_backward = ("experts_backward",) if backend.backward is not None else ()
         found.update({(backend.namespace, op): experts_reasons[name]
-                      for op in EXPERTS_OPS + own_backward})
+                      for op in EXPERTS_OPS + own_backward + MASKED_EXPERTS_OPS
+                      if hasattr(getattr(torch.ops, backend.namespace), op)})
     for name, backend in REGISTRY.a2a.items():
         found.update({(backend.namespace, op): a2a_reasons[name] for op in A2A_OPS})
         if backend.sends_quantized:
             found.update({(backend.namespace, op): a2a_reasons[name] for op in QUANT_A2A_OPS})
-    # The tokens format's ops (registry.TOKENS_OPS) run on several ranks only
-    # (tests/test_tokens_transport.py and the emulated transports check them).
+    # The tokens and masked formats' transport ops (registry.TOKENS_OPS, MASKED_OPS) run on
+    # several ranks only (tests/test_tokens_transport.py and the emulated transports check
+    # them).
     return found
 
 
@@ -135,6 +164,15 @@ EXPERT_CASES = {  # name: make_expert_inputs arguments, static (activation, alph
                        ("silu", 1.702, 7.0)),
     "T0_bias": ({"num_tokens": 0, "bias": True}, ("silu", 1.702, 7.0)),
     "all_skipped": ({"skip_fraction": 1.0}, ("silu", 1.702, 7.0)),
+}
+# name: each of the E experts' count of rows in blocks of MASKED_ROWS, make_expert_inputs
+# arguments, static (activation, alpha, limit). Rows past a count hold garbage.
+MASKED_ROWS = 3
+MASKED_CASES = {
+    "masked_full_bias": ((3, 3, 3, 3), {"bias": True}, ("silu", 1.702, 7.0)),
+    "masked_partial_gelu": ((2, 0, 3, 1), {"bias": True}, ("gelu", 1.702, 7.0)),
+    "masked_partial_fp16": ((1, 3, 0, 2), {"dtype": torch.float16}, ("swiglu_oai", 1.702, 0.5)),
+    "masked_empty": ((0, 0, 0, 0), {}, ("silu", 1.702, 7.0)),
 }
 QUANT_SIZES = {"hidden_size": 64, "intermediate_size": 32, "num_experts": E, "top_k": K}
 QUANT_CASES = {  # name: QuantSpec, make_quant_inputs arguments, static (activation, alpha, limit)
@@ -203,6 +241,15 @@ def quant_op_args(op_name: str, case: str, generator, quant_inputs) -> tuple:
     if op_name == "experts_quant":
         return inputs.args(*static)
     f = inputs.float_inputs
+    if op_name == "experts_masked_quant":
+        x_ECH = masked_blocks((2, 0, 3, 1), generator, f.hidden_TH.shape[1], f.hidden_TH.dtype)
+        if not prequantized:
+            return (x_ECH, None, torch.tensor((2, 0, 3, 1), dtype=torch.int32),
+                    *inputs.weight_args(*static))
+        x_q_LH, x_scale = quant.quantize_activations(x_ECH.flatten(0, 1), spec)
+        return (x_q_LH.view(x_ECH.shape), x_scale.view(*x_ECH.shape[:2], *x_scale.shape[1:]),
+                torch.tensor((2, 0, 3, 1), dtype=torch.int32), *inputs.weight_args(*static),
+                x_ECH.dtype)
     if op_name == "dispatch_quant":
         return (f.hidden_TH, f.topk_weights_TK, f.topk_ids_TK, E, spec.weights,
                 spec.activations, spec.block_list)
@@ -214,7 +261,32 @@ def quant_op_args(op_name: str, case: str, generator, quant_inputs) -> tuple:
     return (x_q_RH, x_scale, expert_R, count_E, *inputs.weight_args(*static), x_RH.dtype)
 
 
+def masked_blocks(counts: tuple, generator, hidden_size: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """``[E, MASKED_ROWS, H]`` blocks with ``counts`` rows that carry a token each, garbage
+    (finite: the schema check compares inputs) past them."""
+    count_E = torch.tensor(counts, dtype=torch.int32)
+    x_ECH = torch.randn((len(counts), MASKED_ROWS, hidden_size), generator=generator)
+    past_count_EC1 = (torch.arange(MASKED_ROWS) >= count_E.unsqueeze(1)).unsqueeze(2)
+    return x_ECH.masked_fill(past_count_EC1, 1e4).to(dtype)
+
+
+def masked_args(op_name: str, case: str, generator, expert_inputs) -> tuple:
+    """The arguments of ``moe::experts_masked`` (``_backward``) for ``case``: `masked_blocks`."""
+    counts, sizes, static = MASKED_CASES[case]
+    inputs = expert_inputs(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, **sizes)
+    count_E = torch.tensor(counts, dtype=torch.int32)
+    x_ECH = masked_blocks(counts, generator, H, inputs.hidden_TH.dtype)
+    weights = inputs.args(*static)[3:]
+    if op_name == "experts_masked":
+        return with_grad((x_ECH, count_E, *weights))
+    return (torch.randn(x_ECH.shape, generator=generator).to(x_ECH.dtype), x_ECH, count_E,
+            *weights)
+
+
 def op_args(op_name: str, case: str, generator, expert_inputs, quant_inputs) -> tuple:
+    if op_name in MASKED_EXPERTS_OPS:
+        return masked_args(op_name, case, generator, expert_inputs)
     if op_name == "route":
         return route_args(case, generator)
     if op_name in QUANT_OPS:
@@ -264,13 +336,17 @@ def op_args(op_name: str, case: str, generator, expert_inputs, quant_inputs) -> 
 def case_names(op_name: str) -> list:
     if op_name == "route":
         return list(ROUTE_CASES)
+    if op_name in MASKED_EXPERTS_OPS:
+        return list(MASKED_CASES)
     fp8_activations = [name for name, (spec, _, _) in QUANT_CASES.items()
                        if spec.activations != "none"]
     if op_name in QUANT_A2A_OPS:
         return fp8_activations
     if op_name in QUANT_EXPERTS_OPS:
         prequantized = [f"{name}_prequantized" for name in fp8_activations]
-        return list(QUANT_CASES) + (prequantized if op_name == "experts_rows_quant" else [])
+        return list(QUANT_CASES) + (prequantized if op_name in ("experts_rows_quant",
+                                                                 "experts_masked_quant")
+                                    else [])
     names = list(EXPERT_CASES)
     if op_name in ("experts_rows", "combine", "dispatch_backward", "combine_backward"):
         names.append("minus_one_rows")
@@ -280,17 +356,19 @@ def case_names(op_name: str) -> list:
 def case_dtype(op_name: str, case: str) -> torch.dtype:
     if op_name == "route":
         return ROUTE_CASES[case][-1]
+    if op_name in MASKED_EXPERTS_OPS:
+        return MASKED_CASES[case][1].get("dtype", torch.float32)
     if op_name in QUANT_OPS:
         return QUANT_CASES[case.removesuffix("_prequantized")][1].get("dtype", torch.float32)
     return EXPERT_CASES.get(case, ({},))[0].get("dtype", torch.float32)
 
 
 def params():
-    # The tokens format's ops move tokens between ranks only: tests/test_tokens_transport.py
-    # opchecks them on several.
-    for op_name in (name for name in CONTRACTS if name not in TOKENS_OPS):
+    # The tokens and masked formats' transport ops move tokens between ranks only:
+    # tests/test_tokens_transport.py and the emulated transports opcheck them on several.
+    for op_name in (name for name in CONTRACTS if name not in MULTI_RANK_OPS):
         cases = case_names(op_name)
-        if op_name != "route" and op_name not in QUANT_OPS:
+        if op_name not in ("route", *QUANT_OPS, *MASKED_EXPERTS_OPS):
             cases += NONCONTIGUOUS_CASES
         for case in cases:
             spec = (QUANT_CASES[case.removesuffix("_prequantized")][0]
@@ -312,6 +390,11 @@ def test_opcheck(namespace, op_name, case, generator, expert_inputs, quant_input
         # for float8 (torch 2.13: "mul_cpu_reduced_float" not implemented): its
         # mutation check cannot run; the other three can.
         utils = tuple(u for u in utils if u != "test_schema")
+    if op_name == "experts_masked_quant" or (op_name == "experts_masked"
+                                              and case != "masked_full_bias"):
+        # Output rows past the counts are unspecified (a backend may leave them unwritten):
+        # the eager-against-traced comparison, which reads every row, runs where all count.
+        utils = tuple(u for u in utils if u != "test_aot_dispatch_dynamic")
     torch.library.opcheck(op_overload(namespace, op_name), args, test_utils=utils)
 
 
@@ -319,7 +402,7 @@ def test_every_op_is_covered():
     assert set(SCHEMAS) == set(CONTRACTS)
     concrete = {op for (namespace, op), reason in implementations(torch.float32).items()
                 if namespace != GENERIC_NAMESPACE and reason is None}
-    assert concrete == set(CONTRACTS) - set(TOKENS_OPS)
+    assert concrete == set(CONTRACTS) - set(MULTI_RANK_OPS)
 
 
 def schema_params():

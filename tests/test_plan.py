@@ -36,15 +36,32 @@ def deepep_runs_here(monkeypatch):
 
 
 @pytest.mark.parametrize("fields, fmt, why", [
-    ({}, "tokens", "fewest bytes"),
-    ({"training": True}, "rows", "deepep carries no gradient in tokens"),
-    ({"quant": QuantSpec("fp8_channel")}, "rows", "quantized layer"),
-    # Normal mode runs 2, 4 or 8 ranks of one host: 3 ranks take low-latency rows.
-    ({"ep_size": 3, "num_experts": 63}, "rows", "the tokens format runs normal mode"),
-], ids=["inference", "training", "quantized", "three_ranks"])
+    # Decode sizes: DeepEP's low-latency blocks, read where they arrive.
+    ({}, "masked", "decode layout, read where it arrives"),
+    ({"max_tokens_per_rank": 512}, "tokens", ("the masked format runs low-latency mode: "
+                                             "DeepEP's low-latency mode serves decode batches")),
+    ({"training": True}, "rows", ("deepep carries no gradient in masked; deepep carries no "
+                                 "gradient in tokens")),
+    # fp8 blocks of 128 columns per scale travel through DeepEP's own low-latency cast;
+    # fp8_token blocks cannot: rows, quantized on arrival.
+    ({"quant": QuantSpec("fp8_block")}, "masked", "quantized layer: the transport's decode"),
+    ({"quant": QuantSpec("fp8_channel")}, "rows",
+     ("deepep cannot move this layer in masked: its fp8 blocks travel through DeepEP's "
+     "low-latency cast only")),
+    ({"quant": QuantSpec("fp8_block"), "max_tokens_per_rank": 512}, "rows",
+     "quantized layer: rows travel in the dispatch dtype with their scales"),
+    # Normal mode runs 2, 4 or 8 ranks of one host; low-latency mode 3 too.
+    ({"ep_size": 3, "num_experts": 63}, "masked", "read where it arrives"),
+], ids=["decode", "prefill", "training", "quantized", "quantized_per_token",
+        "quantized_prefill", "three_ranks"])
 def test_deepep_layers_take_the_format_its_engine_runs(deepep_runs_here, fields, fmt, why):
     plan = plan_layer(BackendSpec(a2a="deepep", experts="reference"), _problem(**fields), CPU)
     assert plan.format == fmt and why in plan.format_reason, plan
+
+
+def test_experts_that_do_not_read_masked_blocks_take_tokens_and_say_so(deepep_runs_here):
+    plan = plan_layer(BackendSpec(a2a="deepep", experts="cpu"), _problem(), CPU)
+    assert plan.format == "tokens" and plan.format_reason == "cpu does not read masked", plan
 
 
 @pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])

@@ -55,17 +55,19 @@ from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
+    MASKED_OPS,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
     REGISTRY,
     TOKENS_OPS,
+    A2ABackend,
     BackendTable,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.ops import CONTRACTS, GENERIC_NAMESPACE, op_overload
 from torch_moe_ops.ops.experts import backward_namespace
-from torch_moe_ops.ops.library import implement
+from torch_moe_ops.ops.library import defines, implement
 
 DEFAULT_SPEC = BackendSpec()
 # Eagerly, expert parallelism runs on the static all-to-all: it moves only the
@@ -81,11 +83,12 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
     ops runs (`ops.experts.backward_namespace`).
     """
     if op_name in EXPERTS_OPS + QUANT_EXPERTS_OPS:
-        return REGISTRY.choose_experts(spec, problem, device).namespace
-    if op_name == "experts_backward":
-        return backward_namespace(REGISTRY.choose_experts(spec, problem, device).namespace)
-    if op_name in A2A_OPS + TOKENS_OPS:
-        return REGISTRY.choose_a2a(spec, problem, device).namespace
+        return REGISTRY.choose_experts(spec, problem, device, op_name).namespace
+    if op_name in ("experts_backward", "experts_masked_backward"):
+        return backward_namespace(REGISTRY.choose_experts(spec, problem, device).namespace,
+                                  op_name)
+    if op_name in A2A_OPS + TOKENS_OPS + MASKED_OPS:
+        return _defining(op_name, REGISTRY.choose_a2a(spec, problem, device))
     if op_name in QUANT_A2A_OPS:
         a2a = REGISTRY.choose_a2a(spec, problem, device)
         if not a2a.sends_quantized:
@@ -97,6 +100,16 @@ def namespace_for(op_name: str, spec: BackendSpec, device: torch.device,
     if op_name == "route":
         return REGISTRY.choose_route(spec, problem, device).namespace
     raise ValueError(f"op_name must name a generic op ({', '.join(CONTRACTS)}), got {op_name!r}")
+
+
+def _defining(op_name: str, backend: A2ABackend) -> str:
+    """``backend``'s namespace, where it defines ``op_name`` (not every transport produces
+    every format); else a ValueError naming those that do."""
+    if defines(backend.namespace, op_name):
+        return backend.namespace
+    raise ValueError(f"a2a backend {backend.name!r} does not define {op_name}; a2a backends "
+                     "that do: " + ", ".join(name for name, b in REGISTRY.a2a.items()
+                                             if defines(b.namespace, op_name)))
 
 
 def default_spec(problem: Problem) -> BackendSpec:

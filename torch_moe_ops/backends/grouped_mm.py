@@ -6,7 +6,8 @@ grouped GEMM per projection, Triton epilogues for the bias, the activation and
 the weighted gather. Its gradient is its own: grouped GEMMs on the routed rows
 (`common.kernels.grouped_backward`), with Triton kernels between them. Runs without a
 host sync only for bf16 on sm90+; weights are used in the canonical layout
-(``w13 [E, 2I, H]``, ``w2 [E, H, I]``).
+(``w13 [E, 2I, H]``, ``w2 [E, H, I]``). The masked format (``experts_masked``) gathers the
+rows below each expert's count into rows, runs them the same way, and scatters them back.
 
 Quantized experts (``experts_quant``, ``experts_rows_quant``) are
 `common.kernels.scaled_grouped_gemm`: fp8 w8a8 with rowwise scales through
@@ -37,6 +38,8 @@ if TRITON_INSTALLED:
     KERNELS = {"experts": grouped_gemm.experts,
                "experts_rows": grouped_gemm.experts_rows,
                "experts_backward": grouped_gemm.experts_backward,
+               "experts_masked": grouped_gemm.experts_masked,
+               "experts_masked_backward": grouped_gemm.experts_masked_backward,
                "experts_quant": scaled_grouped_gemm.experts_quant,
                "experts_rows_quant": scaled_grouped_gemm.experts_rows_quant}
     define_backend_ops(NAMESPACE, KERNELS)

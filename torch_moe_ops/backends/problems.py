@@ -62,6 +62,13 @@ def _problem_of(op_name: str, args: tuple) -> Problem:
     if op_name == "experts_rows":
         x_rows, _, _, w13, _, _, _, activation, *_ = args
         return _experts_problem(x_rows, w13, activation)
+    if op_name in ("experts_masked", "experts_masked_backward"):
+        x_masked, _, w13, _, _, _, activation, *_ = args[op_name.endswith("_backward"):]
+        # Rows of every expert's block: the sizes are those of rows.
+        return _experts_problem(x_masked.flatten(0, 1), w13, activation)
+    if op_name == "experts_masked_quant":
+        x_masked, _, _, w13, _, _, _, _, _, *static = args
+        return _quant_problem(x_masked.flatten(0, 1), w13, static, out_dtype=static[-1])
     if op_name == "experts_quant":
         hidden, _, topk_ids, w13, _, _, _, _, _, *static = args
         return _quant_problem(hidden, w13, static, topk_ids.shape[1])
@@ -76,12 +83,21 @@ def _problem_of(op_name: str, args: tuple) -> Problem:
         return dataclasses.replace(
             _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts, capacity),
             quant=spec_of(*static))
-    if op_name == "dispatch_tokens":
+    if op_name == "dispatch_masked_quant":
+        hidden, _, topk_ids, num_experts, *static, ep_size, _, max_tokens = args
+        return dataclasses.replace(
+            _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts),
+            quant=spec_of(*static))
+    if op_name in ("dispatch_tokens", "dispatch_masked"):
         hidden, _, topk_ids, num_experts, ep_size, _, max_tokens = args
         return _ep_problem(hidden, topk_ids.shape[1], ep_size, max_tokens, num_experts)
     if op_name in ("combine_tokens", "combine_tokens_backward"):
         values, topk_ids, num_experts, ep_size, _, max_tokens = args
         return _ep_problem(values, topk_ids.shape[1], ep_size, max_tokens, num_experts)
+    if op_name == "combine_masked":
+        y_masked, _, _, _, topk_ids, num_experts, ep_size, _, max_tokens = args
+        return _ep_problem(y_masked.flatten(0, 1), topk_ids.shape[1], ep_size, max_tokens,
+                           num_experts)
     if op_name == "dispatch_tokens_backward":
         grad_x, _, topk_ids, num_experts, ep_size, _, max_tokens = args
         return _ep_problem(grad_x, topk_ids.shape[1], ep_size, max_tokens, num_experts)

@@ -1,7 +1,8 @@
 """The ``reference`` backend: plain PyTorch, static shapes, the oracle for every other backend.
 
 Legend: T tokens, H hidden size, I expert intermediate size, F = 2*I, E experts,
-K experts per token, R rows, G expert groups, S experts per group, J kept groups.
+K experts per token, R rows, G expert groups, S experts per group, J kept groups,
+C rows per expert (the masked format).
 
 Everything is computed in fp32, or in fp64 for fp64 inputs (the promotion of
 fp32 and the input dtype), and cast to the input dtype at the end. Experts run
@@ -18,6 +19,12 @@ back in fp32 (`torch_moe_ops.quant`) and round each GEMM's input through the
 activation format, then run as above: the oracle of every quantized kernel.
 ``experts_rows_quant`` also reads rows that arrive quantized (fp8 with
 ``x_scale``, from ``moe::dispatch_quant``) in both fp8 activation formats.
+
+``experts_masked`` (the masked format, `ops.masked`: ``[E, C, H]`` blocks with a count of
+rows per expert) runs every row of every block as one batched GEMM per projection and
+keeps the rows below the count with `torch.where`: rows past it (garbage, NaN) reach no
+output row and no gradient, and come out as zeros. ``experts_masked_quant`` is
+``experts_rows_quant`` on every cell of the blocks, those past a count of no expert.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels.activation import activation, activation_backward
+from torch_moe_ops.backends.common.kernels.rows import masked_valid
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, RouteBackend
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
@@ -217,6 +225,68 @@ def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, a
                    act, alpha, limit)
 
 
+def _masked_forward(x_ECH, w13_EFH, w2_EHI, b13_EF, act, alpha, limit):
+    """Every expert on every row of its block, in ``x_ECH``'s (compute) dtype: ``y_ECH``
+    before ``b2``, and what the gradient needs."""
+    h_ECF = torch.bmm(x_ECH, w13_EFH.to(x_ECH.dtype).transpose(1, 2))
+    if b13_EF is not None:
+        h_ECF = h_ECF + b13_EF.to(x_ECH.dtype).unsqueeze(1)
+    gate_ECI, up_ECI = h_ECF.chunk(2, dim=-1)
+    a_ECI = activation(gate_ECI, up_ECI, act, alpha, limit)
+    return torch.bmm(a_ECI, w2_EHI.to(x_ECH.dtype).transpose(1, 2)), gate_ECI, up_ECI, a_ECI
+
+
+def experts_masked(x_ECH, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, alpha, limit):
+    # Rows past the count may hold anything: they are zeroed before the GEMMs, and their
+    # outputs (unspecified by the contract) are zeros here.
+    valid_EC1 = masked_valid(count_E, x_ECH.shape[1])
+    kept_ECH = torch.where(valid_EC1, x_ECH.to(compute_dtype(x_ECH.dtype)), 0)
+    y_ECH = _masked_forward(kept_ECH, w13_EFH, w2_EHI, b13_EF, act, alpha, limit)[0]
+    if b2_EH is not None:
+        y_ECH = y_ECH + b2_EH.to(y_ECH.dtype).unsqueeze(1)
+    return torch.where(valid_EC1, y_ECH, 0).to(x_ECH.dtype)
+
+
+def experts_masked_backward(grad_out_ECH, x_ECH, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
+                            alpha, limit):
+    dtype = compute_dtype(x_ECH.dtype)
+    valid_EC1 = masked_valid(count_E, x_ECH.shape[1])
+    # `torch.where`, not a product with the mask: rows past the count may hold NaN.
+    kept_ECH = torch.where(valid_EC1, x_ECH.to(dtype), 0)
+    grad_y_ECH = torch.where(valid_EC1, grad_out_ECH.to(dtype), 0)
+    _, gate_ECI, up_ECI, a_ECI = _masked_forward(kept_ECH, w13_EFH, w2_EHI, b13_EF, act, alpha,
+                                                 limit)
+    # An expert without rows may have NaN weights: what they give its empty rows is dropped.
+    grad_w2_EHI = torch.bmm(grad_y_ECH.transpose(1, 2), torch.where(valid_EC1, a_ECI, 0))
+    grad_gate_ECI, grad_up_ECI = activation_backward(
+        torch.bmm(grad_y_ECH, w2_EHI.to(dtype)), gate_ECI, up_ECI, act, alpha, limit)
+    grad_h_ECF = torch.where(valid_EC1, torch.cat([grad_gate_ECI, grad_up_ECI], dim=-1), 0)
+    grad_w13_EFH = torch.bmm(grad_h_ECF.transpose(1, 2), kept_ECH)
+    grad_x_ECH = torch.where(valid_EC1, torch.bmm(grad_h_ECF, w13_EFH.to(dtype)), 0)
+
+    def like(grad, t):
+        return x_ECH.new_empty((0,)) if t is None else grad.to(t.dtype)
+
+    return (grad_x_ECH.to(x_ECH.dtype), grad_w13_EFH.to(w13_EFH.dtype),
+            grad_w2_EHI.to(w2_EHI.dtype), like(grad_h_ECF.sum(1), b13_EF),
+            like(grad_y_ECH.sum(1), b2_EH))
+
+
+def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
+                         weight_format, activation_format, block_size, act, alpha, limit,
+                         out_dtype):
+    # Every cell of the blocks is a row of its expert, or of none (-1) past the count.
+    num_experts, rows_per_expert, hidden_size = x_ECH.shape
+    expert_E1 = torch.arange(num_experts, device=x_ECH.device).unsqueeze(1)
+    expert_L = torch.where(masked_valid(count_E, rows_per_expert)[..., 0], expert_E1, -1)
+    x_scale_L = None if x_scale is None else x_scale.flatten(0, 1)
+    y_LH = experts_rows_quant(x_ECH.flatten(0, 1), x_scale_L, expert_L.reshape(-1).int(),
+                              count_E, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
+                              weight_format, activation_format, block_size, act, alpha, limit,
+                              out_dtype)
+    return y_LH.view(num_experts, rows_per_expert, hidden_size)
+
+
 def supports(spec, problem, device) -> str | None:
     return None
 
@@ -224,7 +294,10 @@ def supports(spec, problem, device) -> str | None:
 define_backend_ops(NAMESPACE, {"route": route, "experts": experts,
                                "experts_backward": experts_backward,
                                "experts_rows": experts_rows, "experts_quant": experts_quant,
-                               "experts_rows_quant": experts_rows_quant})
+                               "experts_rows_quant": experts_rows_quant,
+                               "experts_masked": experts_masked,
+                               "experts_masked_backward": experts_masked_backward,
+                               "experts_masked_quant": experts_masked_quant})
 # Routing is a handful of small torch ops: compiled, Inductor fuses them with the
 # router's matmul epilogue instead of launching each from a Python kernel.
 decompose_backend_ops(NAMESPACE, {"route": route}, lambda *_: True)

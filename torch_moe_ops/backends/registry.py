@@ -1,9 +1,9 @@
 """Which backends exist, what each supports, and how a choice is resolved.
 
-Experts backends implement ``experts`` and ``experts_rows``, and those with a
-gradient of their own ``experts_backward`` (``ExpertsBackend.backward`` says
-where it computes the gradient itself); the gradient of the others runs on the
-reference backend's ``experts_backward``. A2A
+Experts backends implement ``experts`` and ``experts_rows``, those that read the masked
+format ``experts_masked`` too, and those with a gradient of their own ``experts_backward``
+(and ``experts_masked_backward``; ``ExpertsBackend.backward`` says where it computes the
+gradient itself); the gradient of the others runs on the reference backend's. A2A
 backends implement ``dispatch`` and ``combine`` and the gradients of both
 (``dispatch_backward``, ``combine_backward``: the same transport, reversed), and
 those that send rows quantized to fp8 ``dispatch_quant``. Route backends
@@ -11,12 +11,14 @@ implement ``route``; its gradient is the op contract's formula on the selection
 the backend made (`torch_moe_ops.ops.route`), whichever backend ran it.
 
 Formats are declared by what a namespace defines (`FORMAT_OPS`): an a2a backend produces
+the masked format (`ops.masked`) where it defines ``dispatch_masked`` and ``combine_masked``,
 the tokens format (`ops.tokens`) where it defines ``dispatch_tokens`` and ``combine_tokens``
 and the rows format (`ops.rows`) where it defines ``dispatch`` and ``combine``; an experts
-backend consumes tokens through its ``experts`` op (the receive buffers as they are, ids
-local) and rows through ``experts_rows``. A format trains where the a2a namespace defines
-its gradient ops too (`TRAINING_OPS`). The lowering picks one format per layer (`FORMATS`
-in order of preference).
+backend consumes masked blocks through its ``experts_masked`` op, tokens through its
+``experts`` op (the receive buffers as they are, ids local) and rows through
+``experts_rows``. A format trains where the a2a namespace defines its gradient ops too
+(`TRAINING_OPS`; the masked format has none). The lowering picks one format per layer
+(`FORMATS` in order of preference).
 
 ``supports(spec, problem, device)`` returns ``None`` when the backend can run the
 `Problem` there, otherwise the reason it cannot. The compile backend reads the
@@ -36,22 +38,35 @@ from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, defines
 # The last line of `available_backends()`: formats no backend here has kernels for.
 UNSUPPORTED_FORMATS = ("quantized formats not supported by any backend: nvfp4 and the other "
                        "Blackwell-only formats (QuantSpec lists what is)")
-EXPERTS_OPS = ("experts", "experts_rows")
-# The experts ops on quantized weights: a backend has kernels for quantized
-# weights exactly where its namespace defines these (its `supports` says which formats).
-QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant")
+EXPERTS_OPS = ("experts", "experts_rows", "experts_masked")
+# The experts ops on quantized weights: a backend has kernels for quantized weights
+# exactly where its namespace defines the first two (its `supports` says which formats),
+# and reads the masked format's quantized blocks where it defines the third.
+QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant", "experts_masked_quant")
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
 QUANT_A2A_OPS = ("dispatch_quant",)
+# Quantized layers: per format, what an a2a namespace defines to send its activations in
+# fp8 and what an experts namespace defines to read them (with quantized weights). The
+# tokens format has neither: quantized layers take another.
+QUANT_FORMAT_OPS = {"masked": ("dispatch_masked_quant", "experts_masked_quant"),
+                    "rows": ("dispatch_quant", "experts_rows_quant")}
 # The formats between dispatch and combine, best first (the wire is the cost: tokens cross
 # once per rank that needs them); what an a2a namespace defines to produce each, what an
 # experts namespace defines to consume it, and what an a2a namespace defines for its gradient.
-FORMATS = ("tokens", "rows")
-FORMAT_OPS = {"tokens": ("dispatch_tokens", "combine_tokens"), "rows": ("dispatch", "combine")}
-CONSUMER_OPS = {"tokens": "experts", "rows": "experts_rows"}
+# The masked format (DeepEP low-latency's per-expert blocks) comes first where a transport
+# produces it: the experts read its receive buffer where it is, and a transport makes it
+# only where its engine's own layout is that (`A2ABackend.format_reason` says where not).
+# A format without gradient ops in `TRAINING_OPS` serves inference only.
+FORMATS = ("masked", "tokens", "rows")
+FORMAT_OPS = {"masked": ("dispatch_masked", "combine_masked"),
+              "tokens": ("dispatch_tokens", "combine_tokens"), "rows": ("dispatch", "combine")}
+CONSUMER_OPS = {"masked": "experts_masked", "tokens": "experts", "rows": "experts_rows"}
 TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
                 "rows": ("dispatch_backward", "combine_backward")}
 TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
+# The transport ops of the masked format, its quantized dispatch among them.
+MASKED_OPS = (*FORMAT_OPS["masked"], QUANT_FORMAT_OPS["masked"][0])
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -189,7 +204,8 @@ class A2ABackend:
 
     def trains(self, fmt: str) -> bool:
         """Whether its transport in ``fmt`` carries gradients."""
-        return all(defines(self.namespace, op) for op in TRAINING_OPS[fmt])
+        return fmt in TRAINING_OPS and all(defines(self.namespace, op)
+                                           for op in TRAINING_OPS[fmt])
 
     @property
     def sends_quantized(self) -> bool:
@@ -288,9 +304,10 @@ class Registry:
     def register_route(self, backend: RouteBackend) -> None:
         self.route[backend.name] = backend
 
-    def choose_experts(self, spec: BackendSpec, problem: Problem,
-                       device: torch.device) -> ExpertsBackend:
-        """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here.
+    def choose_experts(self, spec: BackendSpec, problem: Problem, device: torch.device,
+                       op: str = EXPERTS_OPS[0]) -> ExpertsBackend:
+        """The backend ``spec.experts`` names, or for ``"auto"`` the best one that runs here,
+        among those that define ``op`` (not every backend reads every format).
 
         Raises ValueError naming what is registered and why the choice is out.
         """
@@ -299,7 +316,17 @@ class Registry:
                 return -backend.training_priority
             return -backend.priority
 
-        return self._choose("experts", self.experts, spec.experts, rank, spec, problem, device)
+        # A backend that cannot run here keeps its own reason; one that can but does not
+        # define ``op`` is no candidate.
+        candidates = {name: backend for name, backend in self.experts.items()
+                      if defines(backend.namespace, op)
+                      or backend.why_not(spec, problem, device) is not None}
+        if spec.experts in self.experts and spec.experts not in candidates:
+            raise ValueError(f"experts backend {spec.experts!r} does not define {op}; "
+                             "backends that do: " + ", ".join(
+                                 name for name, backend in self.experts.items()
+                                 if defines(backend.namespace, op)))
+        return self._choose("experts", candidates, spec.experts, rank, spec, problem, device)
 
     def choose_a2a(self, spec: BackendSpec, problem: Problem, device: torch.device) -> A2ABackend:
         return self._choose("a2a", self.a2a, spec.a2a, None, spec, problem, device)

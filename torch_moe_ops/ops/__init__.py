@@ -4,7 +4,16 @@ Their eager kernels forward to the default backend of the input's device; those
 kernels are installed by `torch_moe_ops.backends`.
 """
 
-from torch_moe_ops.ops import dispatch_quant, experts, quant, route, rows, tokens
+from torch_moe_ops.ops import (
+    dispatch_quant,
+    experts,
+    masked,
+    masked_quant,
+    quant,
+    route,
+    rows,
+    tokens,
+)
 from torch_moe_ops.ops.library import (
     GENERIC_NAMESPACE,
     OpContract,
@@ -19,7 +28,8 @@ CONTRACTS = {
     for contract in (route.CONTRACT, experts.CONTRACT, experts.BACKWARD_CONTRACT,
                      rows.DISPATCH, rows.EXPERTS_ROWS, rows.COMBINE,
                      rows.DISPATCH_BACKWARD, rows.COMBINE_BACKWARD, quant.CONTRACT,
-                     quant.ROWS_CONTRACT, dispatch_quant.CONTRACT, *tokens.CONTRACTS.values())
+                     quant.ROWS_CONTRACT, dispatch_quant.CONTRACT, *tokens.CONTRACTS.values(),
+                     *masked.CONTRACTS.values(), *masked_quant.CONTRACTS.values())
 }
 
 

@@ -113,11 +113,11 @@ def fake_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH,
             like(b13_EF), like(b2_EH))
 
 
-def backward_namespace(namespace: str) -> str:
+def backward_namespace(namespace: str, name: str = "experts_backward") -> str:
     """Where the gradient of an experts op that ran on ``namespace`` runs: there,
-    where ``namespace`` defines ``experts_backward``, else on the reference backend.
-    The generic ``moe`` namespace defines one, which runs the default backend's."""
-    return namespace if defines(namespace, "experts_backward") else REFERENCE_NAMESPACE
+    where ``namespace`` defines its gradient op ``name``, else on the reference backend.
+    The generic ``moe`` namespace defines them, which run the default backend's."""
+    return namespace if defines(namespace, name) else REFERENCE_NAMESPACE
 
 
 def setup_context(ctx, inputs, output):

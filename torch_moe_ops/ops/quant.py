@@ -135,36 +135,48 @@ def rows_out_dtype(x_RH: torch.Tensor, out_dtype: torch.dtype | None) -> torch.d
 
 
 def check_rows(x_RH, x_scale, expert_R, count_E, *quant_args) -> None:
-    *weights, out_dtype = quant_args
     checks.check_tensor("x_rows", x_RH, 2, (*OUT_DTYPES, quant.FP8_DTYPE))
     checks.check_tensor("expert_rows", expert_R, 1, (torch.int32,))
     checks.check_tensor("count_experts", count_E, 1, (torch.int32,))
     checks.check_size("expert_rows", expert_R, 0, x_RH.shape[0], "x_rows.shape[0] (R)")
-    if x_RH.dtype == quant.FP8_DTYPE:
+    check_quantized_activations("x_rows", x_RH, x_scale, *quant_args)
+    checks.check_size("count_experts", count_E, 0, quant_args[0].shape[0], "w13.shape[0] (E)")
+    checks.check_same_device("x_rows", x_RH, expert_rows=expert_R, count_experts=count_E)
+
+
+def check_quantized_activations(x_name: str, x_XH, x_scale, *quant_args) -> QuantSpec:
+    """Activations ``x_XH`` (``[..., H]``: float, or float8_e4m3fn as a dispatch quantized
+    them, with ``x_scale`` ``[...]`` for fp8_token or ``[..., H / bk]`` for fp8_group, and
+    ``out_dtype``) against the quantized weights of ``quant_args`` (schema order, then
+    ``out_dtype``); returns their spec."""
+    *weights, out_dtype = quant_args
+    if x_XH.dtype == quant.FP8_DTYPE:
         if out_dtype not in OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of "
-                             f"({', '.join(str(d) for d in OUT_DTYPES)}) with float8 x_rows, "
+                             f"({', '.join(str(d) for d in OUT_DTYPES)}) with float8 {x_name}, "
                              f"got {out_dtype}")
     elif x_scale is not None or out_dtype is not None:
-        raise ValueError(f"x_scale and out_dtype must be None unless x_rows is float8_e4m3fn "
-                         f"(rows quantized by dispatch), got x_rows of {x_RH.dtype} with "
+        raise ValueError(f"x_scale and out_dtype must be None unless {x_name} is float8_e4m3fn "
+                         f"(rows quantized by dispatch), got {x_name} of {x_XH.dtype} with "
                          f"x_scale={'a tensor' if x_scale is not None else None}, "
                          f"out_dtype={out_dtype}")
-    spec = check_quant_weights("x_rows", x_RH, rows_out_dtype(x_RH, out_dtype), *weights)
-    if x_RH.dtype == quant.FP8_DTYPE:
+    spec = check_quant_weights(x_name, x_XH.reshape(-1, x_XH.shape[-1]),
+                               rows_out_dtype(x_XH, out_dtype), *weights)
+    if x_XH.dtype == quant.FP8_DTYPE:
         if spec.activations == "none":
-            raise ValueError(f"x_rows must not be quantized with activation_format='none' "
-                             f"(weight-only {spec.weights}), got {x_RH.dtype}")
-        groups = x_RH.shape[1] // quant.activation_group(spec, x_RH.shape[1])
-        expected = (x_RH.shape[0],) if spec.activations == "fp8_token" else (
-            x_RH.shape[0], groups)
+            raise ValueError(f"{x_name} must not be quantized with activation_format='none' "
+                             f"(weight-only {spec.weights}), got {x_XH.dtype}")
+        hidden_size = x_XH.shape[-1]
+        groups = hidden_size // quant.activation_group(spec, hidden_size)
+        expected = tuple(x_XH.shape[:-1]) + (() if spec.activations == "fp8_token"
+                                             else (groups,))
         checks.check_tensor("x_scale", x_scale, len(expected), (torch.float32,))
         if tuple(x_scale.shape) != expected:
             raise ValueError(f"x_scale must have shape {list(expected)} ({spec.activations} "
-                             f"scales of x_rows {list(x_RH.shape)}), got {list(x_scale.shape)}")
-        checks.check_same_device("x_rows", x_RH, x_scale=x_scale)
-    checks.check_size("count_experts", count_E, 0, weights[0].shape[0], "w13.shape[0] (E)")
-    checks.check_same_device("x_rows", x_RH, expert_rows=expert_R, count_experts=count_E)
+                             f"scales of {x_name} {list(x_XH.shape)}), got "
+                             f"{list(x_scale.shape)}")
+        checks.check_same_device(x_name, x_XH, x_scale=x_scale)
+    return spec
 
 
 def check_rows_values(x_RH, x_scale, expert_R, count_E, w13, *_) -> None:

@@ -1,6 +1,10 @@
 """The ``deepep`` a2a backend: DeepEP's expert-parallel kernels (NVLink, RDMA) on its public
-``deep_ep.Buffer`` API, in two formats (`registry.FORMATS`):
+``deep_ep.Buffer`` API, in three formats (`registry.FORMATS`):
 
+- masked (`masked`: ``moe::dispatch_masked`` / ``moe::combine_masked``, and
+  ``moe::dispatch_masked_quant`` for fp8 blocks), DeepEP's low-latency mode with its
+  per-expert receive blocks as they are, for decode layers
+  (``max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS``) without gradients, quantized too;
 - tokens (`tokens`: ``moe::dispatch_tokens`` / ``moe::combine_tokens``), DeepEP's normal
   mode at its worst-case token count, for layers without gradients;
 - rows (`rows`: ``moe::dispatch``, ``moe::dispatch_quant``, ``moe::combine`` and their
@@ -19,7 +23,7 @@ that path is written against DeepEP's API but has not been run here.
 
 from __future__ import annotations
 
-from torch_moe_ops.backends.deepep import rows, tokens
+from torch_moe_ops.backends.deepep import masked, rows, tokens
 from torch_moe_ops.backends.deepep.buffer import (
     NOT_INSTALLED,
     DeepEPCommunicator,
@@ -42,18 +46,25 @@ from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_deepep"
+# The mode each format runs; rows run the mode `choose_mode` gives the layer.
+FORMAT_MODES = {"tokens": NORMAL, "masked": LOW_LATENCY}
 
-# The tokens ops have no gradient ops (`tokens` says why): a layer that trains takes rows.
+# The tokens and masked ops have no gradient ops (`tokens`, `masked` say why): a layer that
+# trains takes rows. Quantized layers have no gradient in any format.
 define_backend_ops(NAMESPACE, {"dispatch": rows.dispatch, "combine": rows.combine,
                                "dispatch_backward": rows.dispatch_backward,
                                "combine_backward": rows.combine_backward,
                                "dispatch_quant": rows.dispatch_quant,
                                "dispatch_tokens": tokens.dispatch_tokens,
-                               "combine_tokens": tokens.combine_tokens})
+                               "combine_tokens": tokens.combine_tokens,
+                               "dispatch_masked": masked.dispatch_masked,
+                               "dispatch_masked_quant": masked.dispatch_masked_quant,
+                               "combine_masked": masked.combine_masked})
 
 def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
             max_tokens_per_rank) -> None:
-    """The layer's communicator in the mode its format runs (tokens: normal mode), opened
+    """The layer's communicator in the mode its format runs (tokens: normal mode, masked:
+    low-latency mode), opened
     when the layer is compiled: made in a warm-up run of ``mode="reduce-overhead"``, its
     tensors would stay in the CUDA graphs' memory pool."""
     if hidden_TH.device.type != "cuda":
@@ -61,15 +72,17 @@ def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, 
     with on(hidden_TH.device):
         communicator(group_name, hidden_TH.shape[1], num_experts, topk_ids_TK.shape[1],
                      max_tokens_per_rank, hidden_TH.dtype,
-                     mode=NORMAL if fmt == "tokens" else "auto", device=hidden_TH.device)
+                     mode=FORMAT_MODES.get(fmt, "auto"), device=hidden_TH.device)
 
 
 REGISTRY.register_a2a(A2ABackend(
     name="deepep", namespace=NAMESPACE, supports=supports, prepare=prepare,
     format_reason=format_reason,
-    description=(f"DeepEP: tokens format on normal mode (worst-case static receive, "
-                 f"NVLink/RDMA) without gradients; rows in normal mode or, for "
-                 f"max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, low-latency mode")))
+    description=(f"DeepEP: for max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, masked "
+                 f"format on low-latency mode, else tokens format on normal mode (worst-case "
+                 f"static receive, NVLink/RDMA), both without gradients; rows in normal mode "
+                 f"or, for max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, low-latency "
+                 f"mode")))
 
 __all__ = ["LOW_LATENCY", "LOW_LATENCY_MAX_TOKENS", "NAMESPACE", "NORMAL", "NOT_INSTALLED",
            "DeepEPCommunicator", "choose_mode", "close_all", "communicator",

@@ -8,11 +8,15 @@ import torch.distributed as dist
 from torch_moe_ops.backends.deepep.buffer import import_deep_ep
 from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
+    LOW_LATENCY,
+    LOW_LATENCY_MAX_TOKENS,
     choose_mode,
+    fp8_transport_reason,
     low_latency_mode_reason,
     mode_reason,
     normal_mode_reason,
 )
+from torch_moe_ops.ops.dispatch_quant import FP8_ACTIVATION_FORMATS
 
 
 def supports(spec, problem, device) -> str | None:
@@ -40,12 +44,26 @@ def supports(spec, problem, device) -> str | None:
 
 
 def format_reason(fmt: str, problem) -> str | None:
-    """Why DeepEP cannot move ``problem``'s layer in format ``fmt`` (None: it can): tokens run
-    normal mode whatever the token count, rows the mode `choose_mode` gives."""
+    """Why DeepEP cannot move ``problem``'s layer in format ``fmt`` (None: it can): masked
+    blocks run low-latency mode where `choose_mode` gives it (decode sizes), tokens normal
+    mode whatever the token count, rows the mode `choose_mode` gives."""
     num_local = problem.num_local_experts
     if num_local is None and problem.num_experts is not None and problem.ep_size:
         num_local = problem.num_experts // problem.ep_size
     shape = (problem.ep_size, problem.hidden_size, problem.top_k)
+    if fmt == "masked":
+        if (problem.max_tokens_per_rank or 0) > LOW_LATENCY_MAX_TOKENS:
+            reason = (f"DeepEP's low-latency mode serves decode batches, max_tokens_per_rank "
+                      f"<= {LOW_LATENCY_MAX_TOKENS}, got {problem.max_tokens_per_rank}")
+        else:
+            reason = low_latency_mode_reason(*shape, problem.max_tokens_per_rank)
+        quant = problem.quant
+        if (reason is None and quant is not None and problem.hidden_size is not None
+                and quant.activations in FP8_ACTIVATION_FORMATS):
+            why = fp8_transport_reason(LOW_LATENCY, quant, problem.hidden_size)
+            if why is not None:
+                return f"its fp8 blocks travel through DeepEP's low-latency cast only: {why}"
+        return None if reason is None else f"the masked format runs low-latency mode: {reason}"
     if fmt == "tokens":
         reason = normal_mode_reason(*shape, num_local)
         return None if reason is None else f"the tokens format runs normal mode: {reason}"
@@ -62,8 +80,9 @@ def format_reason(fmt: str, problem) -> str | None:
 def shape_reason(problem) -> str | None:
     """Why DeepEP's kernels cannot run the problem's shape in any format it could take
     (None: they can). A layer without gradients (and not quantized) takes the tokens
-    format where normal mode runs it, else rows; others take rows."""
+    format where normal mode runs it, else rows; others take rows (masked blocks, in
+    low-latency mode, serve decode layers without gradients where tokens would too)."""
     if problem.training is False and problem.quant is None:
-        reasons = [format_reason(fmt, problem) for fmt in ("tokens", "rows")]
+        reasons = [format_reason(fmt, problem) for fmt in ("masked", "tokens", "rows")]
         return None if None in reasons else "; ".join(reasons)
     return format_reason("rows", problem)

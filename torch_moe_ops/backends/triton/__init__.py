@@ -6,7 +6,10 @@ the routing weight, and a deterministic sum over the K slots of each token.
 Tile sizes come from tuned JSON files (`configs`), read on the first call of a
 shape. Weights are used in the canonical layout.
 
-The gradient (`experts_backward`) is the ``grouped_mm`` path's
+The masked format (``experts_masked``, ``experts_masked_quant``: `masked`) runs the tiled
+kernels on each expert's block where it stands, skipping the blocks past its count.
+
+The gradient (`experts_backward`, ``experts_masked_backward``) is the ``grouped_mm`` path's
 (`common.kernels.grouped_gemm`: grouped GEMMs on the routed rows) where that runs
 without a host sync (`grouped_gemm.supports`: bf16 on sm90+, H and I multiples
 of 8), else the reference backend's, called as ``moe_reference::experts_backward``.
@@ -85,12 +88,21 @@ if TRITON_INSTALLED:
         on_first_call("torch_moe_ops.backends.triton.fused", name) for name in (
             "fused_experts", "fused_experts_rows", "fused_experts_quant",
             "fused_experts_rows_quant"))
+    fused_experts_masked, fused_experts_masked_quant = (
+        on_first_call("torch_moe_ops.backends.triton.masked", name)
+        for name in ("fused_experts_masked", "fused_experts_masked_quant"))
+
+    def _grouped_runs(x, w13_EFH) -> bool:
+        problem = Problem(x.dtype, hidden_size=w13_EFH.shape[2],
+                          intermediate_size=w13_EFH.shape[1] // 2)
+        return grouped_gemm.supports(None, problem, x.device) is None
 
     def _grouped_backward_runs(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH,
                                *_) -> bool:
-        problem = Problem(hidden_TH.dtype, hidden_size=w13_EFH.shape[2],
-                          intermediate_size=w13_EFH.shape[1] // 2)
-        return grouped_gemm.supports(None, problem, hidden_TH.device) is None
+        return _grouped_runs(hidden_TH, w13_EFH)
+
+    def _grouped_masked_backward_runs(grad_out_ECH, x_ECH, count_E, w13_EFH, *_) -> bool:
+        return _grouped_runs(x_ECH, w13_EFH)
 
     def experts_backward(*args):
         """``moe::experts_backward`` (schema order): `grouped_gemm.experts_backward`
@@ -99,19 +111,35 @@ if TRITON_INSTALLED:
             return grouped_gemm.experts_backward(*args)
         return op_overload(REFERENCE_NAMESPACE, "experts_backward")(*args)
 
+    def experts_masked_backward(*args):
+        """``moe::experts_masked_backward`` (schema order): as `experts_backward`, with
+        `grouped_gemm.experts_masked_backward`."""
+        if _grouped_masked_backward_runs(*args):
+            return grouped_gemm.experts_masked_backward(*args)
+        return op_overload(REFERENCE_NAMESPACE, "experts_masked_backward")(*args)
+
     define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows,
                                    "experts_backward": experts_backward,
                                    "experts_quant": fused_experts_quant,
-                                   "experts_rows_quant": fused_experts_rows_quant})
+                                   "experts_rows_quant": fused_experts_rows_quant,
+                                   "experts_masked": fused_experts_masked,
+                                   "experts_masked_backward": experts_masked_backward,
+                                   "experts_masked_quant": fused_experts_masked_quant})
     # Compiled with fixed sizes, the kernels are launched by Inductor's own code.
     decompose_backend_ops(NAMESPACE, {"experts": traced(fused_experts),
                                       "experts_rows": traced(fused_experts_rows),
                                       "experts_quant": traced(fused_experts_quant),
-                                      "experts_rows_quant": traced(fused_experts_rows_quant)},
+                                      "experts_rows_quant": traced(fused_experts_rows_quant),
+                                      "experts_masked": traced(fused_experts_masked),
+                                      "experts_masked_quant": traced(fused_experts_masked_quant)},
                           static_shapes_on_cuda)
     decompose_backend_ops(NAMESPACE, {"experts_backward": traced(grouped_gemm.experts_backward)},
                           lambda *args: static_shapes_on_cuda(*args)
                           and _grouped_backward_runs(*args))
+    decompose_backend_ops(NAMESPACE, {"experts_masked_backward":
+                                      traced(grouped_gemm.experts_masked_backward)},
+                          lambda *args: static_shapes_on_cuda(*args)
+                          and _grouped_masked_backward_runs(*args))
 
 REGISTRY.register_experts(ExpertsBackend(
     name="triton", namespace=NAMESPACE, supports=supports, priority=20,

@@ -148,7 +148,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _check_dtype(name: str, dtype: torch.dtype) -> None:
+def check_dtype(name: str, dtype: torch.dtype) -> None:
     # The op contract admits float64 (the reference computes in it); these kernels do not.
     if dtype not in KERNEL_DTYPES:
         raise ValueError(f"{name} must have dtype in "
@@ -156,7 +156,7 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
                          f"experts backend, got {dtype_name(dtype)}")
 
 
-def _check_activation(activation: str) -> None:
+def check_activation(activation: str) -> None:
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATION_CODES))}, "
                          f"got {activation!r}")
@@ -219,19 +219,45 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
                ids_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     num_tokens, hidden_size = x_TH.shape
     top_k = ids_TK.shape[1]
+    blocks = align_rows(ids_TK, experts.num_experts, config.BLOCK_M)
+    out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=x_TH.device)
+    # With one expert per token the per-slot rows are the output rows: the down
+    # GEMM writes them in place and the last kernel only zeroes skipped rows.
+    slot_SH = out_TH if top_k == 1 else torch.empty((num_tokens * top_k, hidden_size),
+                                                    dtype=dtype, device=x_TH.device)
+    tiled_gemms(config, experts, x_TH, x_scale, weights_S, top_k, blocks, slot_SH)
+    launcher(moe_sum_over_topk_kernel)[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_H))](
+        slot_SH, ids_TK, out_TH, hidden_size,
+        slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
+        TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
+    return out_TH
+
+
+def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
+                x_scale: torch.Tensor | None, weights_S: torch.Tensor | None, top_k: int,
+                blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                slot_SH: torch.Tensor) -> None:
+    """The two grouped GEMMs over the blocks of ``blocks`` (``sorted_row_ids_P``,
+    ``block_expert_B``, ``num_padded_rows_1``, as `align.align_rows` returns them):
+
+        slot[s] = weight[s] * (act(x[s // K] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
+
+    for each slot ``s`` a block of expert ``e`` lists, written into ``slot_SH [S, H]``
+    (in the output dtype); rows no block lists are not written.
+    """
+    hidden_size = x_TH.shape[1]
+    num_slots = slot_SH.shape[0]
     inter_size = experts.inter_size
     w13, w2 = experts.w13, experts.w2
-    num_slots = num_tokens * top_k
-    sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align_rows(
-        ids_TK, experts.num_experts, config.BLOCK_M)
+    sorted_row_ids_P, block_expert_B, num_padded_rows_1 = blocks
     num_blocks_m = block_expert_B.shape[0]
+    dtype = slot_SH.dtype
     precision = _dot_precision(dtype)
     tiles = dict(BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                  GROUP_M=config.GROUP_M, num_warps=config.num_warps,
                  num_stages=config.num_stages, **experts.kernel_constants())
-    device = x_TH.device
 
-    inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=device)
+    inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=x_TH.device)
     # An absent bias is never read (HAS_BIAS=False): any tensor fills its slot.
     b13 = experts.b13 if experts.b13 is not None else w13
     launcher(moe_gate_up_act_kernel)[(num_blocks_m * triton.cdiv(inter_size, config.BLOCK_N),)](
@@ -247,11 +273,6 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         HAS_BIAS=experts.b13 is not None, DOT_PRECISION=precision, **tiles)
 
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
-    out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    # With one expert per token the per-slot rows are the output rows: the down
-    # GEMM writes them in place and the last kernel only zeroes skipped rows.
-    slot_SH = out_TH if top_k == 1 else torch.empty((num_slots, hidden_size), dtype=dtype,
-                                                    device=device)
     b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
     launcher(moe_down_weighted_kernel)[(num_blocks_m * triton.cdiv(hidden_size, config.BLOCK_N),)](
@@ -265,12 +286,6 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         *experts.scale_args(inter_scale, experts.w2_scale, w2),
         HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         DOT_PRECISION=precision, **tiles)
-
-    launcher(moe_sum_over_topk_kernel)[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_H))](
-        slot_SH, ids_TK, out_TH, hidden_size,
-        slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
-        TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
-    return out_TH
 
 
 _RUNNERS = {"direct": _run_direct, "tiled": _run_tiled}
@@ -298,8 +313,8 @@ def fused_experts(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     Where the config says so (prefill, bf16 on sm90+), the two GEMMs run on
     ``torch._grouped_mm`` with Triton epilogues instead (`common.kernels.grouped_gemm`).
     """
-    _check_dtype("hidden", hidden_TH.dtype)
-    _check_activation(activation)
+    check_dtype("hidden", hidden_TH.dtype)
+    check_activation(activation)
     if topk_ids_TK.shape[0] == 0:
         return torch.empty((0, hidden_TH.shape[1]), dtype=hidden_TH.dtype,
                            device=hidden_TH.device)
@@ -347,8 +362,8 @@ def fused_experts_rows(x_RH: torch.Tensor, expert_R: torch.Tensor, count_E: torc
     Returns ``y_RH [R, H]`` in ``x_RH``'s dtype, contiguous.
     """
     _check_rows(expert_R)
-    _check_dtype("x_rows", x_RH.dtype)
-    _check_activation(activation)
+    check_dtype("x_rows", x_RH.dtype)
+    check_activation(activation)
     if expert_R.shape[0] == 0:
         return torch.empty((0, x_RH.shape[1]), dtype=x_RH.dtype, device=x_RH.device)
     expert_R1 = expert_R.unsqueeze(1)
@@ -365,7 +380,7 @@ def _check_rows(expert_R: torch.Tensor) -> None:
         raise ValueError(f"expert_rows must be 1-D, got shape {tuple(expert_R.shape)}")
 
 
-def _first_gemm_input(experts: Experts, x_MH: torch.Tensor):
+def first_gemm_input(experts: Experts, x_MH: torch.Tensor):
     """What the gate-up GEMM reads of the activation rows: themselves, or fp8
     rows and scales (quantized here, once per row)."""
     if experts.quantized_activations:
@@ -397,8 +412,8 @@ def fused_experts_quant(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
     ``hidden_TH``'s dtype. With fp8 activations ``hidden_TH`` is quantized once
     per token and the intermediate once per slot, dynamically, as the reference does.
     """
-    _check_dtype("hidden", hidden_TH.dtype)
-    _check_activation(activation)
+    check_dtype("hidden", hidden_TH.dtype)
+    check_activation(activation)
     if topk_ids_TK.shape[0] == 0:
         return torch.empty((0, hidden_TH.shape[1]), dtype=hidden_TH.dtype,
                            device=hidden_TH.device)
@@ -426,7 +441,7 @@ def experts_quant_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
         w13_EFH, w2_EHI = _dequantized(experts, hidden_TH.dtype)
         return grouped_gemm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
                                     b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
-    x_TH, x_scale = _first_gemm_input(experts, hidden_TH)
+    x_TH, x_scale = first_gemm_input(experts, hidden_TH)
     return _RUNNERS[config.path](config, experts, x_TH, x_scale, topk_weights_TK.reshape(-1),
                                  topk_ids_TK, hidden_TH.dtype)
 
@@ -449,9 +464,9 @@ def fused_experts_rows_quant(x_RH: torch.Tensor, x_scale: torch.Tensor | None,
     `fused_experts_quant`; ``count_E`` as in `fused_experts_rows`.
     """
     _check_rows(expert_R)
-    _check_activation(activation)
+    check_activation(activation)
     dtype = x_RH.dtype if out_dtype is None else out_dtype
-    _check_dtype("x_rows" if out_dtype is None else "out_dtype", dtype)
+    check_dtype("x_rows" if out_dtype is None else "out_dtype", dtype)
     if expert_R.shape[0] == 0:
         return torch.empty((0, x_RH.shape[1]), dtype=dtype, device=x_RH.device)
     expert_R1 = expert_R.unsqueeze(1)
@@ -464,5 +479,5 @@ def fused_experts_rows_quant(x_RH: torch.Tensor, x_scale: torch.Tensor | None,
         return grouped_gemm.experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF,
                                          b2_EH, activation, swiglu_alpha, swiglu_limit)
     if x_scale is None:
-        x_RH, x_scale = _first_gemm_input(experts, x_RH)
+        x_RH, x_scale = first_gemm_input(experts, x_RH)
     return _RUNNERS[config.path](config, experts, x_RH, x_scale, None, expert_R1, dtype)

@@ -16,6 +16,15 @@ The gradient (`experts_backward`) is `common.kernels.grouped_backward` with its 
 between the GEMMs run as Triton kernels (`epilogues`): the bias, activation and
 activation gradient in one pass, the sum over each token's slots in another.
 
+The masked format (`experts_masked`, ``[E, C, H]`` blocks with a count per expert) has no
+grouped GEMM of its own in torch (``torch._grouped_mm`` takes groups that follow each
+other, and the rows past each count would be computed as part of the next group, C rows
+per expert): the rows that carry a token are gathered into the rows format, run as
+`experts_rows`, and scattered back (`rows.masked_to_rows`); its gradient likewise. The
+GEMMs run the counted rows only, but the gather, the epilogues and the scatter pass over
+all ``E * C`` rows, so at decode sizes the ``triton`` backend's masked kernels, which skip
+the blocks past each count, are the fast path (``experts="auto"`` takes them first).
+
 The ``grouped_mm`` experts backend is these functions; the ``triton`` backend
 hands prefill-sized calls and, where `supports` holds, its gradient to them.
 """
@@ -27,6 +36,7 @@ import torch
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.common.kernels import grouped_backward
 from torch_moe_ops.backends.common.kernels.launch import on_first_call
+from torch_moe_ops.backends.common.kernels.rows import gather_rows, masked_to_rows, scatter_rows
 from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
 
 # torch._grouped_mm needs 16-byte aligned rows: 8 bf16 values.
@@ -132,3 +142,30 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
     return grouped_backward.experts_backward(grad_out_TH, hidden_TH, topk_weights_TK,
                                              topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
                                              alpha, limit, steps=TRITON_STEPS)
+
+
+def experts_masked(x_ECH, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, alpha, limit):
+    """``y_ECH [E, C, H]``: `experts_rows` on the rows of each block below its count,
+    gathered into rows and scattered back; rows past a count come out as zeros."""
+    num_experts, rows_per_expert, hidden_size = x_ECH.shape
+    expert_R, cell_R = masked_to_rows(count_E, rows_per_expert)
+    x_RH = gather_rows(x_ECH.reshape(-1, hidden_size), cell_R)
+    y_RH = experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, alpha,
+                        limit)
+    return scatter_rows(y_RH, cell_R, num_experts * rows_per_expert).view(x_ECH.shape)
+
+
+def experts_masked_backward(grad_out_ECH, x_ECH, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act,
+                            alpha, limit):
+    """The gradients of `experts_masked` (``moe::experts_masked_backward``'s outputs): those
+    of the rows it ran, a row being a token with one expert at weight 1."""
+    num_experts, rows_per_expert, hidden_size = x_ECH.shape
+    expert_R, cell_R = masked_to_rows(count_E, rows_per_expert)
+    x_RH = gather_rows(x_ECH.reshape(-1, hidden_size), cell_R)
+    grad_y_RH = gather_rows(grad_out_ECH.reshape(-1, hidden_size), cell_R)
+    ones_R1 = torch.ones((x_RH.shape[0], 1), dtype=torch.float32, device=x_RH.device)
+    grad_x_RH, _, *weight_grads = experts_backward(
+        grad_y_RH, x_RH, ones_R1, expert_R.unsqueeze(1), w13_EFH, w2_EHI, b13_EF, b2_EH, act,
+        alpha, limit)
+    grad_x_ECH = scatter_rows(grad_x_RH, cell_R, num_experts * rows_per_expert)
+    return (grad_x_ECH.view(x_ECH.shape), *weight_grads)

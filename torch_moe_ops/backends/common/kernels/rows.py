@@ -76,3 +76,30 @@ def combine_grads(grad_RH: torch.Tensor, y_RH: torch.Tensor, weight_R: torch.Ten
     grad_y_RH = weighted_rows(grad_RH, weight_R, src_R).to(y_RH.dtype)
     grad_weight_R = (y_RH.to(dtype) * grad_RH.to(dtype)).sum(-1).float()
     return grad_y_RH, grad_weight_R.masked_fill(src_R < 0, 0.0)
+
+
+def masked_valid(count_E: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+    """``[E, C, 1]`` bool: which rows of each expert's block of the masked format
+    (`ops.masked`) carry a token, C = ``rows_per_expert``."""
+    position_C = torch.arange(rows_per_expert, device=count_E.device)
+    return (position_C < count_E.unsqueeze(1)).unsqueeze(2)
+
+
+def masked_to_rows(count_E: torch.Tensor, rows_per_expert: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows format of the masked format's blocks: ``(expert_R, cell_R)``, int32, R = E * C.
+
+    Row ``r`` is cell ``cell_R[r] = e * C + c`` of the ``[E * C]`` blocks (the rows that carry
+    a token, grouped by expert in block order, as the rows format groups them), -1 with
+    expert -1 from ``sum(count_E)`` on; `gather_rows` and `scatter_rows` move rows between
+    the two frames. Sizes depend on E and C alone: no host sync.
+    """
+    num_experts = count_E.shape[0]
+    ends_E = torch.cumsum(count_E.long(), 0)
+    row_R = torch.arange(num_experts * rows_per_expert, device=count_E.device)
+    expert_R = torch.searchsorted(ends_E, row_R, right=True)
+    carried_R = expert_R < num_experts
+    expert_R = expert_R.clamp(max=num_experts - 1)
+    cell_R = expert_R * rows_per_expert + row_R - (ends_E - count_E)[expert_R]
+    return (torch.where(carried_R, expert_R, -1).to(torch.int32),
+            torch.where(carried_R, cell_R, -1).to(torch.int32))
