@@ -253,10 +253,10 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         # travel in the activations' dtype, and the rule says so where fp8 was asked for.
         quant_dispatch = (QUANT_FORMAT_OPS[plan.format][0]
                           if quant is not None and plan.format in QUANT_FORMAT_OPS else None)
-        sides = dataclasses.replace(
-            DispatchSides.of(plan.a2a, plan.experts),
-            sends_quantized=quant_dispatch is not None
-            and defines(plan.a2a.namespace, quant_dispatch))
+        sides = DispatchSides.of(plan.a2a, plan.experts)
+        if quant_dispatch is not None:
+            sides = dataclasses.replace(
+                sides, sends_quantized=defines(plan.a2a.namespace, quant_dispatch))
         chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, quant, sides)
         fp8 = chosen.dtype != plan.problem.dtype
         quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()

@@ -49,7 +49,7 @@ def deepep_runs_here(monkeypatch):
      ("deepep cannot move this layer in masked: its fp8 blocks travel through DeepEP's "
      "low-latency cast only")),
     ({"quant": QuantSpec("fp8_block"), "max_tokens_per_rank": 512}, "rows",
-     "quantized layer: rows travel in the dispatch dtype with their scales"),
+     "rows travel in fp8 with their scales, tokens in the activations' dtype"),
     # Normal mode runs 2, 4 or 8 ranks of one host; low-latency mode 3 too.
     ({"ep_size": 3, "num_experts": 63}, "masked", "read where it arrives"),
 ], ids=["decode", "prefill", "training", "quantized", "quantized_per_token",
