@@ -686,7 +686,7 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
                                         f"one row per token per peer, T={tokens}")
                     judged(row, base)
                 what = f"transport {a2a} masked E={num_experts} T={tokens}"
-                if (a2a in MASKED_A2A_NAMES and tokens <= deepep.LOW_LATENCY_MAX_TOKENS
+                if (a2a in MASKED_A2A_NAMES and low_latency_runs(run, sizes, num_experts, tokens)
                         and run.within_budget(what)):
                     row = time_masked(run, sizes, a2a, num_experts, tokens)
                     release_communicators(a2a)
