@@ -248,7 +248,7 @@ def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
                              "unquantized rows) and the moe::combine of its result, and nothing "
                              "else (as MoE emits them)")
         experts, combine = chain
-        namespace = plan.a2a.namespace
+        namespace = plan.namespace_for("dispatch_tokens")
         hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
         expert_args = _rows_reader_args(experts)[3:]
         tokens_op = "experts" if generic_op(experts) == "experts_rows" else "experts_quant"
