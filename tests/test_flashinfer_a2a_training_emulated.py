@@ -37,9 +37,11 @@ import flashinfer_a2a_emulator
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import (
+    TwoLayers,
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
+    check_layers_train,
     draw_problem,
     leaves,
     recording_backend,
@@ -133,8 +135,9 @@ def _check_fakes(rank):
 
 
 def _in_workspace(t: torch.Tensor, comm) -> bool:
-    start = comm.workspace.data_ptr()
-    return start <= t.data_ptr() < start + comm.workspace.numel()
+    """Whether ``t`` lies in this rank's part of ``comm``'s workspace."""
+    start = comm.workspace[comm.rank].data_ptr()
+    return start <= t.data_ptr() < start + comm.workspace[comm.rank].numel()
 
 
 def _check_workspace_copies(rank, a2a):
@@ -159,19 +162,6 @@ def _check_workspace_copies(rank, a2a):
     assert all(torch.equal(t, k) for t, k in zip(copied, kept, strict=True))
 
 
-class TwoLayers(torch.nn.Module):
-    """``h + moe(h)`` twice."""
-
-    def __init__(self, cfg: tmo.MoEConfig, **kwargs):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(tmo.MoE(cfg, **kwargs) for _ in range(2))
-
-    def forward(self, h_TH: torch.Tensor) -> torch.Tensor:
-        for moe in self.layers:
-            h_TH = h_TH + moe(h_TH)
-        return h_TH
-
-
 def _moe_config(ep_size: int) -> tmo.MoEConfig:
     return tmo.MoEConfig(hidden_size=H, intermediate_size=I, num_experts=2 * _world(), top_k=2,
                          renormalize=True, expert_bias=True, ep_size=ep_size,
@@ -180,49 +170,25 @@ def _moe_config(ep_size: int) -> tmo.MoEConfig:
 
 def _check_two_layers(rank, frozen_router):
     """Two layers sharing one workspace, compiled (aot_eager), two training steps, against
-    the same layers in one process (fp32): outputs and the gradients of the input and of
-    every parameter that trains. ``frozen_router``: the routers train not and the input
-    needs no gradient, so autograd never runs the first layer's dispatch gradient."""
+    the same layers in one process (fp32). ``frozen_router``: the routers train not and the
+    input needs no gradient, so autograd never runs the first layer's dispatch gradient."""
     torch.manual_seed(5)
     single = TwoLayers(_moe_config(1))
     sharded = TwoLayers(_moe_config(_world()), ep_group=dist.group.WORLD)
     for one, shard in zip(single.layers, sharded.layers, strict=True):
         shard.load_full_weights(one.state_dict())
-    for model in (single, sharded):
-        for moe in model.layers:
-            moe.gate.requires_grad_(not frozen_router)
+        one.gate.requires_grad_(not frozen_router)
+        shard.gate.requires_grad_(not frozen_router)
     sequences = []
     compiled = torch.compile(sharded, backend=recording_backend(sequences, inner="aot_eager",
                                                                 a2a="flashinfer"),
                              fullgraph=True, dynamic=False)
-    mine = _mine(rank)
-    for step in range(2):
-        x_NH = torch.randn(sum(TOKENS_PER_RANK[_world()]), H,
-                           generator=torch.Generator().manual_seed(9 + step))
-        x_ref = x_NH.clone().requires_grad_(not frozen_router)
-        single(x_ref).square().sum().backward()
-        x_TH = x_NH[mine].clone().requires_grad_(not frozen_router)
-        out_TH = compiled(x_TH)
-        out_TH.square().sum().backward()
-        torch.testing.assert_close(out_TH, single(x_NH)[mine].detach(), rtol=1e-4, atol=1e-5)
-        if not frozen_router:
-            torch.testing.assert_close(x_TH.grad, x_ref.grad[mine], rtol=1e-4, atol=1e-5)
-        for one, shard in zip(single.layers, sharded.layers, strict=True):
-            local = shard.local_experts
-            for name, param in shard.named_parameters():
-                if not param.requires_grad:
-                    continue
-                grad, expected = param.grad, one.get_parameter(name).grad
-                if name in ("w13", "w2", "b13", "b2"):
-                    expected = expected[local.start:local.stop]
-                else:
-                    # The router is every rank's: each one's gradient holds its own tokens'.
-                    grad = grad.clone()
-                    dist.all_reduce(grad)
-                torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, name=name: f"{name}: {m}")
-            one.zero_grad()
-            shard.zero_grad()
+    inputs = [torch.randn(sum(TOKENS_PER_RANK[_world()]), H,
+                          generator=torch.Generator().manual_seed(9 + step)
+                          ).requires_grad_(not frozen_router) for step in range(2)]
+    check_layers_train(single, sharded, compiled, inputs, _mine(rank),
+                       lambda actual, expected: torch.testing.assert_close(
+                           actual, expected, rtol=1e-4, atol=1e-5))
     lowered = "\n".join(sequences)
     assert all(lowered.count(op) == 2 for op in TRAINABLE_OPS), lowered
     assert "moe_flashinfer_a2a::" not in lowered, lowered
