@@ -211,11 +211,13 @@ def _check_workspace_copies(rank):
     assert all(torch.equal(t, k) for t, k in zip(copied, kept, strict=True))
 
 
-def _check_two_layers(rank):
+def _check_two_layers(rank, frozen_router):
     """Two `MoE` layers of one shape (one workspace) compiled by Inductor with
     ``a2a="flashinfer"``, two training steps, against the same layers in one process (fp32,
     which routes the same tokens alike on both sides): outputs and gradients. Each layer's
-    gradient dispatch is answered by its own combine, in autograd's order."""
+    gradient dispatch is answered by its own combine, in autograd's order; with
+    ``frozen_router`` (and an input without gradient) the first layer's never is, and the
+    next step's dispatch closes its round."""
     torch._dynamo.reset()
     torch.manual_seed(8)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -223,11 +225,13 @@ def _check_two_layers(rank):
     sharded = TwoLayers(_moe_config(_world()), device=device, ep_group=dist.group.WORLD)
     for one, shard in zip(single.layers, sharded.layers, strict=True):
         shard.load_full_weights(one.state_dict())
+        one.gate.requires_grad_(not frozen_router)
+        shard.gate.requires_grad_(not frozen_router)
     sequences = []
     compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="flashinfer"),
                              fullgraph=True, dynamic=False)
     inputs = [torch.randn(sum(_layout()), H, generator=torch.Generator().manual_seed(30 + step)
-                          ).to(device).requires_grad_() for step in range(2)]
+                          ).to(device).requires_grad_(not frozen_router) for step in range(2)]
     check_layers_train(single, sharded, compiled, inputs, _mine(rank),
                        lambda actual, expected: assert_close_scaled(actual, expected, 1e-3,
                                                                     1e-3))
@@ -302,7 +306,8 @@ def _run(rank, world_size, shared_gpu):
     for pipeline in (lambda *args: _rows(*args, worst), _tokens, _trainable_tokens):
         check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     _check_module(rank)
-    _check_two_layers(rank)
+    for frozen_router in (False, True):
+        _check_two_layers(rank, frozen_router)
     # The communicator then opens when the layer compiles, not in a warm-up run of the CUDA
     # graphs (whose memory pool its tensors would outlive: "tensor(s) in the cudagraph pool
     # not tracked as outputs").
