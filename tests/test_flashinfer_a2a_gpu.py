@@ -203,6 +203,8 @@ def _check_workspace_copies(rank):
         torch.ops.moe_flashinfer_a2a.combine_tokens(viewed[0], *args[2:])
         copied = torch.ops.moe_flashinfer_a2a_trainable.dispatch_tokens(*args)
         assert not any(start <= t.data_ptr() < end for t in copied)
+        # As the fake gives them.
+        assert all(t.is_contiguous() and t.storage_offset() == 0 for t in copied)
         kept = [t.clone() for t in copied]
         torch.ops.moe_flashinfer_a2a_trainable.combine_tokens(copied[0], *args[2:])
         again = torch.ops.moe_flashinfer_a2a_trainable.dispatch_tokens(
