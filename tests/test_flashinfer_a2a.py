@@ -284,11 +284,14 @@ def test_compiled_rows_bookkeeping_matches_eager():
 def _arrivals(ids_PTK, receiver, num_experts, max_tokens, gen):
     """What FlashInfer's dispatch leaves on rank ``receiver`` from the ``[T, K]`` ids of each
     rank: each token at a position of its source's block in a random order (a skipped slot
-    routed to rank 0), garbage at padding. ``(token_N, ids_NK)``."""
+    routed to rank 0), garbage at padding, and the receive counters. ``(token_N, ids_NK,
+    counts_P)``."""
     num_ranks, top_k = len(ids_PTK), ids_PTK[0].shape[1]
-    token_N = torch.full((num_ranks * max_tokens,), -1, dtype=torch.int32)
+    token_N = torch.randint(-9, 99, (num_ranks * max_tokens,), generator=gen,
+                            dtype=torch.int32)
     ids_NK = torch.randint(-9, 99, (num_ranks * max_tokens, top_k), generator=gen,
                            dtype=torch.int32)
+    counts_P = torch.zeros(num_ranks, dtype=torch.int32)
     for source, ids_TK in enumerate(ids_PTK):
         ranks_TK = torch.where(ids_TK < 0, 0, ids_TK // (num_experts // num_ranks))
         came = (ranks_TK == receiver).any(1).nonzero()[:, 0]
@@ -296,7 +299,8 @@ def _arrivals(ids_PTK, receiver, num_experts, max_tokens, gen):
         start = source * max_tokens
         token_N[start:start + came.numel()] = came.int()
         ids_NK[start:start + came.numel()] = ids_TK[came]
-    return token_N, ids_NK
+        counts_P[source] = came.numel()
+    return token_N, ids_NK, counts_P
 
 
 def test_tokens_received_in_any_order_find_the_positions_their_senders_gave_them():
@@ -310,7 +314,8 @@ def test_tokens_received_in_any_order_find_the_positions_their_senders_gave_them
                for t in (5, 0, 6)]
     ids_PTK[2][1] = torch.tensor([4, 4, -1])
     for receiver in range(P):
-        token_N, ids_NK = _arrivals(ids_PTK, receiver, E, M, gen)
+        token_N, ids_NK, counts_P = _arrivals(ids_PTK, receiver, E, M, gen)
+        token_N = bookkeeping._arrived(token_N.unsqueeze(1), counts_P, M)
         position_N = token_positions.received_positions(
             token_routing.local_ids(ids_NK, receiver, E // P), token_N, M)
         for source, ids_TK in enumerate(ids_PTK):
@@ -330,11 +335,10 @@ def test_compiled_tokens_bookkeeping_matches_eager_and_inverts():
     P, M, K, E, H, rank = 2, 5, 2, 4, 8, 1
     gen = torch.Generator().manual_seed(1)
     ids_PTK = [torch.randint(-1, E, (t, K), generator=gen, dtype=torch.int32) for t in (5, 3)]
-    token_N, ids_NK = _arrivals(ids_PTK, rank, E, M, gen)
-    token_N1 = token_N.unsqueeze(1)
+    token_N, ids_NK, counts_P = _arrivals(ids_PTK, rank, E, M, gen)
     x_NH = torch.randn(P * M, H, generator=gen).bfloat16()
     weights_NK = torch.rand(P * M, K, generator=gen)
-    order = (ids_NK, token_N1, rank, E // P, M)
+    order = (ids_NK, token_N.unsqueeze(1), counts_P, rank, E // P, M)
     eager = bookkeeping.tokens_in_token_order(x_NH, weights_NK, *order)
     compiled = bookkeeping.tokens_in_token_order.compiled()(x_NH, weights_NK, *order)
     for e, c in zip(eager, compiled, strict=True):
@@ -345,7 +349,8 @@ def test_compiled_tokens_bookkeeping_matches_eager_and_inverts():
     assert torch.equal(bookkeeping.rows_in_token_order(x_NH, *order), x_tokens_NH)
     back_NH = bookkeeping.rows_in_arrival_order(x_tokens_NH, *order)
     assert torch.equal(back_NH, bookkeeping.rows_in_arrival_order.compiled()(x_tokens_NH, *order))
-    came_N = (token_N >= 0) & (token_routing.local_ids(ids_NK, rank, E // P) >= 0).any(1)
+    came_N = ((bookkeeping._arrived(token_N.unsqueeze(1), counts_P, M) >= 0)
+              & (token_routing.local_ids(ids_NK, rank, E // P) >= 0).any(1))
     assert torch.equal(back_NH[came_N], x_NH[came_N]) and not back_NH[~came_N].any()
     # In token order: the came tokens first in each block, ids -1 after them.
     filled_PM = (local_NK >= 0).any(1).view(P, M)

@@ -127,37 +127,50 @@ def rows_of_grad(grad_NH, y_RH, weight_R, src_R, token_N1, max_tokens, top_k):
 
 
 
-def _arrival_of_positions(ids_NK, token_N1, rank, num_local, max_tokens):
+def _arrival_of_positions(ids_NK, token_N1, counts_P, rank, num_local, max_tokens):
     """``(arrival_N, local_NK)``: the receive position of the token at each position in
     token order (-1: padding), and the received ids made local, in arrival order."""
     local_NK = local_ids(ids_NK, rank, num_local)
-    position_N = received_positions(local_NK, token_N1[:, 0], max_tokens)
+    position_N = received_positions(local_NK, _arrived(token_N1, counts_P, max_tokens),
+                                    max_tokens)
     arrivals_N = torch.arange(position_N.shape[0], device=position_N.device)
     return scatter_index(arrivals_N, position_N, position_N.shape[0]), local_NK
 
 
+def _arrived(token_N1, counts_P, max_tokens):
+    """``[N]``: the token index at each receive position, -1 past the ``counts_P[p]``
+    tokens rank p sent (padding, which holds what earlier calls left there)."""
+    within_PM = torch.arange(max_tokens, device=token_N1.device).unsqueeze(0)
+    arrived_N = (within_PM < counts_P.unsqueeze(1)).view(-1)
+    return torch.where(arrived_N, token_N1[:, 0], -1)
+
+
 @_compiled_on_gpu
-def tokens_in_token_order(x_NH, weights_NK, ids_NK, token_N1, rank, num_local, max_tokens):
+def tokens_in_token_order(x_NH, weights_NK, ids_NK, token_N1, counts_P, rank, num_local,
+                          max_tokens):
     """The trainable tokens format's dispatch output from the arrivals (each ``[N, ...]``
-    in arrival order, ``ids_NK`` global): ``(x_NH, weights_NK, local_NK)`` in token order,
-    copies; zeros at padding, ids -1 there."""
-    arrival_N, local_NK = _arrival_of_positions(ids_NK, token_N1, rank, num_local,
+    in arrival order, ``ids_NK`` global, ``counts_P`` the tokens each rank sent):
+    ``(x_NH, weights_NK, local_NK)`` in token order, copies; zeros at padding, ids -1
+    there."""
+    arrival_N, local_NK = _arrival_of_positions(ids_NK, token_N1, counts_P, rank, num_local,
                                                 max_tokens)
     return (gather_rows(x_NH, arrival_N), gather_rows(weights_NK, arrival_N),
             gather_rows(local_NK + 1, arrival_N) - 1)
 
 
 @_compiled_on_gpu
-def rows_in_token_order(rows_NX, ids_NK, token_N1, rank, num_local, max_tokens):
+def rows_in_token_order(rows_NX, ids_NK, token_N1, counts_P, rank, num_local, max_tokens):
     """``rows_NX`` (in arrival order) in token order, a copy; zeros at padding."""
-    arrival_N, _ = _arrival_of_positions(ids_NK, token_N1, rank, num_local, max_tokens)
+    arrival_N, _ = _arrival_of_positions(ids_NK, token_N1, counts_P, rank, num_local,
+                                         max_tokens)
     return gather_rows(rows_NX, arrival_N)
 
 
 @_compiled_on_gpu
-def rows_in_arrival_order(rows_NX, ids_NK, token_N1, rank, num_local, max_tokens):
+def rows_in_arrival_order(rows_NX, ids_NK, token_N1, counts_P, rank, num_local, max_tokens):
     """``rows_NX`` (in token order) at the positions the last dispatch's tokens arrived at,
     what FlashInfer's combine reads; zeros at padding and where a token came for none of
     this rank's experts."""
     local_NK = local_ids(ids_NK, rank, num_local)
-    return gather_rows(rows_NX, received_positions(local_NK, token_N1[:, 0], max_tokens))
+    token_N = _arrived(token_N1, counts_P, max_tokens)
+    return gather_rows(rows_NX, received_positions(local_NK, token_N, max_tokens))

@@ -55,10 +55,11 @@ from torch_moe_ops.backends.flashinfer.a2a.workspace import (
 
 def _order_args(comm: FlashInferCommunicator, num_experts: int) -> tuple:
     """What the reordering reads of the last dispatch: its arrivals' ids and token indices,
-    this rank and its expert count, M."""
+    the tokens each rank sent (the receive counters: FlashInfer's id sanitizer, a launch,
+    is not needed to find the padding), this rank and its expert count, M."""
     received = comm.received
-    return (received.ids_NK, received.token_N1, comm.rank, num_experts // comm.ep_size,
-            comm.max_tokens_per_rank)
+    return (received.ids_NK, received.token_N1, comm.recv_counts_P, comm.rank,
+            num_experts // comm.ep_size, comm.max_tokens_per_rank)
 
 
 def _combine(comm: FlashInferCommunicator, rows_NH: torch.Tensor, num_experts: int,
@@ -82,7 +83,7 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
                             hidden_TH.dtype, hidden_TH.device)
         x_NH, weights_NK, ids_NK, token_N1 = comm.send_tokens(
             hidden_TH, topk_weights_TK, topk_ids_TK, num_experts,
-            token_index(num_tokens, hidden_TH.device))
+            token_index(num_tokens, hidden_TH.device), mark_padding=False)
         comm.received.ids_NK, comm.received.token_N1 = ids_NK, token_N1
         return tokens_in_token_order(x_NH, weights_NK, *_order_args(comm, num_experts))
 
@@ -106,7 +107,8 @@ def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, grou
                       grad_out_TH.dtype)
         ids_TK = topk_ids_TK.to(torch.int32)
         grad_NH, ids_NK, token_N1 = comm.dispatch(
-            ids_TK, num_experts, [grad_out_TH, ids_TK, token_index(num_tokens, ids_TK.device)])
+            ids_TK, num_experts, [grad_out_TH, ids_TK, token_index(num_tokens, ids_TK.device)],
+            mark_padding=False)
         comm.received.ids_NK, comm.received.token_N1 = ids_NK, token_N1
         comm.received.gradient = True
         return rows_in_token_order(grad_NH, *_order_args(comm, num_experts))

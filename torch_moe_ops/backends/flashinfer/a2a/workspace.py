@@ -55,8 +55,9 @@ def _free_bytes(device: torch.device) -> int | None:
 class _Received:
     """What the last dispatch left for its combine: where its combine payload goes, how many
     tokens this rank sent, and what its format reads of the arrivals (views of the
-    workspace): the token index at each receive position (``[N, 1]``, -1 at padding; rows
-    and trainable tokens) and the received global ids (``[N, K]``; trainable tokens).
+    workspace): the token index at each receive position (``[N, 1]``; rows: -1 at padding,
+    trainable tokens: padding found from ``recv_counts_P``) and the received global ids
+    (``[N, K]``; trainable tokens).
     ``gradient``: the dispatch of a gradient, whose combine autograd may never run."""
 
     combine_offset: int
@@ -150,14 +151,16 @@ class FlashInferCommunicator:
         return [view.view(self.num_positions, -1) for view in views]
 
     def send_tokens(self, hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
-                    topk_ids_TK: torch.Tensor, num_experts: int,
-                    *extra: torch.Tensor) -> list[torch.Tensor]:
+                    topk_ids_TK: torch.Tensor, num_experts: int, *extra: torch.Tensor,
+                    mark_padding: bool = True) -> list[torch.Tensor]:
         """The forward dispatch of both formats: ``[x [N, H], weights [N, K] fp32, ids [N, K]
-        int32, *extra]``, views of the workspace; with ``extra``, the last one has -1 at
-        padding (`local_ids` finds the padding of the ids itself)."""
+        int32, *extra]``, views of the workspace; with ``extra`` and ``mark_padding``, the
+        last one has -1 at padding (`local_ids` finds the padding of the ids itself, from
+        the receive counters, as a reader of ``recv_counts_P`` may)."""
         ids_TK = topk_ids_TK.to(torch.int32)
-        return self.dispatch(ids_TK, num_experts, [hidden_TH, topk_weights_TK.float(), ids_TK,
-                                                   *extra], mark_padding=bool(extra))
+        payloads = [hidden_TH, topk_weights_TK.float(), ids_TK, *extra]
+        return self.dispatch(ids_TK, num_experts, payloads,
+                             mark_padding=mark_padding and bool(extra))
 
     def local_ids(self, ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
         """``[N, K]`` int32: the last dispatch's ids (``ids_NK``, received global ids) of
