@@ -220,6 +220,26 @@ def test_combine_tokens_takes_one_row_per_receive_position():
                                                     2, "group", 4)
 
 
+def test_the_trainable_ops_take_the_contract_and_say_where_they_run():
+    """The gradient ops' fakes give the contract's sizes; a CPU tensor is refused naming
+    the argument and the device (before any kernel)."""
+    ops = torch.ops.moe_flashinfer_a2a_trainable
+    with FakeTensorMode():
+        grad_x_NH = ops.combine_tokens_backward(torch.empty(3, 16, dtype=BF16),
+                                                torch.empty(3, 2, dtype=torch.int32), 8, 2,
+                                                "group", 4)
+        grad_TH, grad_weights_TK = ops.dispatch_tokens_backward(
+            grad_x_NH, torch.empty(8, 2), torch.empty(3, 2, dtype=torch.int32), 8, 2, "group",
+            4)
+    assert (grad_x_NH.shape, grad_x_NH.dtype) == ((8, 16), BF16)
+    assert (grad_TH.shape, grad_weights_TK.shape, grad_weights_TK.dtype) == (
+        (3, 16), (3, 2), torch.float32)
+    with pytest.raises(ValueError, match="grad_out must be on a CUDA device for a2a backend "
+                                         "'flashinfer', got cpu"):
+        ops.combine_tokens_backward(torch.zeros(3, 16, dtype=BF16),
+                                    torch.zeros(3, 2, dtype=torch.int32), 8, 2, "group", 4)
+
+
 def test_receive_positions_become_keys_and_local_ids():
     # M = 2: positions 0, 1 came from rank 0, positions 2, 3 from rank 1; -1 is padding.
     token_N = torch.tensor([1, -1, 0, 1], dtype=torch.int32)

@@ -5,8 +5,8 @@ order and checks that each dispatch is answered by a combine before the next:
 
 - the op chain ``dispatch_tokens -> moe_reference::experts -> combine_tokens`` and its
   gradients against the single-process reference (idle rank, uneven counts, skipped slots,
-  every slot on one rank, repeated ids; one expert per rank), and the exact fakes of all
-  four ops;
+  every slot on one rank, repeated ids; one expert per rank), the exact fakes of all
+  four ops, and a gradient op out of order refused on every rank;
 - where the buffers live: the inference ops hand out the workspace, the trainable ones
   copies that the next dispatch leaves alone;
 - two layers on one workspace compiled with ``aot_eager``, two steps: outputs and the
@@ -134,6 +134,22 @@ def _check_fakes(rank):
                 TRAINABLE.dispatch_tokens_backward(*args))
 
 
+def _check_out_of_order(rank):
+    """A gradient op that answers no dispatch of its kind raises on every rank alike,
+    naming the op it must follow, before any collective: no rank waits for a peer."""
+    hidden_NH, weights_NK, ids_NK, _, num_experts = _problem(2, 3, "random", 11)
+    mine = _mine(rank)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *_ep_args())
+    x_NH, weights_tokens_NK, _ = TRAINABLE.dispatch_tokens(*args)
+    with pytest.raises(RuntimeError, match="dispatch_tokens_backward must follow the "
+                                           "combine_tokens_backward of its layer"):
+        TRAINABLE.dispatch_tokens_backward(x_NH, weights_tokens_NK, *args[2:])
+    TRAINABLE.combine_tokens(x_NH, *args[2:])
+    with pytest.raises(RuntimeError, match="combine_tokens must follow the dispatch_tokens "
+                                           "of its layer"):
+        TRAINABLE.combine_tokens(x_NH, *args[2:])
+
+
 def _in_workspace(t: torch.Tensor, comm) -> bool:
     """Whether ``t`` lies in this rank's part of ``comm``'s workspace."""
     start = comm.workspace[comm.rank].data_ptr()
@@ -213,6 +229,7 @@ def _cases(rank, world_size):
         for routing in ROUTINGS:
             _check_chain(rank, top_k, num_local, routing)
     _check_fakes(rank)
+    _check_out_of_order(rank)
     _check_workspace_copies(rank, a2a)
     for frozen_router in (False, True):
         _check_two_layers(rank, frozen_router)
