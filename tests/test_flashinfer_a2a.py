@@ -21,6 +21,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_moe_ops as tmo
+from torch_moe_ops.backends.common.kernels.rows import sum_slots
 from torch_moe_ops.backends.common.transport import token_positions, token_routing
 from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
@@ -376,6 +377,16 @@ def test_compiled_tokens_bookkeeping_matches_eager_and_inverts():
     filled_PM = (local_NK >= 0).any(1).view(P, M)
     assert torch.equal(filled_PM, filled_PM.sort(1, descending=True).values)
     assert filled_PM.sum() == came_N.sum()
+    # The routing weights' gradients summed home over ids padded to M tokens: the sum over
+    # the unpadded tokens, compiled alike.
+    returned_NK = torch.randn(P * M, K, generator=gen)
+    ids_MK = torch.nn.functional.pad(ids_PTK[0], (0, 0, 0, M - ids_PTK[0].shape[0]), value=-1)
+    summed_MK = bookkeeping.summed_home(returned_NK, ids_MK, E, P, M)
+    assert torch.equal(summed_MK, bookkeeping.summed_home.compiled()(returned_NK, ids_MK, E, P,
+                                                                     M))
+    send_position_TP, _ = token_positions.send_positions(ids_PTK[0], E, P, M)
+    expected_TK = sum_slots(returned_NK, send_position_TP)
+    assert torch.equal(summed_MK[:ids_PTK[0].shape[0]], expected_TK)
 
 
 def test_rows_are_summed_into_the_position_of_their_token():

@@ -26,7 +26,10 @@ from torch_moe_ops.backends.common.kernels.rows import (
     weighted_rows,
 )
 from torch_moe_ops.backends.common.kernels.sorting import sort_rows
-from torch_moe_ops.backends.common.transport.token_positions import received_positions
+from torch_moe_ops.backends.common.transport.token_positions import (
+    received_positions,
+    send_positions,
+)
 from torch_moe_ops.backends.common.transport.token_routing import local_ids
 
 
@@ -174,3 +177,12 @@ def rows_in_arrival_order(rows_NX, ids_NK, token_N1, counts_P, rank, num_local, 
     local_NK = local_ids(ids_NK, rank, num_local)
     token_N = _arrived(token_N1, counts_P, max_tokens)
     return gather_rows(rows_NX, received_positions(local_NK, token_N, max_tokens))
+
+
+@_compiled_on_gpu
+def summed_home(returned_NK, ids_MK, num_experts, ep_size, max_tokens):
+    """The second half of `token_positions.home`, compiled: from what an ``all_to_all`` of
+    ``[N, K]`` in token order returned, each of this rank's tokens' rows (``ids_MK``: its
+    ids, padded with -1 to M tokens so that the body's sizes are the layer's) summed over
+    the ranks it went to; ``[M, K]``."""
+    return sum_slots(returned_NK, send_positions(ids_MK, num_experts, ep_size, max_tokens)[0])

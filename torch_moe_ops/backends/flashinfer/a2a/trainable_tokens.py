@@ -24,7 +24,8 @@ order of arrival before each combine (`bookkeeping`).
   the layers before it); where it never runs the second (no input of the layer's dispatch
   needs a gradient), the next dispatch closes the round (`FlashInferCommunicator.dispatch`).
   The routing weights' gradients (fp32, exact) go home by one ``all_to_all`` over the
-  group, as the ``all_to_all`` backend sends them (`token_positions.home`).
+  group, as the ``all_to_all`` backend sends them (`token_positions.home`, its sum
+  compiled: `bookkeeping.summed_home`).
 
 A layer's training step is thus two FlashInfer round trips and one ``all_to_all`` of
 ``[N, K]`` fp32 (the rows format: three round trips and the same ``all_to_all``).
@@ -38,10 +39,10 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops.backends.common.transport import collectives
-from torch_moe_ops.backends.common.transport.token_positions import home, send_positions
 from torch_moe_ops.backends.flashinfer.a2a.bookkeeping import (
     rows_in_arrival_order,
     rows_in_token_order,
+    summed_home,
     token_index,
     tokens_in_token_order,
 )
@@ -125,6 +126,8 @@ def dispatch_tokens_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_expert
             comm, grad_x_NH, num_experts, num_tokens, gradient=True,
             follows="dispatch_tokens_backward must follow the combine_tokens_backward of its "
                     "layer")
-        send_position_TP, _ = send_positions(topk_ids_TK, num_experts, ep_size,
-                                             max_tokens_per_rank)
-        return grad_hidden_TH, home(grad_weights_NK, send_position_TP, group_name, ep_size)
+        returned_NK = collectives.all_to_all(grad_weights_NK, group_name, ep_size)
+        ids_MK = torch.nn.functional.pad(topk_ids_TK, (0, 0, 0, max_tokens_per_rank - num_tokens),
+                                         value=-1)
+        return grad_hidden_TH, summed_home(returned_NK, ids_MK, num_experts, ep_size,
+                                           max_tokens_per_rank)[:num_tokens]
