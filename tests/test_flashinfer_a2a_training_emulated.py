@@ -9,7 +9,10 @@ order and checks that each dispatch is answered by a combine before the next:
   four ops, and a gradient op out of order refused on every rank;
 - where the buffers live: the inference ops hand out the workspace, the trainable ones
   copies that the next dispatch leaves alone;
-- two layers on one workspace compiled with ``aot_eager``, two steps: outputs and the
+- two layers of the ops on one workspace (skipped slots in one, repeated ids in the other),
+  eagerly and compiled with ``aot_eager``: the output and every gradient against the
+  reference;
+- two `MoE` layers on one workspace compiled with ``aot_eager``, two steps: outputs and the
   gradients of the input and every parameter against the same layers in one process, also
   with a frozen router and an input that needs no gradient (autograd then skips the first
   layer's dispatch gradient, whose round the next step's dispatch closes); ``tmo.explain``
@@ -115,6 +118,60 @@ def _check_chain(rank, top_k, num_local, routing):
     out_TH.backward(grad_NH[mine])
     assert_rank_matches(out_TH, ours, ref_NH, ref_leaves, mine, local, check_bf16_out,
                         check_bf16_grad)
+
+
+def _two_layers_of_ops(hidden_TH, layers, num_experts, dispatch_and_combine):
+    """``h + combine(experts(dispatch(h)))`` for each ``(weights, ids, experts)`` of
+    ``layers`` (fp32), through the trainable ops, or the reference on all tokens where
+    ``dispatch_and_combine`` is False."""
+    for weights_TK, ids_TK, experts in layers:
+        if not dispatch_and_combine:
+            hidden_TH = hidden_TH + torch.ops.moe_reference.experts(
+                hidden_TH, weights_TK, ids_TK, *experts, *STATIC)
+            continue
+        x_NH, weights_NK, local_NK = TRAINABLE.dispatch_tokens(hidden_TH, weights_TK, ids_TK,
+                                                               num_experts, *_ep_args())
+        y_NH = torch.ops.moe_reference.experts(x_NH, weights_NK, local_NK, *experts, *STATIC)
+        hidden_TH = hidden_TH + TRAINABLE.combine_tokens(y_NH, ids_TK, num_experts,
+                                                         *_ep_args())
+    return hidden_TH
+
+
+def _check_two_layers_of_ops(rank, compiled):
+    """Two layers of the trainable ops on one workspace (fp32), the first routing with
+    skipped slots, the second with repeated ids, eagerly or compiled (aot_eager): the output
+    and every gradient against the reference on all tokens."""
+    top_k, num_local = 2, 3
+    num_experts = num_local * _world()
+    mine, local = _mine(rank), slice(rank * num_local, (rank + 1) * num_local)
+    full_layers, my_layers = [], []
+    hidden_NH = None
+    for seed, routing in ((12, "random"), (13, "repeated")):
+        hidden, weights_NK, ids_NK, experts, _ = _problem(top_k, num_local, routing, seed)
+        hidden_NH = hidden.float() if hidden_NH is None else hidden_NH
+        full = leaves(weights_NK, *(w.float() for w in experts))
+        ours = leaves(weights_NK[mine], *(w.float()[local] for w in experts))
+        full_layers.append((full[0], ids_NK, full[1:]))
+        my_layers.append((ours[0], ids_NK[mine], ours[1:]))
+    (ref_hidden_NH,), (hidden_TH,) = leaves(hidden_NH), leaves(hidden_NH[mine])
+    _two_layers_of_ops(ref_hidden_NH, full_layers, num_experts, False).square().sum().backward()
+    run = torch.compile(_two_layers_of_ops, backend="aot_eager", fullgraph=True,
+                        dynamic=False) if compiled else _two_layers_of_ops
+    out_TH = run(hidden_TH, my_layers, num_experts, True)
+    out_TH.square().sum().backward()
+    expected_NH = _two_layers_of_ops(hidden_NH, full_layers, num_experts, False)
+
+    def check(actual, expected):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+    check(out_TH, expected_NH[mine].detach())
+    check(hidden_TH.grad, ref_hidden_NH.grad[mine])
+    for (weights, _, experts), (ref_weights, _, ref_experts) in zip(my_layers, full_layers,
+                                                                     strict=True):
+        check(weights.grad, ref_weights.grad[mine])
+        for leaf, ref in zip(experts, ref_experts, strict=True):
+            check(leaf.grad, ref.grad[local])
+    torch._dynamo.reset()
 
 
 def _check_fakes(rank):
@@ -228,6 +285,8 @@ def _cases(rank, world_size):
     for top_k, num_local in SHAPES:
         for routing in ROUTINGS:
             _check_chain(rank, top_k, num_local, routing)
+    for compiled in (False, True):
+        _check_two_layers_of_ops(rank, compiled)
     _check_fakes(rank)
     _check_out_of_order(rank)
     _check_workspace_copies(rank, a2a)
