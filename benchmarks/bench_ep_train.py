@@ -15,10 +15,12 @@ router drawn from seed 0 (each side its own router: near-uniform routing of rand
 tokens); each rank feeds its own random ``x`` and backpropagates a fixed random ``g``
 (parameter and input gradients dropped between steps). The ways:
 
-- ``tmo allgather`` / ``tmo all_to_all``: ``tmo.MoE`` with ``ep_size=P``,
-  ``max_tokens_per_rank=T`` (worst-case capacity), compiled with
+- ``tmo allgather`` / ``tmo all_to_all`` / ``tmo flashinfer``: ``tmo.MoE`` with
+  ``ep_size=P``, ``max_tokens_per_rank=T`` (worst-case capacity), compiled with
   ``torch.compile(moe, backend=tmo.backend(a2a=A), fullgraph=True)`` (the tokens format,
-  with its gradients);
+  with its gradients; flashinfer's trainable tokens ops, which copy the receive buffers out
+  of its workspace), each where its backend runs (the rest listed as skipped, with the
+  reason);
 - ``torchtitan eager`` / ``torchtitan compiled``: torchtitan's ``MoE`` with
   ``AllToAllTokenDispatcher``, expert parallelism applied as torchtitan applies it, run
   eagerly / compiled as torchtitan compiles it (benchmarks/peer_torchtitan.py says how).
@@ -32,6 +34,11 @@ compiled forward against the same layer run eagerly (where eager runs: torchtita
 eager dispatch needs an uneven ``all_to_all``, which gloo lacks). A way that fails keeps
 its error in its row.
 
+Where the flashinfer backend runs, each case also times its trainable transport alone
+against FlashInfer's own round trip, ``MoeAlltoAll`` dispatch + combine
+(benchmarks/flashinfer_train_transport.py: the forward pair and the backward pair, each
+captured; target: each within 1.3x of it), in a table of its own.
+
 Every collective is bounded by ``--timeout-s``; a row starts only while the run is
 within ``--budget-s`` (the rest are listed as skipped). torchtitan's compiled rows run
 last: on torch 2.11 (H200) its compiled layer passed its first step and then, in 3 cases
@@ -40,7 +47,7 @@ of 4, read wrong token splits on a later one (a rank fails its runtime assert
 ranks' collectives can then part, and the run ends at the timeout with every other row
 kept. Rank 0 writes
 ``ep_train.json``, ``ep_train.md`` and ``summary.txt`` (the short table it prints
-last) to ``--out`` after every row.
+last, then the transport table) to ``--out`` after every row.
 """
 
 from __future__ import annotations
@@ -56,16 +63,20 @@ import time
 import warnings
 
 import bench_ep
+import flashinfer_train_transport
 import peer_torchtitan
 import torch
 import torch.distributed as dist
 from bench_train import training_step
 
 import torch_moe_ops as tmo
+from torch_moe_ops.backends.registry import Problem
 
-TMO_A2A = ("allgather", "all_to_all")
+TMO_A2A = ("allgather", "all_to_all", "flashinfer")
 PEER = "torchtitan"
 PEER_EAGER, PEER_COMPILED = f"{PEER} eager", f"{PEER} compiled"
+TRANSPORT_TITLE = ("flashinfer's trainable transport (forward pair, backward pair) against "
+                   "MoeAlltoAll's round trip, each captured, the slower rank's median")
 # The order of the rows within a case in the tables.
 WAYS = tuple(f"tmo {a2a}" for a2a in TMO_A2A) + (PEER_EAGER, PEER_COMPILED)
 
@@ -140,6 +151,22 @@ def measure(run: bench_ep.Run, sizes: Sizes, case: Case, step, expected: torch.T
                                                               peak / 2**20])
 
 
+def problem(run: bench_ep.Run, sizes: Sizes, case: Case) -> Problem:
+    return Problem(run.dtype, num_experts=sizes.experts, hidden_size=case.hidden,
+                   intermediate_size=case.inter, top_k=sizes.top_k, ep_size=run.world,
+                   max_tokens_per_rank=case.tokens, training=True)
+
+
+def a2a_reason(run: bench_ep.Run, sizes: Sizes, case: Case, a2a: str) -> str | None:
+    """Why a2a backend ``a2a`` cannot run the case's layer here (listed once as skipped)."""
+    reason = tmo.backends.REGISTRY.a2a[a2a].supports(tmo.BackendSpec(a2a=a2a),
+                                                    problem(run, sizes, case), run.device)
+    note = f"tmo {a2a}: {reason}"
+    if reason is not None and note not in run.skipped:
+        run.skipped.append(note)
+    return reason
+
+
 def tmo_rows(run: bench_ep.Run, sizes: Sizes, case: Case) -> list[dict]:
     cfg = tmo.MoEConfig(hidden_size=case.hidden, intermediate_size=case.inter,
                         num_experts=sizes.experts, top_k=sizes.top_k, scoring="softmax",
@@ -152,7 +179,8 @@ def tmo_rows(run: bench_ep.Run, sizes: Sizes, case: Case) -> list[dict]:
     rows = []
     for a2a in TMO_A2A:
         row = case.row(f"tmo {a2a}")
-        if not run.within_budget(f"{case.shape} T={case.tokens} {row['way']}"):
+        if a2a_reason(run, sizes, case, a2a) is not None or not run.within_budget(
+                f"{case.shape} T={case.tokens} {row['way']}"):
             continue
         torch._dynamo.reset()
         # Inductor on the CPU compiles for minutes: the smoke run checks the graph only.
@@ -163,6 +191,9 @@ def tmo_rows(run: bench_ep.Run, sizes: Sizes, case: Case) -> list[dict]:
         attempt(run, row, lambda step=step, row=row: measure(run, sizes, case, step,
                                                              expected_TH, row))
         rows.append(row)
+        del compiled, step
+        # The layer's transport state (FlashInfer's workspace), freed on every rank.
+        bench_ep.release_communicators(a2a)
         run.release()
     del moe
     torch._dynamo.reset()
@@ -210,6 +241,21 @@ def peer_row(run: bench_ep.Run, sizes: Sizes, case: Case, compiled: bool) -> dic
         layer.module.compile(backend=backend, fullgraph=True)
         attempt(run, row, lambda: measure(run, sizes, case, step, expected, row))
     torch._dynamo.reset()
+    run.release()
+    return row
+
+
+def transport_row(run: bench_ep.Run, sizes: Sizes, case: Case) -> dict | None:
+    """The flashinfer trainable transport against MoeAlltoAll's round trip at the case's
+    sizes (`flashinfer_train_transport`), where the backend runs."""
+    name = flashinfer_train_transport.NAME
+    if a2a_reason(run, sizes, case, name) is not None or not run.within_budget(
+            f"{case.shape} T={case.tokens} {name} transport"):
+        return None
+    row = {"shape": case.shape, "tokens": case.tokens, "way": f"{name} transport"}
+    attempt(run, row, lambda: row.update(
+        flashinfer_train_transport.measure(run, case.hidden, case.inter, sizes.top_k,
+                                           sizes.experts, case.tokens)))
     run.release()
     return row
 
@@ -301,9 +347,9 @@ def meta(run: bench_ep.Run, sizes: Sizes) -> dict:
     return info
 
 
-def save(run: bench_ep.Run, sizes: Sizes, rows: list[dict]) -> str:
-    """Writes ``ep_train.json``, ``ep_train.md`` and ``summary.txt`` (rank 0); returns
-    the summary."""
+def save(run: bench_ep.Run, sizes: Sizes, rows: list[dict], transport: list[dict]) -> str:
+    """Writes ``ep_train.json``, ``ep_train.md`` and ``summary.txt`` (rank 0), with the
+    ``transport`` rows (`transport_row`) where there are any; returns the summary."""
     if run.rank != 0:
         return ""
     shapes = list(sizes.shapes)
@@ -313,7 +359,8 @@ def save(run: bench_ep.Run, sizes: Sizes, rows: list[dict]) -> str:
     info = meta(run, sizes)
     os.makedirs(run.args.out, exist_ok=True)
     with open(os.path.join(run.args.out, "ep_train.json"), "w") as f:
-        json.dump({"meta": info, "rows": rows, "skipped": run.skipped}, f, indent=1)
+        json.dump({"meta": info, "rows": rows, "flashinfer_transport": transport,
+                   "skipped": run.skipped}, f, indent=1)
     header = (f"{info['device']}, {info['date']}, torch {info['torch']}, torchtitan "
               f"{info['torchtitan'] or '-'}, NCCL {info.get('nccl', '-')}, {run.world} ranks, "
               f"{info['dtype']}, E={sizes.experts} ({sizes.experts // run.world} per rank), "
@@ -326,12 +373,15 @@ def save(run: bench_ep.Run, sizes: Sizes, rows: list[dict]) -> str:
         (f"Forward + backward of one layer; {timing}, the slower rank's; peak memory the "
          "larger rank's. TFLOP/s per rank = 3 * 2*T*K*3*H*I / time."),
         table(rows),
+        *([TRANSPORT_TITLE, flashinfer_train_transport.table(transport)] if transport else []),
         *([f"Added to torch for torchtitan: {'; '.join(shims)}"] if shims else []),
         *([("Skipped: " + "; ".join(run.skipped))] if run.skipped else []),
     ])
     with open(os.path.join(run.args.out, "ep_train.md"), "w") as f:
         f.write(text + "\n")
     summary = f"{header}\n{short_table(rows)}"
+    if transport:
+        summary += f"\n{TRANSPORT_TITLE}\n{flashinfer_train_transport.table(transport)}"
     with open(os.path.join(run.args.out, "summary.txt"), "w") as f:
         f.write(summary + "\n")
     return summary
@@ -387,23 +437,29 @@ def main(argv=None) -> None:
         run.log(f"torchtitan {peer_torchtitan.version() or '-'}: "
                 f"{'runs' if reason is None else reason}")
         rows: list[dict] = []
+        transport: list[dict] = []
 
         def kept(row: dict | None) -> None:
             if row is not None:
                 rows.append(row)
                 run.log(line(row))
-                save(run, sizes, rows)
+                save(run, sizes, rows, transport)
 
         for case in cases(sizes):
             for row in tmo_rows(run, sizes, case):
                 kept(row)
+            measured = transport_row(run, sizes, case)
+            if measured is not None:
+                transport.append(measured)
+                run.log(f"{case.shape} T={case.tokens} flashinfer transport: {measured}")
+                save(run, sizes, rows, transport)
             if reason is None:
                 kept(peer_row(run, sizes, case, compiled=False))
         # torchtitan compiled last: where its compiled dispatch reads wrong splits, the
         # ranks' collectives part ways and the run ends at --timeout-s, the rest kept.
         for case in cases(sizes) if reason is None else []:
             kept(peer_row(run, sizes, case, compiled=True))
-        summary = save(run, sizes, rows)
+        summary = save(run, sizes, rows, transport)
         if run.rank == 0:
             print("\n" + summary, flush=True)
     finally:

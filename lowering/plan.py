@@ -59,7 +59,9 @@ class LayerPlan:
         if op_name in ("experts_backward", "experts_masked_backward"):
             return backward_namespace(self.experts.namespace, op_name)
         if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS + MASKED_OPS:
-            return self.a2a.namespace
+            fmt = ("tokens" if op_name in TOKENS_OPS else "masked" if op_name in MASKED_OPS
+                   else "rows")
+            return self.a2a.namespace_of(fmt, bool(self.problem.training))
         if op_name == "route":
             return self.route.namespace
         raise ValueError(f"op_name must name a generic MoE op, got {op_name!r}")
@@ -136,5 +138,9 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
     refused = _refusals("experts", REGISTRY.experts, spec, problem, device, experts.name)
     a2a = REGISTRY.choose_a2a(spec, problem, device)
     fmt, why = choose_format(a2a, experts, problem) if (problem.ep_size or 1) > 1 else (None, "")
+    trainer = a2a.namespace_of(fmt, bool(problem.training))
+    if trainer != a2a.namespace:
+        why += (f"; it trains through {trainer}'s ops, which copy the receive buffers out of "
+                f"the transport's memory for the gradient")
     return LayerPlan(device, problem, experts=experts, a2a=a2a, format=fmt, format_reason=why,
                      refused=tuple(refused))

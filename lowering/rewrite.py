@@ -248,6 +248,8 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         items = list(dispatch.users)
         quant = plan.problem.quant
         dispatch_op = FORMAT_OPS[plan.format][0]
+        # The namespace that moves this layer (a layer that trains may take another).
+        namespace = plan.namespace_for(dispatch_op)
         # A format with a quantized dispatch of its own (`QUANT_FORMAT_OPS`: masked) sends its
         # blocks in fp8 where that dispatch and its experts meet (`dispatch_dtype`); tokens
         # travel in the activations' dtype, and the rule says so where fp8 was asked for.
@@ -256,13 +258,12 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         sides = DispatchSides.of(plan.a2a, plan.experts)
         if quant_dispatch is not None:
             sides = dataclasses.replace(
-                sides, sends_quantized=defines(plan.a2a.namespace, quant_dispatch))
+                sides, sends_quantized=defines(namespace, quant_dispatch))
         chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, quant, sides)
         fp8 = chosen.dtype != plan.problem.dtype
         quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()
         # The dispatch node becomes the format's dispatch; its outputs, new getitems.
-        _retarget(dispatch, op_overload(plan.a2a.namespace, quant_dispatch if fp8
-                                        else dispatch_op),
+        _retarget(dispatch, op_overload(namespace, quant_dispatch if fp8 else dispatch_op),
                   (hidden, topk_weights, topk_ids, num_experts, *quant_args, *ep_args))
         dispatch.meta["moe_dispatch_dtype"] = chosen
         with gm.graph.inserting_after(dispatch):
@@ -285,7 +286,7 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         _retarget(experts, op_overload(plan.experts.namespace,
                                        experts_op(plan.format, quant is not None)),
                   experts_args)
-        _retarget(combine, op_overload(plan.a2a.namespace, FORMAT_OPS[plan.format][1]),
+        _retarget(combine, op_overload(namespace, FORMAT_OPS[plan.format][1]),
                   (experts, *combine_inputs, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)

@@ -5,13 +5,17 @@
 # benchmarks/bench_ep.py at each world size in NPROCS; each step under `timeout`.
 #
 #   DEEPEP=0, TESTS=0, BENCH=0        skip a step
+#   TRAIN_BENCH=1                     also benchmarks/bench_ep_train.py at each world size
+#                                     (one layer trained per a2a backend, and flashinfer's
+#                                     trainable transport against MoeAlltoAll's round trip)
 #   DEEPEP_TESTS=1                    also DeepEP's own tests (default off: bench_ep times
 #                                     DeepEP's own round trip in the same run)
 #   NPROCS="2 4"                      world sizes of the benchmark (default: 2)
 #   TEST_SPLIT=1                      the 4-rank tests ([P4]) in a second pytest process
 #                                     beside the others (both bounded by TEST_SECONDS)
-#   TEST_SECONDS, BENCH_SECONDS       bounds (the benchmark's is per world size)
-#   PYTEST_ARGS, TEST_PATHS, BENCH_ARGS  passed on
+#   TEST_SECONDS, BENCH_SECONDS,      bounds (the benchmarks' are per world size)
+#   TRAIN_BENCH_SECONDS
+#   PYTEST_ARGS, TEST_PATHS, BENCH_ARGS, TRAIN_BENCH_ARGS  passed on
 #   FI_BUILD=1                        start the flashinfer experts module's build detached
 #                                     first (scripts/flashinfer_build.sh), report it last
 #
@@ -84,13 +88,34 @@ if [ "${BENCH:-1}" = 1 ]; then
     [ "$rc" -eq 0 ] || status=1
   done
 fi
+train_bench=""
+if [ "${TRAIN_BENCH:-0}" = 1 ]; then
+  for nproc in ${NPROCS:-2}; do
+    timeout -k 30 "${TRAIN_BENCH_SECONDS:-420}" python3 -m torch.distributed.run --standalone \
+      --nproc-per-node "$nproc" benchmarks/bench_ep_train.py --out "$LOGS/ep_train_P$nproc" \
+      ${TRAIN_BENCH_ARGS:-} >"$LOGS/bench_ep_train_P$nproc.log" 2>&1
+    rc=$?
+    grep -E "^\[|Error|error" "$LOGS/bench_ep_train_P$nproc.log" | tail -30
+    for f in ep_train.md ep_train.json; do
+      [ -f "$LOGS/ep_train_P$nproc/$f" ] && cp "$LOGS/ep_train_P$nproc/$f" \
+        "$OUT/ep_train_P$nproc.${f#ep_train.}"
+    done
+    train_bench="$train_bench P=$nproc rc=$rc;"
+    [ "$rc" -eq 0 ] || status=1
+  done
+fi
 echo
 echo "=== summary ==="
 echo "DeepEP: $deepep"
 echo "multigpu tests: $tests"
 echo "bench_ep.py (timeout gives 124):${bench:- not run}"
+echo "bench_ep_train.py:${train_bench:- not run}"
 for nproc in ${NPROCS:-2}; do
   [ -f "$LOGS/ep_P$nproc/summary.txt" ] && { echo "--- P=$nproc"; tail -n +8 "$LOGS/ep_P$nproc/summary.txt"; }
+done
+for nproc in ${NPROCS:-2}; do
+  summary="$LOGS/ep_train_P$nproc/summary.txt"
+  [ -f "$summary" ] && { echo "--- train P=$nproc"; cat "$summary"; }
 done
 if [ "${FI_BUILD:-0}" = 1 ]; then
   echo "--- flashinfer experts module"

@@ -210,3 +210,48 @@ def trained_and_served(single, sharded, x_NH, mine: slice, **options) -> tuple[s
         out_TH = compiled(x_NH[mine])
     check_bf16_out(out_TH, ref_NH[mine].detach())
     return trained, sequences[-1]
+
+
+class TwoLayers(torch.nn.Module):
+    """``h + moe(h)`` twice: two layers of one shape, which share a transport's state."""
+
+    def __init__(self, cfg: tmo.MoEConfig, **kwargs):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(tmo.MoE(cfg, **kwargs) for _ in range(2))
+
+    def forward(self, h_TH: torch.Tensor) -> torch.Tensor:
+        for moe in self.layers:
+            h_TH = h_TH + moe(h_TH)
+        return h_TH
+
+
+def check_layers_train(single, sharded, compiled, inputs, mine: slice, check) -> None:
+    """``compiled`` (``sharded`` compiled) trained on this rank's tokens of each of
+    ``inputs`` (``[N, H]``, one step each, ``requires_grad`` as given) against ``single``
+    (a module of the same `MoE` layers on one process) on all of them: the outputs, the
+    input's gradient and every trained parameter's (an expert's on the rank that holds it;
+    the router's, which every rank holds, summed over the ranks); ``check(actual,
+    expected)`` asserts. Gradients are zeroed between steps."""
+    for x_NH in inputs:
+        x_ref = x_NH.detach().clone().requires_grad_(x_NH.requires_grad)
+        single(x_ref).float().square().sum().backward()
+        x_TH = x_NH.detach()[mine].clone().requires_grad_(x_NH.requires_grad)
+        out_TH = compiled(x_TH)
+        out_TH.float().square().sum().backward()
+        check(out_TH, single(x_NH.detach())[mine].detach())
+        if x_NH.requires_grad:
+            check(x_TH.grad, x_ref.grad[mine])
+        for one, shard in zip(single.layers, sharded.layers, strict=True):
+            local = shard.local_experts
+            for name, param in shard.named_parameters():
+                if not param.requires_grad:
+                    continue
+                grad, expected = param.grad, one.get_parameter(name).grad
+                if name in ("w13", "w2", "b13", "b2"):
+                    expected = expected[local.start:local.stop]
+                else:
+                    grad = grad.clone()
+                    dist.all_reduce(grad)
+                check(grad, expected)
+            one.zero_grad()
+            shard.zero_grad()

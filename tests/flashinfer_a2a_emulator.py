@@ -29,12 +29,15 @@ tests/test_flashinfer_a2a_gpu.py runs the real ones.
   (or written into ``output``).
 - Dispatch and combine alternate on a workspace (the kernels' completion flags assume it):
   a second dispatch before the combine, or a combine without a dispatch, raises.
+
+`install` makes it the backend's ``flashinfer.comm`` in the calling process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 from typing import Any
 
 import torch
@@ -355,3 +358,17 @@ def moe_a2a_combine(payload, local_num_tokens, workspace, metainfo, runtime_max_
     if output is None:
         return out.to(payload.dtype)
     return output.copy_(out)
+
+
+def install():
+    """In this process: ``flashinfer.comm`` is this emulator for the ``flashinfer`` a2a
+    backend, which lets CPU tensors through and runs here (its `supports` says yes).
+    Returns the backend's package."""
+    from torch_moe_ops.backends.flashinfer import a2a
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    a2a.comm_api.api = lambda: sys.modules[__name__]
+    a2a.comm_api.DEVICE_TYPE = "cpu"
+    REGISTRY.a2a["flashinfer"] = dataclasses.replace(REGISTRY.a2a["flashinfer"],
+                                                     supports=lambda *_: None)
+    return a2a

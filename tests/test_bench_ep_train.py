@@ -1,6 +1,6 @@
 """benchmarks/bench_ep_train.py end to end on two CPU processes over gloo (``--smoke``):
-our rows, and torchtitan's compiled row where torchtitan imports (in CI it does not: its
-absence is listed with the reason).
+our rows (flashinfer's listed as skipped: it needs GPUs), and torchtitan's compiled row
+where torchtitan imports (in CI it does not: its absence is listed with the reason).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def test_smoke_runs_ours_and_the_peer(tmp_path):
     for way in ("tmo allgather", "tmo all_to_all"):
         assert rows[way]["ms"] > 0 and "error" not in rows[way], rows[way]
         assert rows[way]["rel_err_vs_eager"] < EAGER_ERROR_BOUND, rows[way]
+    # FlashInfer's all-to-all runs on GPUs only: its layer row and its transport listed as
+    # skipped, with the reason.
+    assert "tmo flashinfer" not in rows and not data["flashinfer_transport"]
+    assert "tmo flashinfer: needs a CUDA device, got cpu" in data["skipped"], data["skipped"]
     reason = torchtitan_reason()
     if reason is None:
         assert rows["torchtitan compiled"]["ms"] > 0, rows["torchtitan compiled"]

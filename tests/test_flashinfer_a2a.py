@@ -21,6 +21,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_moe_ops as tmo
+from torch_moe_ops.backends.common.kernels.rows import sum_slots
+from torch_moe_ops.backends.common.transport import token_positions, token_routing
 from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
 from torch_moe_ops.backends.flashinfer.a2a import bookkeeping
@@ -96,8 +98,14 @@ def test_supports_explains_every_no_here():
 def test_the_formats_follow_from_the_ops_each_namespace_defines():
     flashinfer = REGISTRY.a2a["flashinfer"]
     assert flashinfer.formats == ("tokens", "rows")
-    # Its receive buffers are the workspace's: tokens serve inference only.
-    assert not flashinfer.trains("tokens") and flashinfer.trains("rows")
+    # Its receive buffers are the workspace's: its tokens ops serve inference, and those of
+    # its training namespace, which copy the buffers out, train.
+    assert flashinfer.trains("tokens") and flashinfer.trains("rows")
+    assert flashinfer.namespace_of("tokens", False) == a2a.NAMESPACE
+    assert flashinfer.namespace_of("tokens", True) == a2a.TRAINING_NAMESPACE
+    assert flashinfer.namespace_of("rows", True) == a2a.NAMESPACE
+    assert not any(hasattr(torch.ops.moe_flashinfer_a2a, op)
+                   for op in ("dispatch_tokens_backward", "combine_tokens_backward"))
     for name in ("all_to_all", "allgather"):
         assert REGISTRY.a2a[name].formats == ("tokens", "rows")
         assert REGISTRY.a2a[name].trains("tokens")
@@ -129,18 +137,25 @@ def runs_here(monkeypatch):
                                                              supports=lambda *_: None))
 
 
-@pytest.mark.parametrize("experts, problem, fmt", [
-    ("triton", Problem(BF16, ep_size=2, training=False), "tokens"),
-    ("triton", Problem(BF16, ep_size=2, training=True), "rows"),
+@pytest.mark.parametrize("experts, problem, namespace", [
+    ("triton", Problem(BF16, ep_size=2, training=False), a2a.NAMESPACE),
+    ("triton", Problem(BF16, ep_size=2, training=True), a2a.TRAINING_NAMESPACE),
     # It sends no fp8 rows: a quantized layer's tokens cross in bf16, in the tokens format.
-    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), "tokens"),
-    ("cpu", Problem(BF16, ep_size=2), "tokens"),
+    ("triton", Problem(BF16, ep_size=2, quant=QuantSpec("fp8_channel")), a2a.NAMESPACE),
+    ("cpu", Problem(BF16, ep_size=2), a2a.NAMESPACE),
 ], ids=["inference", "training", "quantized", "any_experts"])
-def test_the_plan_takes_tokens_for_layers_without_gradients(runs_here, experts, problem, fmt):
+def test_the_plan_takes_tokens_and_the_trainable_ops_for_layers_that_train(
+        runs_here, experts, problem, namespace):
     plan = plan_layer(BackendSpec(experts=experts, a2a="flashinfer"), problem,
                       torch.device("cpu"))
-    assert plan.format == fmt and plan.a2a.namespace == a2a.NAMESPACE
-    assert plan.experts.name == experts
+    assert plan.format == "tokens" and plan.experts.name == experts
+    assert all(plan.namespace_for(op) == namespace
+               for op in ("dispatch_tokens", "combine_tokens", "dispatch_tokens_backward"))
+    # The rows ops (a quantized layer of another experts backend) stay where they are.
+    assert plan.namespace_for("dispatch") == plan.namespace_for("combine_backward") == (
+        a2a.NAMESPACE)
+    copies = "trains through moe_flashinfer_a2a_trainable's ops, which copy the receive buffers"
+    assert (copies in plan.format_reason) == bool(problem.training), plan.format_reason
 
 
 def _layer_graph(extra_reader: bool) -> tuple[fx.Graph, fx.Node, fx.Node, fx.Node]:
@@ -209,6 +224,26 @@ def test_combine_tokens_takes_one_row_per_receive_position():
                                                     2, "group", 4)
 
 
+def test_the_trainable_ops_take_the_contract_and_say_where_they_run():
+    """The gradient ops' fakes give the contract's sizes; a CPU tensor is refused naming
+    the argument and the device (before any kernel)."""
+    ops = torch.ops.moe_flashinfer_a2a_trainable
+    with FakeTensorMode():
+        grad_x_NH = ops.combine_tokens_backward(torch.empty(3, 16, dtype=BF16),
+                                                torch.empty(3, 2, dtype=torch.int32), 8, 2,
+                                                "group", 4)
+        grad_TH, grad_weights_TK = ops.dispatch_tokens_backward(
+            grad_x_NH, torch.empty(8, 2), torch.empty(3, 2, dtype=torch.int32), 8, 2, "group",
+            4)
+    assert (grad_x_NH.shape, grad_x_NH.dtype) == ((8, 16), BF16)
+    assert (grad_TH.shape, grad_weights_TK.shape, grad_weights_TK.dtype) == (
+        (3, 16), (3, 2), torch.float32)
+    with pytest.raises(ValueError, match="grad_out must be on a CUDA device for a2a backend "
+                                         "'flashinfer', got cpu"):
+        ops.combine_tokens_backward(torch.zeros(3, 16, dtype=BF16),
+                                    torch.zeros(3, 2, dtype=torch.int32), 8, 2, "group", 4)
+
+
 def test_receive_positions_become_keys_and_local_ids():
     # M = 2: positions 0, 1 came from rank 0, positions 2, 3 from rank 1; -1 is padding.
     token_N = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
@@ -268,6 +303,93 @@ def test_compiled_rows_bookkeeping_matches_eager():
         both(bookkeeping.summed_rows, y_RH, src_R, token_N1, weights, M, K)
     both(bookkeeping.rows_of_grad, torch.randn(P * M, H, generator=gen).bfloat16(), y_RH,
          weight_R, src_R, token_N1, M, K)
+
+
+def _arrivals(ids_PTK, receiver, num_experts, max_tokens, gen):
+    """What FlashInfer's dispatch leaves on rank ``receiver`` from the ``[T, K]`` ids of each
+    rank: each token at a position of its source's block in a random order (a skipped slot
+    routed to rank 0), garbage at padding, and the receive counters. ``(token_N, ids_NK,
+    counts_P)``."""
+    num_ranks, top_k = len(ids_PTK), ids_PTK[0].shape[1]
+    token_N = torch.randint(-9, 99, (num_ranks * max_tokens,), generator=gen,
+                            dtype=torch.int32)
+    ids_NK = torch.randint(-9, 99, (num_ranks * max_tokens, top_k), generator=gen,
+                           dtype=torch.int32)
+    counts_P = torch.zeros(num_ranks, dtype=torch.int32)
+    for source, ids_TK in enumerate(ids_PTK):
+        ranks_TK = torch.where(ids_TK < 0, 0, ids_TK // (num_experts // num_ranks))
+        came = (ranks_TK == receiver).any(1).nonzero()[:, 0]
+        came = came[torch.randperm(came.numel(), generator=gen)]
+        start = source * max_tokens
+        token_N[start:start + came.numel()] = came.int()
+        ids_NK[start:start + came.numel()] = ids_TK[came]
+        counts_P[source] = came.numel()
+    return token_N, ids_NK, counts_P
+
+
+def test_tokens_received_in_any_order_find_the_positions_their_senders_gave_them():
+    """`token_positions.received_positions` on what arrived in a random order equals the
+    send positions each sender computes from its ids alone (what the all_to_all backend
+    sends to): skipped slots (which FlashInfer routes to rank 0 all the same), repeated ids,
+    an idle rank; a token that came only for a skipped slot has none."""
+    P, M, K, E = 3, 6, 3, 6
+    gen = torch.Generator().manual_seed(0)
+    ids_PTK = [torch.randint(-1, E, (t, K), generator=gen, dtype=torch.int32)
+               for t in (5, 0, 6)]
+    ids_PTK[2][1] = torch.tensor([4, 4, -1])
+    for receiver in range(P):
+        token_N, ids_NK, counts_P = _arrivals(ids_PTK, receiver, E, M, gen)
+        token_N = bookkeeping._arrived(token_N.unsqueeze(1), counts_P, M)
+        position_N = token_positions.received_positions(
+            token_routing.local_ids(ids_NK, receiver, E // P), token_N, M)
+        for source, ids_TK in enumerate(ids_PTK):
+            send_position_TP, _ = token_positions.send_positions(ids_TK, E, P, M)
+            # Block `receiver` of the sender's send buffer is block `source` here.
+            sent_T = send_position_TP[:, receiver].long() - receiver * M + source * M
+            sent_T[send_position_TP[:, receiver] < 0] = -1
+            block = slice(source * M, (source + 1) * M)
+            expected = [-1 if t < 0 else int(sent_T[t]) for t in token_N[block].tolist()]
+            assert position_N[block].tolist() == expected, (receiver, source)
+
+
+def test_compiled_tokens_bookkeeping_matches_eager_and_inverts():
+    """The trainable tokens format's reordering, compiled as the GPU runs it and eagerly:
+    bit for bit alike; token order and back is the identity on the positions a token came
+    to for this rank's experts, zeros elsewhere; the outputs are copies."""
+    P, M, K, E, H, rank = 2, 5, 2, 4, 8, 1
+    gen = torch.Generator().manual_seed(1)
+    ids_PTK = [torch.randint(-1, E, (t, K), generator=gen, dtype=torch.int32) for t in (5, 3)]
+    token_N, ids_NK, counts_P = _arrivals(ids_PTK, rank, E, M, gen)
+    x_NH = torch.randn(P * M, H, generator=gen).bfloat16()
+    weights_NK = torch.rand(P * M, K, generator=gen)
+    order = (ids_NK, token_N.unsqueeze(1), counts_P, rank, E // P, M)
+    eager = bookkeeping.tokens_in_token_order(x_NH, weights_NK, *order)
+    compiled = bookkeeping.tokens_in_token_order.compiled()(x_NH, weights_NK, *order)
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c) and e.dtype == c.dtype
+        assert e.untyped_storage().data_ptr() != x_NH.untyped_storage().data_ptr()
+    x_tokens_NH, _, local_NK = eager
+    assert local_NK.dtype == torch.int32
+    assert torch.equal(bookkeeping.rows_in_token_order(x_NH, *order), x_tokens_NH)
+    back_NH = bookkeeping.rows_in_arrival_order(x_tokens_NH, *order)
+    assert torch.equal(back_NH, bookkeeping.rows_in_arrival_order.compiled()(x_tokens_NH, *order))
+    came_N = ((bookkeeping._arrived(token_N.unsqueeze(1), counts_P, M) >= 0)
+              & (token_routing.local_ids(ids_NK, rank, E // P) >= 0).any(1))
+    assert torch.equal(back_NH[came_N], x_NH[came_N]) and not back_NH[~came_N].any()
+    # In token order: the came tokens first in each block, ids -1 after them.
+    filled_PM = (local_NK >= 0).any(1).view(P, M)
+    assert torch.equal(filled_PM, filled_PM.sort(1, descending=True).values)
+    assert filled_PM.sum() == came_N.sum()
+    # The routing weights' gradients summed home over ids padded to M tokens: the sum over
+    # the unpadded tokens, compiled alike.
+    returned_NK = torch.randn(P * M, K, generator=gen)
+    ids_MK = torch.nn.functional.pad(ids_PTK[0], (0, 0, 0, M - ids_PTK[0].shape[0]), value=-1)
+    summed_MK = bookkeeping.summed_home(returned_NK, ids_MK, E, P, M)
+    assert torch.equal(summed_MK, bookkeeping.summed_home.compiled()(returned_NK, ids_MK, E, P,
+                                                                     M))
+    send_position_TP, _ = token_positions.send_positions(ids_PTK[0], E, P, M)
+    expected_TK = sum_slots(returned_NK, send_position_TP)
+    assert torch.equal(summed_MK[:ids_PTK[0].shape[0]], expected_TK)
 
 
 def test_rows_are_summed_into_the_position_of_their_token():

@@ -3,8 +3,9 @@
 and gradients equal the single-process reference (bf16 bounds) in the rows format and the
 tokens format, with an idle rank, skipped slots, every slot on one rank,
 a capacity below the worst case and tokens arriving in a random order; a workspace that
-does not fit is refused on every rank; compiled layers train through rows and serve
-through the fused tokens chain; every workspace is freed.
+does not fit is refused on every rank; compiled layers train through the trainable tokens
+chain and serve through the fused tokens chain; every workspace is freed (the trainable
+tokens format's gradients: tests/test_flashinfer_a2a_training_emulated.py).
 
 What this cannot tell is whether FlashInfer's kernels behave as the emulator does:
 tests/test_flashinfer_a2a_gpu.py runs the real ones on GPUs.
@@ -16,7 +17,6 @@ max_tokens_per_rank.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import pytest
@@ -49,19 +49,6 @@ FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_cpu::experts",
              "moe_flashinfer_a2a::combine_tokens")
 # The backend marks the received ids with a Triton kernel (here under the interpreter).
 pytestmark = pytest.mark.triton
-
-
-def _use_emulator():
-    """In this worker: flashinfer.comm is the emulator, CPU tensors are let through, the
-    backend runs here."""
-    from torch_moe_ops.backends.flashinfer import a2a
-    from torch_moe_ops.backends.registry import REGISTRY
-
-    a2a.comm_api.api = lambda: flashinfer_a2a_emulator
-    a2a.comm_api.DEVICE_TYPE = "cpu"
-    REGISTRY.a2a["flashinfer"] = dataclasses.replace(REGISTRY.a2a["flashinfer"],
-                                                     supports=lambda *_: None)
-    return a2a
 
 
 def _mine(rank):
@@ -165,8 +152,8 @@ def _moe_config(ep_size):
 
 def _check_compiled(rank):
     """A `MoE` sharded over the group and compiled with ``a2a="flashinfer"`` against the
-    same layer in one process: with gradients through rows (output and input gradient),
-    without through the tokens chain."""
+    same layer in one process: with gradients through the trainable tokens chain (output and
+    input gradient), without through the tokens chain on the workspace."""
     torch.manual_seed(5)
     single = tmo.MoE(_moe_config(1), dtype=torch.bfloat16)
     sharded = tmo.MoE(_moe_config(WORLD), dtype=torch.bfloat16, ep_group=dist.group.WORLD)
@@ -175,13 +162,15 @@ def _check_compiled(rank):
                        generator=torch.Generator().manual_seed(9)).bfloat16()
     trained, served = trained_and_served(single, sharded, x_NH, _mine(rank), experts="cpu",
                                          a2a="flashinfer")
-    assert "moe_flashinfer_a2a::dispatch\n" in trained and "dispatch_tokens" not in trained
+    assert all(op.replace("a2a::", "a2a_trainable::") in trained for op in FUSED_OPS), trained
+    assert "moe_flashinfer_a2a::" not in trained, trained
     assert all(op in served for op in FUSED_OPS), served
+    assert "trainable" not in served, served
     assert "moe::" not in served and "experts_rows" not in served
 
 
 def _cases(rank, world_size):
-    a2a = _use_emulator()
+    a2a = flashinfer_a2a_emulator.install()
     _check_refusal(rank, a2a)
     for top_k, num_local in SHAPES:
         for route, drop in (("random", 0), ("one_rank", 0), ("random", 1)):

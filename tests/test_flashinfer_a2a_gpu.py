@@ -1,9 +1,11 @@
 """The ``flashinfer`` a2a backend on 2 GPUs over NCCL, on flashinfer-python's kernels:
 every rank's outputs and gradients equal the single-process reference on the same tokens
-and weights (bf16 bounds) in the rows format and in the tokens format (with
-the triton experts), with one rank idle, in captured CUDA graphs replayed on new inputs,
-and as the a2a of a `MoE` compiled by Inductor (forward and backward through rows; forward
-under ``mode="reduce-overhead"`` through the fused chain); a workspace no GPU holds is
+and weights (bf16 bounds) in the rows format, in the trainable tokens format and (outputs)
+in the tokens format (with the triton experts), with one rank idle, in captured CUDA graphs
+replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
+backward through the trainable tokens format, one layer and two layers on one workspace;
+forward under ``mode="reduce-overhead"`` through the fused chain); the inference tokens
+ops hand out the workspace, the trainable ones copies; a workspace no GPU holds is
 refused on both ranks before anything is allocated. And the tokens format into FlashInfer's
 fused-MoE experts (bf16, fp8 blocks, mxfp4) on one GPU shared by two ranks: its kernel reads
 the receive buffers where the all-to-all left them (skipped until that module is built).
@@ -35,11 +37,13 @@ import torch.distributed as dist
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import (
+    TwoLayers,
     assert_close_scaled,
     assert_rank_matches,
     check_bf16_grad,
     check_bf16_out,
     check_graph_replays,
+    check_layers_train,
     draw_problem,
     leaves,
     on_current_gpu,
@@ -61,6 +65,9 @@ H, I, E, K, M = 1024, 64, 8, 2, 8
 STATIC = ("silu", 1.702, 7.0)
 FUSED_OPS = ("moe_flashinfer_a2a::dispatch_tokens", "moe_triton::experts",
              "moe_flashinfer_a2a::combine_tokens")
+# What a layer that trains takes (the experts: whichever "auto" picks).
+TRAINABLE_OPS = ("moe_flashinfer_a2a_trainable::dispatch_tokens",
+                 "moe_flashinfer_a2a_trainable::combine_tokens")
 # Generous: the first run builds flashinfer's module while the peer waits in a collective.
 TIMEOUT = datetime.timedelta(seconds=300)
 DEADLINE_S = 580
@@ -134,8 +141,19 @@ def _check_refusal(rank):
     assert not a2a.open_communicators()
 
 
-def _check_rows(rank, route, capacity):
-    """Outputs and gradients of this rank's tokens and experts against
+def _trainable_tokens(hidden_TH, weights_TK, ids_TK, experts):
+    """The trainable tokens chain: ``moe_flashinfer_a2a_trainable::dispatch_tokens ->
+    moe_triton::experts -> ::combine_tokens`` (the receive buffers copied out in token
+    order)."""
+    x_NH, weights_NK, local_NK = torch.ops.moe_flashinfer_a2a_trainable.dispatch_tokens(
+        hidden_TH, weights_TK, ids_TK, E, *_ep_args())
+    y_NH = torch.ops.moe_triton.experts(x_NH, weights_NK, local_NK, *experts, *STATIC)
+    return torch.ops.moe_flashinfer_a2a_trainable.combine_tokens(y_NH, ids_TK, E, *_ep_args())
+
+
+def _check_trains(rank, route, pipeline):
+    """Outputs and gradients of ``pipeline(hidden_TH, weights_TK, ids_TK, experts)`` (rows,
+    or the trainable tokens) on this rank's tokens and experts against
     ``moe_reference::experts`` on all tokens."""
     hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route)
     mine, local = _mine(rank), _local(rank)
@@ -147,7 +165,7 @@ def _check_rows(rank, route, capacity):
     ref_NH.backward(grad_NH)
     hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
                                               *(w[local] for w in full))
-    out_TH = _rows(hidden_TH, weights_TK, ids_NK[mine], experts, capacity)
+    out_TH = pipeline(hidden_TH, weights_TK, ids_NK[mine], experts)
     out_TH.backward(grad_NH[mine])
     assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
                         local, check_bf16_out, check_bf16_grad)
@@ -169,10 +187,66 @@ def _moe_config(ep_size: int) -> tmo.MoEConfig:
                          max_tokens_per_rank=M if ep_size > 1 else None)
 
 
+def _check_workspace_copies(rank):
+    """The inference ops hand out the workspace itself; the trainable ones copies, which
+    keep their values through the next round on the same workspace."""
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(10, "random")
+    mine = _mine(rank)
+    args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], E, *_ep_args())
+    (comm,) = a2a.open_communicators()
+    # This rank's part of the workspace (its peers' are mapped beside it).
+    start = comm.workspace[comm.rank].data_ptr()
+    end = start + comm.workspace[comm.rank].numel()
+    with torch.no_grad():
+        viewed = torch.ops.moe_flashinfer_a2a.dispatch_tokens(*args)
+        assert all(start <= t.data_ptr() < end for t in viewed[:2])
+        torch.ops.moe_flashinfer_a2a.combine_tokens(viewed[0], *args[2:])
+        copied = torch.ops.moe_flashinfer_a2a_trainable.dispatch_tokens(*args)
+        assert not any(start <= t.data_ptr() < end for t in copied)
+        # As the fake gives them.
+        assert all(t.is_contiguous() and t.storage_offset() == 0 for t in copied)
+        kept = [t.clone() for t in copied]
+        torch.ops.moe_flashinfer_a2a_trainable.combine_tokens(copied[0], *args[2:])
+        again = torch.ops.moe_flashinfer_a2a_trainable.dispatch_tokens(
+            hidden_NH[mine].flip(0), *args[1:])
+        torch.ops.moe_flashinfer_a2a_trainable.combine_tokens(again[0], *args[2:])
+    assert all(torch.equal(t, k) for t, k in zip(copied, kept, strict=True))
+
+
+def _check_two_layers(rank, frozen_router):
+    """Two `MoE` layers of one shape (one workspace) compiled by Inductor with
+    ``a2a="flashinfer"``, two training steps, against the same layers in one process (fp32,
+    which routes the same tokens alike on both sides): outputs and gradients. Each layer's
+    gradient dispatch is answered by its own combine, in autograd's order; with
+    ``frozen_router`` (and an input without gradient) the first layer's never is, and the
+    next step's dispatch closes its round."""
+    torch._dynamo.reset()
+    torch.manual_seed(8)
+    device = torch.device("cuda", torch.cuda.current_device())
+    single = TwoLayers(_moe_config(1)).to(device)
+    sharded = TwoLayers(_moe_config(_world()), device=device, ep_group=dist.group.WORLD)
+    for one, shard in zip(single.layers, sharded.layers, strict=True):
+        shard.load_full_weights(one.state_dict())
+        one.gate.requires_grad_(not frozen_router)
+        shard.gate.requires_grad_(not frozen_router)
+    sequences = []
+    compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="flashinfer"),
+                             fullgraph=True, dynamic=False)
+    inputs = [torch.randn(sum(_layout()), H, generator=torch.Generator().manual_seed(30 + step)
+                          ).to(device).requires_grad_(not frozen_router) for step in range(2)]
+    check_layers_train(single, sharded, compiled, inputs, _mine(rank),
+                       lambda actual, expected: assert_close_scaled(actual, expected, 1e-3,
+                                                                    1e-3))
+    assert sequences[-1].count("moe_flashinfer_a2a_trainable::dispatch_tokens") == 2, (
+        sequences[-1])
+    torch._dynamo.reset()
+
+
 def _check_module(rank):
     """`MoE` sharded over the group and compiled by Inductor with ``a2a="flashinfer"``
-    against the single-process `MoE`: outputs and gradients through rows (the idle rank's
-    empty gradients included: its ops must not be dropped as dead code)."""
+    against the single-process `MoE`: outputs and gradients through the trainable tokens
+    format (the idle rank's empty gradients included: its ops must not be dropped as dead
+    code)."""
     single, sharded = single_and_sharded(_moe_config, seed=5)
     x_NH = torch.randn(sum(_layout()), H, generator=torch.Generator().manual_seed(9))
     x_NH = x_NH.to(single.w13.device, torch.bfloat16)
@@ -186,7 +260,8 @@ def _check_module(rank):
     x_TH = x_NH[mine].clone().requires_grad_()
     out_TH = compiled(x_TH)
     out_TH.float().square().sum().backward()
-    assert "moe_flashinfer_a2a::dispatch\n" in sequences[-1], sequences[-1]
+    assert all(op in sequences[-1] for op in TRAINABLE_OPS), sequences[-1]
+    assert "moe_flashinfer_a2a::" not in sequences[-1], sequences[-1]
     check_bf16_out(out_TH, ref_NH[mine].detach())
     check_bf16_grad(x_TH.grad, x_ref.grad[mine])
     for name in ("w13", "w2", "b13", "b2"):
@@ -222,15 +297,19 @@ def _run(rank, world_size, shared_gpu):
     _check_refusal(rank)
     worst = worst_case_capacity(M, K)
     for route in ("random", "one_rank"):
-        _check_rows(rank, route, worst)
+        _check_trains(rank, route, lambda *args: _rows(*args, worst))
+        _check_trains(rank, route, _trainable_tokens)
         _check_tokens(rank, route)
     # A capacity below the worst case that the routing still fits.
-    _check_rows(rank, "random", worst - 1)
+    _check_trains(rank, "random", lambda *args: _rows(*args, worst - 1))
     (comm,) = a2a.open_communicators()
     assert comm.workspace_bytes > 0, comm
-    for pipeline in (lambda *args: _rows(*args, worst), _tokens):
+    _check_workspace_copies(rank)
+    for pipeline in (lambda *args: _rows(*args, worst), _tokens, _trainable_tokens):
         check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     _check_module(rank)
+    for frozen_router in (False, True):
+        _check_two_layers(rank, frozen_router)
     # The communicator then opens when the layer compiles, not in a warm-up run of the CUDA
     # graphs (whose memory pool its tensors would outlive: "tensor(s) in the cudagraph pool
     # not tracked as outputs").

@@ -8,9 +8,10 @@ receive) positions, R = Q rows, S = T * K slots.
 Tokens (`ops.tokens`, the format the lowering picks): each token goes once to each rank
 that holds one of its experts, whatever number of its slots chose experts there. This
 rank's tokens for rank ``p`` take send positions ``[p * M, p * M + n_p)`` in token order
-(``send_position_TP``: each token's position in each block, -1 where it does not go), with
-their routing weights and ids made local to ``p`` (-1: another rank's expert), and one
-``all_to_all_single`` of equal static splits moves the rows, ids and weights.
+(``send_position_TP``: each token's position in each block, -1 where it does not go;
+`common.transport.token_positions`), with their routing weights and ids made local to ``p``
+(-1: another rank's expert), and one ``all_to_all_single`` of equal static splits moves the
+rows, ids and weights.
 The receive buffer ``[N, H]`` is the experts' input as it is. Combine sends each
 position's result back the same way and sums each token's over the ranks it went to
 (fp32, in rank order). The gradients are the same two moves reversed: that of combine is
@@ -61,6 +62,7 @@ from torch_moe_ops.backends.common.kernels.rows import (
 from torch_moe_ops.backends.common.kernels.sorting import sort_rows
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
+from torch_moe_ops.backends.common.transport.token_positions import home, send_positions
 from torch_moe_ops.backends.common.transport.token_routing import (
     received_routing,
     routing_columns,
@@ -157,40 +159,16 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)
 
 
-def _send_positions_tokens(topk_ids_TK, num_experts, ep_size, max_tokens):
-    """``(send_position_TP, token_of_position_N)``: where each token goes in each rank's
-    block (-1: it does not go there) and the token at each send position (-1: padding)."""
-    num_tokens = topk_ids_TK.shape[0]
-    device = topk_ids_TK.device
-    rank_P = torch.arange(ep_size, device=device, dtype=torch.int32)
-    # A comparison, not a scatter into [T, P + 1]: Inductor (torch 2.11) failed to generate
-    # the training graph's code for that scatter's int32 buffer.
-    ranks_TK = torch.where(topk_ids_TK < 0, -1, topk_ids_TK // (num_experts // ep_size))
-    goes_TP = (ranks_TK.unsqueeze(2) == rank_P).any(1).to(torch.int32)
-    send_position_TP = torch.where(goes_TP > 0,
-                                   torch.cumsum(goes_TP, 0) - 1 + rank_P * max_tokens, -1)
-    tokens_TP = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, ep_size)
-    token_of_position_N = scatter_index(tokens_TP.reshape(-1), send_position_TP.reshape(-1),
-                                        ep_size * max_tokens)
-    return send_position_TP.to(torch.int32), token_of_position_N
-
-
 def _to_positions(values_TX, token_of_position_N, group_name, ep_size):
     """``[N, ...]`` of ``values`` as each token's receivers get them."""
     return collectives.all_to_all(gather_rows(values_TX, token_of_position_N), group_name,
                                   ep_size)
 
 
-def _home(values_NX, send_position_TP, group_name, ep_size):
-    """``[T, ...]``: each token's rows of ``values`` from the ranks it went to, summed."""
-    return sum_slots(collectives.all_to_all(values_NX, group_name, ep_size), send_position_TP)
-
-
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
                     max_tokens_per_rank):
     rank = collectives.rank_in(group_name, ep_size)
-    _, token_of_position_N = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
-                                                    max_tokens_per_rank)
+    _, token_of_position_N = send_positions(topk_ids_TK, num_experts, ep_size, max_tokens_per_rank)
 
     def send(values_TX):
         return _to_positions(values_TX, token_of_position_N, group_name, ep_size)
@@ -204,25 +182,22 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    send_position_TP, _ = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
-                                                 max_tokens_per_rank)
-    return _home(y_NH, send_position_TP, group_name, ep_size)
+    send_position_TP, _ = send_positions(topk_ids_TK, num_experts, ep_size, max_tokens_per_rank)
+    return home(y_NH, send_position_TP, group_name, ep_size)
 
 
 def dispatch_tokens_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_experts, ep_size,
                              group_name, max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    send_position_TP, _ = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
-                                                 max_tokens_per_rank)
-    return (_home(grad_x_NH, send_position_TP, group_name, ep_size),
-            _home(grad_weights_NK, send_position_TP, group_name, ep_size))
+    send_position_TP, _ = send_positions(topk_ids_TK, num_experts, ep_size, max_tokens_per_rank)
+    return (home(grad_x_NH, send_position_TP, group_name, ep_size),
+            home(grad_weights_NK, send_position_TP, group_name, ep_size))
 
 
 def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
                             max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    _, token_of_position_N = _send_positions_tokens(topk_ids_TK, num_experts, ep_size,
-                                                    max_tokens_per_rank)
+    _, token_of_position_N = send_positions(topk_ids_TK, num_experts, ep_size, max_tokens_per_rank)
     return _to_positions(grad_out_TH, token_of_position_N, group_name, ep_size)
 
 

@@ -17,8 +17,11 @@ and the rows format (`ops.rows`) where it defines ``dispatch`` and ``combine``; 
 backend consumes masked blocks through its ``experts_masked`` op, tokens through its
 ``experts`` op (the receive buffers as they are, ids local) and rows through
 ``experts_rows``. A format trains where the a2a namespace defines its gradient ops too
-(`TRAINING_OPS`; the masked format has none). The lowering picks one format per layer
-(`FORMATS` in order of preference).
+(`TRAINING_OPS`; the masked format has none), or where its ``training_namespace`` defines
+the format's ops and their gradient ops: a transport whose buffers are its own memory hands
+them out as they are to layers without gradients, and copies them out for layers that
+train. The lowering picks one format per layer (`FORMATS` in order of preference), and for
+a layer that trains the namespace that trains in it (`A2ABackend.namespace_of`).
 
 ``supports(spec, problem, device)`` returns ``None`` when the backend can run the
 `Problem` there, otherwise the reason it cannot. The compile backend reads the
@@ -195,6 +198,11 @@ class A2ABackend:
     # ``format`` although it defines its ops (a mode of its engine that does not run the
     # shape), or None; absent where every format it defines runs every layer ``supports``.
     format_reason: Callable[[str, Problem], str | None] | None = None
+    # Where its ops for layers that train live, for the formats whose ops (and their gradient
+    # ops) it defines: a transport whose ops in ``namespace`` hand out its own memory, which
+    # the next dispatch overwrites, copies the buffers out there. None: ``namespace`` serves
+    # both.
+    training_namespace: str | None = None
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -202,9 +210,18 @@ class A2ABackend:
         return tuple(f for f in FORMATS
                      if all(defines(self.namespace, op) for op in FORMAT_OPS[f]))
 
+    def namespace_of(self, fmt: str | None, training: bool) -> str:
+        """The namespace whose ops move a layer in ``fmt`` (None: one device), ``training``
+        or not."""
+        trainer = self.training_namespace
+        if (training and fmt in TRAINING_OPS and trainer is not None
+                and all(defines(trainer, op) for op in FORMAT_OPS[fmt] + TRAINING_OPS[fmt])):
+            return trainer
+        return self.namespace
+
     def trains(self, fmt: str) -> bool:
         """Whether its transport in ``fmt`` carries gradients."""
-        return fmt in TRAINING_OPS and all(defines(self.namespace, op)
+        return fmt in TRAINING_OPS and all(defines(self.namespace_of(fmt, True), op)
                                            for op in TRAINING_OPS[fmt])
 
     @property

@@ -26,7 +26,9 @@ is a dispatch of ``grad_out`` to the same positions (``combine_tokens_backward``
 it went to (``dispatch_tokens_backward``, for the activations and the routing weights; a
 slot whose expert is elsewhere has a zero gradient where it arrived). A backend whose
 receive buffers are its own transport memory, overwritten by the next dispatch, defines no
-gradient ops: its pairs serve inference, and asking it for a gradient raises.
+gradient ops beside them: its pairs serve inference, and asking them for a gradient raises;
+it may define ops that copy the buffers out, with gradients, in a namespace of its own for
+layers that train (`backends.registry.A2ABackend.training_namespace`).
 """
 
 from __future__ import annotations

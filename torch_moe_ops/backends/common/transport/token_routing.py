@@ -29,11 +29,15 @@ def received_routing(columns_NX: torch.Tensor, top_k: int, rank: int, num_local:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, K] fp32, ids [N, K] int32 made local to ``rank``'s ``num_local``
     experts: -1 for another rank's expert, a skipped slot and padding)``."""
-    ids_NK = columns_NX[:, :top_k] - 1
+    return (columns_NX[:, top_k:].contiguous().view(torch.float32),
+            local_ids(columns_NX[:, :top_k] - 1, rank, num_local))
+
+
+def local_ids(ids_NK: torch.Tensor, rank: int, num_local: int) -> torch.Tensor:
+    """``ids_NK`` (global, -1: skipped) made local to ``rank``'s ``num_local`` experts: -1 for
+    another rank's expert and a skipped slot."""
     local_NK = ids_NK - rank * num_local
-    local_NK = torch.where((ids_NK >= 0) & (local_NK >= 0) & (local_NK < num_local), local_NK,
-                           -1)
-    return columns_NX[:, top_k:].contiguous().view(torch.float32), local_NK
+    return torch.where((ids_NK >= 0) & (local_NK >= 0) & (local_NK < num_local), local_NK, -1)
 
 
 def send_with_routing(send: Callable[[torch.Tensor], torch.Tensor], rows_TH: torch.Tensor,

@@ -1,6 +1,7 @@
 """The ``flashinfer`` a2a backend as the registry sees it: what it `supports` (torch.distributed,
 triton, a shape FlashInfer's kernels are built for, NVLink-joined GPUs and a workspace some
-GPU could hold) and its ops in namespace ``moe_flashinfer_a2a``, registered on import."""
+GPU could hold) and its ops in namespace ``moe_flashinfer_a2a`` (and, for layers that train in
+the tokens format, ``moe_flashinfer_a2a_trainable``), registered on import."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
 from torch_moe_ops.backends.flashinfer import library
-from torch_moe_ops.backends.flashinfer.a2a import comm_api
+from torch_moe_ops.backends.flashinfer.a2a import comm_api, trainable_tokens
 from torch_moe_ops.backends.flashinfer.a2a.rows import (
     combine,
     combine_backward,
@@ -26,6 +27,7 @@ from torch_moe_ops.ops import define_backend_ops
 
 NAME = "flashinfer"
 NAMESPACE = "moe_flashinfer_a2a"
+TRAINING_NAMESPACE = "moe_flashinfer_a2a_trainable"
 
 
 @functools.cache
@@ -71,13 +73,19 @@ def supports(spec, problem, device) -> str | None:
                               problem.dtype, available="in all")
 
 
-# The tokens ops have no gradient ops: their buffers are the workspace's, which the next
-# dispatch overwrites, so a layer that trains takes the rows format here.
+# The tokens ops here have no gradient ops: their buffers are the workspace's, which the
+# next dispatch overwrites. A layer that trains takes those of TRAINING_NAMESPACE, which copy
+# the buffers out (`trainable_tokens`).
 define_backend_ops(NAMESPACE, {"dispatch": dispatch, "combine": combine,
                                "dispatch_backward": dispatch_backward,
                                "combine_backward": combine_backward,
                                "dispatch_tokens": dispatch_tokens,
                                "combine_tokens": combine_tokens})
+define_backend_ops(TRAINING_NAMESPACE, {
+    "dispatch_tokens": trainable_tokens.dispatch_tokens,
+    "combine_tokens": trainable_tokens.combine_tokens,
+    "dispatch_tokens_backward": trainable_tokens.dispatch_tokens_backward,
+    "combine_tokens_backward": trainable_tokens.combine_tokens_backward})
 
 def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
             max_tokens_per_rank) -> None:
@@ -89,5 +97,6 @@ def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, 
 
 
 REGISTRY.register_a2a(A2ABackend(
-    name=NAME, namespace=NAMESPACE, supports=supports, prepare=prepare,
+    name=NAME, namespace=NAMESPACE, training_namespace=TRAINING_NAMESPACE, supports=supports,
+    prepare=prepare,
     description="FlashInfer's MoE all-to-all (NVLink one-sided, static per-rank capacity)"))

@@ -1,11 +1,13 @@
-"""The index arithmetic of the rows format, between FlashInfer's kernels: receive positions
-made keys, the received (position, slot) pairs of local experts made rows sorted by expert,
-rows summed back into positions, and the gradients of rows. Each piece runs compiled on
-the GPU (`_compiled_on_gpu`).
+"""The index arithmetic between FlashInfer's kernels. Rows: receive positions made keys,
+the received (position, slot) pairs of local experts made rows sorted by expert, rows summed
+back into positions, and the gradients of rows. Trainable tokens: the received tokens put in
+token order (`common.transport.token_positions`) and back into the order they arrived in.
+Each piece runs compiled on the GPU (`_compiled_on_gpu`).
 
 Legend: T tokens on this rank, M = max_tokens_per_rank, P ranks, N = P * M receive
 positions, G = P * M keys (token t of rank p has the key p * M + t), H hidden size, K
-experts per token, E the experts of this rank, R rows, S = G * K slots.
+experts per token, E the experts of this rank, R rows, S = G * K slots, X the width of a
+payload.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ from torch_moe_ops.backends.common.kernels.rows import (
     weighted_rows,
 )
 from torch_moe_ops.backends.common.kernels.sorting import sort_rows
+from torch_moe_ops.backends.common.transport.token_positions import (
+    received_positions,
+    send_positions,
+)
+from torch_moe_ops.backends.common.transport.token_routing import local_ids
+
+
+def token_index(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """``[T, 1]`` int32: each token's index, the payload that tells a receiver which token
+    of its source came to each position."""
+    return torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
 
 
 def ranks_of(topk_ids_TK: torch.Tensor, num_local: int) -> torch.Tensor:
@@ -115,3 +128,61 @@ def rows_of_grad(grad_NH, y_RH, weight_R, src_R, token_N1, max_tokens, top_k):
     return combine_grads(gather_rows(grad_NH, position_R), y_RH, weight_R, src_R)
 
 
+
+
+def _arrival_of_positions(ids_NK, token_N1, counts_P, rank, num_local, max_tokens):
+    """``(arrival_N, local_NK)``: the receive position of the token at each position in
+    token order (-1: padding), and the received ids made local, in arrival order."""
+    local_NK = local_ids(ids_NK, rank, num_local)
+    position_N = received_positions(local_NK, _arrived(token_N1, counts_P, max_tokens),
+                                    max_tokens)
+    arrivals_N = torch.arange(position_N.shape[0], device=position_N.device)
+    return scatter_index(arrivals_N, position_N, position_N.shape[0]), local_NK
+
+
+def _arrived(token_N1, counts_P, max_tokens):
+    """``[N]``: the token index at each receive position, -1 past the ``counts_P[p]``
+    tokens rank p sent (padding, which holds what earlier calls left there)."""
+    within_PM = torch.arange(max_tokens, device=token_N1.device).unsqueeze(0)
+    arrived_N = (within_PM < counts_P.unsqueeze(1)).view(-1)
+    return torch.where(arrived_N, token_N1[:, 0], -1)
+
+
+@_compiled_on_gpu
+def tokens_in_token_order(x_NH, weights_NK, ids_NK, token_N1, counts_P, rank, num_local,
+                          max_tokens):
+    """The trainable tokens format's dispatch output from the arrivals (each ``[N, ...]``
+    in arrival order, ``ids_NK`` global, ``counts_P`` the tokens each rank sent):
+    ``(x_NH, weights_NK, local_NK)`` in token order, copies; zeros at padding, ids -1
+    there."""
+    arrival_N, local_NK = _arrival_of_positions(ids_NK, token_N1, counts_P, rank, num_local,
+                                                max_tokens)
+    return (gather_rows(x_NH, arrival_N), gather_rows(weights_NK, arrival_N),
+            gather_rows(local_NK + 1, arrival_N) - 1)
+
+
+@_compiled_on_gpu
+def rows_in_token_order(rows_NX, ids_NK, token_N1, counts_P, rank, num_local, max_tokens):
+    """``rows_NX`` (in arrival order) in token order, a copy; zeros at padding."""
+    arrival_N, _ = _arrival_of_positions(ids_NK, token_N1, counts_P, rank, num_local,
+                                         max_tokens)
+    return gather_rows(rows_NX, arrival_N)
+
+
+@_compiled_on_gpu
+def rows_in_arrival_order(rows_NX, ids_NK, token_N1, counts_P, rank, num_local, max_tokens):
+    """``rows_NX`` (in token order) at the positions the last dispatch's tokens arrived at,
+    what FlashInfer's combine reads; zeros at padding and where a token came for none of
+    this rank's experts."""
+    local_NK = local_ids(ids_NK, rank, num_local)
+    token_N = _arrived(token_N1, counts_P, max_tokens)
+    return gather_rows(rows_NX, received_positions(local_NK, token_N, max_tokens))
+
+
+@_compiled_on_gpu
+def summed_home(returned_NK, ids_MK, num_experts, ep_size, max_tokens):
+    """The second half of `token_positions.home`, compiled: from what an ``all_to_all`` of
+    ``[N, K]`` in token order returned, each of this rank's tokens' rows (``ids_MK``: its
+    ids, padded with -1 to M tokens so that the body's sizes are the layer's) summed over
+    the ranks it went to; ``[M, K]``."""
+    return sum_slots(returned_NK, send_positions(ids_MK, num_experts, ep_size, max_tokens)[0])

@@ -20,14 +20,11 @@ from torch_moe_ops.backends.flashinfer.a2a.bookkeeping import (
     received_rows,
     rows_of_grad,
     summed_rows,
+    token_index,
 )
 from torch_moe_ops.backends.flashinfer.a2a.comm_api import check_activations, on
 from torch_moe_ops.backends.flashinfer.a2a.workspace import communicator, opened
 from torch_moe_ops.config import worst_case_capacity
-
-
-def _token_index(num_tokens: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
 
 
 def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
@@ -39,7 +36,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     with on(hidden_TH.device):
         comm = communicator(group_name, hidden_TH.shape[1], top_k, max_tokens_per_rank,
                             hidden_TH.dtype, hidden_TH.device)
-        index_T1 = _token_index(topk_ids_TK.shape[0], topk_ids_TK.device)
+        index_T1 = token_index(topk_ids_TK.shape[0], topk_ids_TK.device)
         x_NH, weights_NK, ids_NK, token_N1 = comm.send_tokens(
             hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, index_T1)
         comm.received.token_N1 = token_N1
@@ -72,7 +69,7 @@ def _send_back_tokens(comm, slot_map_TK, payloads=()) -> tuple[torch.Tensor, lis
     """A dispatch of each token's index (and ``payloads``) along ``slot_map_TK``: the token
     index at each receive position of this round (``[N, 1]``, -1 at padding) and the
     received payloads."""
-    index_T1 = _token_index(slot_map_TK.shape[0], slot_map_TK.device)
+    index_T1 = token_index(slot_map_TK.shape[0], slot_map_TK.device)
     *received, token_N1 = comm.dispatch(slot_map_TK, comm.ep_size, [*payloads, index_T1])
     return token_N1, received
 

@@ -2,7 +2,8 @@
 gradients): ``dispatch_tokens`` hands over the receive
 buffers as they are, views of the workspace with no copy, with the ids made local to this
 rank's experts (-1 at padding); ``combine_tokens`` hands the experts' output back to
-FlashInfer's combine. The buffers are the next dispatch's: inference only.
+FlashInfer's combine. The buffers are the next dispatch's: inference only (a layer that
+trains takes `trainable_tokens`).
 
 Legend: T tokens on this rank, M = max_tokens_per_rank, P ranks, N = P * M receive
 positions, H hidden size, K experts per token.

@@ -53,11 +53,18 @@ def _free_bytes(device: torch.device) -> int | None:
 
 @dataclasses.dataclass
 class _Received:
-    """What the last dispatch left for its combine: where its combine payload goes, and
-    (rows) the token index at each receive position (``[N, 1]``, -1 at padding)."""
+    """What the last dispatch left for its combine: where its combine payload goes, how many
+    tokens this rank sent, and what its format reads of the arrivals (views of the
+    workspace): the token index at each receive position (``[N, 1]``; rows: -1 at padding,
+    trainable tokens: padding found from ``recv_counts_P``) and the received global ids
+    (``[N, K]``; trainable tokens).
+    ``gradient``: the dispatch of a gradient, whose combine autograd may never run."""
 
     combine_offset: int
+    num_tokens: int
     token_N1: torch.Tensor | None = None
+    ids_NK: torch.Tensor | None = None
+    gradient: bool = False
 
 
 class FlashInferCommunicator:
@@ -121,6 +128,13 @@ class FlashInferCommunicator:
         """``payloads`` (each ``[T, X]``; with ``mark_padding`` the last int32, -1 written at
         its padding) to the ranks that hold the experts ``ids_TK`` (int32 of
         ``num_experts``; -1 skips): ``[N, X]`` views of the workspace."""
+        if self.received is not None and self.received.gradient:
+            # The gradient of combine_tokens dispatched, and that of dispatch_tokens, which
+            # combines, never ran (no input of the layer's dispatch needed a gradient): its
+            # round is closed here, on every rank alike (they run one model), with a combine
+            # of one column of zeros.
+            self.combine(self.workspace.new_zeros((self.num_positions, 1), dtype=self.dtype),
+                         self.received.num_tokens)
         # A skipped slot (-1) goes to some rank all the same. The kernel's rank of an id is
         # id / E_l, rounded toward zero as C divides: rank 0 for -1 where E_l > 1, as for
         # expert 0; with one expert per rank, rank -1, out of bounds: clamped there alone
@@ -133,18 +147,20 @@ class FlashInferCommunicator:
         if mark_padding:
             comm_api.api().moe_a2a_sanitize_expert_ids(views[-1], self.workspace,
                                                        self.metainfo, self.rank, -1)
-        self.received = _Received(combine_offset)
+        self.received = _Received(combine_offset, ids_TK.shape[0])
         return [view.view(self.num_positions, -1) for view in views]
 
     def send_tokens(self, hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
-                    topk_ids_TK: torch.Tensor, num_experts: int,
-                    *extra: torch.Tensor) -> list[torch.Tensor]:
+                    topk_ids_TK: torch.Tensor, num_experts: int, *extra: torch.Tensor,
+                    mark_padding: bool = True) -> list[torch.Tensor]:
         """The forward dispatch of both formats: ``[x [N, H], weights [N, K] fp32, ids [N, K]
-        int32, *extra]``, views of the workspace; with ``extra``, the last one has -1 at
-        padding (`local_ids` finds the padding of the ids itself)."""
+        int32, *extra]``, views of the workspace; with ``extra`` and ``mark_padding``, the
+        last one has -1 at padding (`local_ids` finds the padding of the ids itself, from
+        the receive counters, as a reader of ``recv_counts_P`` may)."""
         ids_TK = topk_ids_TK.to(torch.int32)
-        return self.dispatch(ids_TK, num_experts, [hidden_TH, topk_weights_TK.float(), ids_TK,
-                                                   *extra], mark_padding=bool(extra))
+        payloads = [hidden_TH, topk_weights_TK.float(), ids_TK, *extra]
+        return self.dispatch(ids_TK, num_experts, payloads,
+                             mark_padding=mark_padding and bool(extra))
 
     def local_ids(self, ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
         """``[N, K]`` int32: the last dispatch's ids (``ids_NK``, received global ids) of
@@ -157,16 +173,18 @@ class FlashInferCommunicator:
                                       self.rank * num_local, num_local)
 
     def combine(self, payload_NX: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """``[T, X]``: each token's rows at its positions on the ranks it went to, summed."""
+        """``[T, X]``: each token's rows at its positions on the ranks it went to, summed;
+        the last dispatch is then answered."""
         if self.received is None:
-            raise RuntimeError(f"a2a backend 'flashinfer': combine before any dispatch on "
-                               f"{self!r}")
+            raise RuntimeError(f"a2a backend 'flashinfer': combine without a dispatch to "
+                               f"answer on {self!r} (each dispatch is answered by one combine)")
         payload_PMX = payload_NX.contiguous().view(self.ep_size, self.max_tokens_per_rank, -1)
         # Allocated here, by torch's allocator: what a CUDA graph being captured can hold.
         out_TX = payload_NX.new_empty((num_tokens, payload_PMX.shape[2]))
+        combine_offset, self.received = self.received.combine_offset, None
         return comm_api.api().moe_a2a_combine(
             payload_PMX, num_tokens, self.workspace, self.metainfo, self.max_tokens_per_rank,
-            self.rank, self.ep_size, self.top_k, self.received.combine_offset, output=out_TX)
+            self.rank, self.ep_size, self.top_k, combine_offset, output=out_TX)
 
     def alias(self, view: torch.Tensor) -> torch.Tensor:
         """A tensor over ``view``'s memory with storage offset 0, as the op's fake has it
