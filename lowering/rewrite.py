@@ -36,6 +36,8 @@ from torch_moe_ops.backends.registry import (
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.lowering.graph_values import fake_value, meta_key
+from torch_moe_ops.lowering.overlap import lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import full_args, op_overload
@@ -56,21 +58,10 @@ def _op_name(target: object) -> tuple[str, str] | None:
     return namespace, name.split(".")[0]
 
 
-def _value(arg: object) -> object:
-    if isinstance(arg, fx.Node):
-        return arg.meta.get("val", arg.meta.get("example_value"))
-    return arg
-
-
-def _meta_key(node: fx.Node) -> str:
-    """Where ``node`` keeps its fake value (`_value`): Dynamo and make_fx differ."""
-    return "val" if "val" in node.meta else "example_value"
-
-
 def _example_args(node: fx.Node) -> tuple:
     """The node's arguments in schema order, tensors as their fake values."""
-    args = tuple(_value(a) for a in node.args)
-    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+    args = tuple(fake_value(a) for a in node.args)
+    kwargs = {k: fake_value(v) for k, v in node.kwargs.items()}
     if not isinstance(args[0], torch.Tensor):
         raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
                         "tensor metadata (was the graph traced by Dynamo?)")
@@ -103,7 +94,7 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
         if name is None:
             continue
         problems[node] = problem_of(name, _example_args(node))
-        output = _value(node)
+        output = fake_value(node)
         if name in EXPERTS_OPS and isinstance(output, torch.Tensor) and output.requires_grad:
             problems[node] = dataclasses.replace(problems[node], training=True)
         layer_of[node] = node
@@ -143,7 +134,7 @@ def layer_plans(gm: fx.GraphModule, spec: BackendSpec) -> dict[fx.Node, LayerPla
     shared by its nodes."""
     plans, nodes = {}, {}
     for node, problem in layer_problems(gm).items():
-        device = _value(node.args[0]).device
+        device = fake_value(node.args[0]).device
         routing = generic_op(node) not in ACTIVATION_OPS
         key = (problem, device, routing)
         if key not in plans:
@@ -228,9 +219,9 @@ def _rows_reader_args(experts: fx.Node) -> tuple | None:
 def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
     """``node`` calls ``op`` on ``args``, its fake value recomputed in the graph's fake mode."""
     node.target, node.args, node.kwargs = op, args, {}
-    values = [_value(a) for a in args]
+    values = [fake_value(a) for a in args]
     with values[0].fake_mode:
-        node.meta[_meta_key(node)] = op(*values)
+        node.meta[meta_key(node)] = op(*values)
 
 
 def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
@@ -259,21 +250,27 @@ def _lower_tokens_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype,
                                         plan.problem.quant,
                                         DispatchSides.of(plan.a2a, plan.experts))
+        dispatch.meta["moe_dispatch_dtype"] = chosen
+        lowered |= {dispatch, experts, combine}
+        if plan.chunks > 1:
+            lower_in_chunks(gm, (dispatch, experts, combine),
+                            (hidden, topk_weights, topk_ids, num_experts, *ep_args),
+                            namespace, op_overload(plan.experts.namespace, tokens_op),
+                            expert_args, plan.chunks)
+            continue
         # The dispatch node becomes dispatch_tokens; its three outputs, new getitems.
         _retarget(dispatch, op_overload(namespace, "dispatch_tokens"),
                   (hidden, topk_weights, topk_ids, num_experts, *ep_args))
-        dispatch.meta["moe_dispatch_dtype"] = chosen
         with gm.graph.inserting_after(dispatch):
             sent = [gm.graph.call_function(operator.getitem, (dispatch, i)) for i in range(3)]
-        for item, value in zip(sent, _value(dispatch)):
-            item.meta[_meta_key(dispatch)] = value
+        for item, value in zip(sent, fake_value(dispatch)):
+            item.meta[meta_key(dispatch)] = value
         _retarget(experts, op_overload(plan.experts.namespace, tokens_op),
                   (*sent, *expert_args))
         _retarget(combine, op_overload(namespace, "combine_tokens"),
                   (experts, topk_ids, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)
-        lowered |= {dispatch, experts, combine}
     return lowered
 
 
@@ -316,11 +313,11 @@ def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node
     dispatch.args = (hidden, topk_weights, topk_ids, num_experts, quant.weights,
                      quant.activations, quant.block_list, *ep_args)
     dispatch.kwargs = {}
-    values = [_value(a) for a in dispatch.args]
+    values = [fake_value(a) for a in dispatch.args]
     # The mode of the graph's own fake values (the backend may run inside another).
-    with _value(hidden).fake_mode:
+    with fake_value(hidden).fake_mode:
         outputs = op(*values)
-    key = _meta_key(dispatch)
+    key = meta_key(dispatch)
     dispatch.meta[key] = outputs
     for item in dispatch.users:
         item.meta[key] = outputs[item.args[1]]

@@ -52,6 +52,10 @@ CONSUMER_OPS = {"tokens": "experts", "rows": "experts_rows"}
 TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
                 "rows": ("dispatch_backward", "combine_backward")}
 TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
+# What an a2a namespace defines to move the tokens format in chunks, each transfer issued and
+# waited apart (`ops.tokens_in_flight`; ``combine_tokens_finish`` where its returned rows are
+# summed at home).
+IN_FLIGHT_OPS = ("dispatch_tokens_start", "dispatch_tokens_finish", "combine_tokens_start")
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -190,6 +194,12 @@ class A2ABackend:
     def trains(self, fmt: str) -> bool:
         """Whether its transport in ``fmt`` carries gradients."""
         return all(defines(self.namespace, op) for op in TRAINING_OPS[fmt])
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether it moves the tokens format in chunks whose transfers are issued and waited
+        by ops of their own (`IN_FLIGHT_OPS`), which a graph can place around compute."""
+        return all(defines(self.namespace, op) for op in IN_FLIGHT_OPS)
 
     @property
     def sends_quantized(self) -> bool:
