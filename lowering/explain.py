@@ -64,6 +64,7 @@ class LayerReport:
         if plan.format is not None:
             sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype)
             lines += [f"  format:  {plan.format} ({plan.format_reason})",
+                      f"  chunks:  {plan.chunks} ({plan.chunks_reason})",
                       f"  dispatch dtype: {self.dispatch_dtype} ({self.dispatch_rule})",
                       f"  bytes each rank sends per call: dispatch {sent:,}, combine {back:,}"]
         return "\n".join(lines)
@@ -110,15 +111,17 @@ def _reports(gm: fx.GraphModule, spec: BackendSpec) -> list[LayerReport]:
 
 def explain(model: torch.nn.Module, *example_inputs, experts: str = "auto", a2a: str = "none",
             route: str = "auto", dispatch_dtype: torch.dtype | None = None,
-            **kwargs) -> Explanation:
+            chunks: int | None = None, **kwargs) -> Explanation:
     """Per MoE layer of ``model`` called on ``example_inputs``: the plan the compile backend
-    ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=...)`` makes (backends,
-    the ``auto`` candidates it refused and why, the format between dispatch and combine,
-    the dispatch dtype and the bytes each rank sends per call). Runs one forward (every
+    ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=..., chunks=...)`` makes
+    (backends, the ``auto`` candidates it refused and why, the format between dispatch and
+    combine, the chunks its tokens move in and why, the dispatch dtype and the bytes each
+    rank sends per call). Runs one forward (every
     rank of an expert-parallel model must call it); prints as one block per layer.
     ``kwargs`` go to ``model`` too. Raises ValueError where the compile backend would.
     """
-    spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route)
+    spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route,
+                       chunks=chunks)
     found = Explanation()
 
     def recording(gm: fx.GraphModule, _example_inputs):
