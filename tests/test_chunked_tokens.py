@@ -3,8 +3,8 @@
 moved whole and the single-process layer, whatever the chunk count against the tokens (an
 idle rank, uneven counts, T not a multiple of the chunks, T below them, a symbolic T); its
 lowered graph issues chunk 2's dispatch before chunk 1's experts and waits for it after
-them, in the graph AOTAutograd hands the inner compiler too; and `tmo.explain` says how
-many chunks and why.
+them, so do the graph AOTAutograd hands the inner compiler and the code Inductor
+generates; and `tmo.explain` says how many chunks and why.
 
 Legend: T tokens of one rank, N tokens of all ranks, H hidden size, I expert intermediate
 size, E experts, K experts per token, M max_tokens_per_rank.
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
@@ -159,6 +160,25 @@ def _check_overlap_order(rank, world_size, a2a):
             < chunk_two_waited), forward[0].code
 
 
+def _check_inductor_keeps_the_order(rank, world_size, a2a):
+    """The code Inductor generates calls chunk 2's dispatch collectives before chunk 1's
+    experts and waits for them after: its scheduler keeps the order the lowering chose."""
+    _, sharded = _layers(world_size)
+    x_NH, mine = _tokens(rank, world_size)
+    with torch.no_grad():
+        _, codes = run_and_get_code(_compiled(sharded, a2a, 2, "inductor"), x_NH[mine])
+    code = codes[0][codes[0].index("def call("):]
+
+    def calls(text):
+        return [i for i in range(len(code)) if code.startswith(text, i)]
+
+    issues, waits = calls("_start.default("), calls("wait_tensor.default(")
+    experts = calls("experts.default(")
+    assert len(issues) == 6 and len(waits) == 6 and len(experts) == 2, code
+    assert max(issues[2:4]) < experts[0] < min(waits[2:4]), code
+    assert experts[0] < issues[4] < experts[1] < waits[4], code
+
+
 def _check_explain(rank, world_size, a2a):
     _, sharded = _layers(world_size)
     x_NH, mine = _tokens(rank, world_size)
@@ -175,6 +195,8 @@ def _run_cases(rank, world_size, a2a):
     _check_chunked_matches_whole(rank, world_size, a2a)
     _check_symbolic_token_count(rank, world_size, a2a)
     _check_overlap_order(rank, world_size, a2a)
+    if "inductor" in INNERS[world_size]:
+        _check_inductor_keeps_the_order(rank, world_size, a2a)
     _check_explain(rank, world_size, a2a)
 
 
