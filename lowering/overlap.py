@@ -14,13 +14,14 @@ combine is issued before chunk i + 1's experts and waited after them. The issue 
 ordered-effect ops (every rank issues the same collectives in the same order) and the waits
 are the functional collectives' own ``wait_tensor``, which AOTAutograd and Inductor keep where
 the graph puts it: the order holds in every inner compiler, with no Python thread and no host
-sync, and captures in a CUDA graph. The chunks' outputs stack to ``[C * M / C, H]``, cut to T.
+sync, and captures in a CUDA graph. The chunks' outputs (``[M_c, H]`` each, M_c = ceil(M / C)
+tokens of one window) stack to ``[C * M_c, H]``, cut to this rank's T.
 
 Why not Inductor's ``reorder_for_compute_comm_overlap``: it moves only the collectives it
 lowers itself (``_c10d_functional``), so it cannot see collectives inside an op; it is an
 Inductor pass (``aot_eager`` would run unordered); its choices follow runtime estimates that
-custom experts kernels do not give it; and reordering collectives by heuristics is what once
-deadlocked ranks here (`compile.MoECompileBackend`).
+custom experts kernels do not give it; and a reordering pass that moves one collective past
+another deadlocks the ranks (`compile.MoECompileBackend` turns one off for that reason).
 """
 
 from __future__ import annotations

@@ -191,7 +191,38 @@ def _check_explain(rank, world_size, a2a):
     assert training.plan.chunks == 1 and "chunks:  1 (training" in str(training), str(training)
 
 
+def _check_opcheck(rank, world_size, a2a):
+    """The chunked ops' fakes match their kernels (chunk 2 of 2: a window past an idle rank's
+    tokens and past the end of a rank's). The issuing ops are checked on their schema and
+    fake only: the other checks read their outputs, which are in flight."""
+    num_experts, chunk_tokens = 2 * world_size, 4
+    gen = torch.Generator().manual_seed(rank)
+    num_tokens = TOKENS_PER_RANK[world_size][rank]
+    hidden_TH = torch.randn(num_tokens, H, generator=gen)
+    topk_ids_TK = torch.randint(-1, num_experts, (num_tokens, K), generator=gen,
+                                dtype=torch.int32)
+    topk_weights_TK = torch.rand(num_tokens, K, generator=gen)
+    ep_args = (num_experts, world_size, dist.group.WORLD.group_name, chunk_tokens)
+    chunk = (1, 2)
+    namespace = {"all_to_all": torch.ops.moe_all_to_all, "allgather": torch.ops.moe_allgather}[a2a]
+    issued_only = ("test_schema", "test_faketensor")
+    start_args = (hidden_TH, topk_weights_TK, topk_ids_TK, *ep_args, *chunk)
+    torch.library.opcheck(namespace.dispatch_tokens_start.default, start_args,
+                          test_utils=issued_only)
+    x_NH, routing_NX = (collectives.wait(t) for t in
+                        namespace.dispatch_tokens_start.default(*start_args))
+    torch.library.opcheck(namespace.dispatch_tokens_finish.default, (routing_NX, *ep_args))
+    combine_args = (x_NH, topk_ids_TK, *ep_args, *chunk)
+    torch.library.opcheck(namespace.combine_tokens_start.default, combine_args,
+                          test_utils=issued_only)
+    returned = collectives.wait(namespace.combine_tokens_start.default(*combine_args))
+    if a2a == "all_to_all":
+        torch.library.opcheck(namespace.combine_tokens_finish.default,
+                              (returned, topk_ids_TK, *ep_args, *chunk))
+
+
 def _run_cases(rank, world_size, a2a):
+    _check_opcheck(rank, world_size, a2a)
     _check_chunked_matches_whole(rank, world_size, a2a)
     _check_symbolic_token_count(rank, world_size, a2a)
     _check_overlap_order(rank, world_size, a2a)

@@ -63,10 +63,6 @@ def check_dispatch_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, e
                           group_name, num_chunks * max_tokens_per_rank)
 
 
-def check_dispatch_start_values(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *_):
-    rows.check_dispatch_values(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts)
-
-
 def fake_dispatch_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=1,
                         group_name="", max_tokens_per_rank=0, chunk=0, num_chunks=1):
     positions = tokens.num_positions(ep_size, max_tokens_per_rank)
@@ -130,7 +126,7 @@ def fake_combine_finish(returned_NH, topk_ids_TK, num_experts, ep_size=1, group_
 
 
 _DISPATCH_START = OpContract(name="dispatch_tokens_start", schema=DISPATCH_START_SCHEMA,
-                            check=check_dispatch_start, check_values=check_dispatch_start_values,
+                            check=check_dispatch_start, check_values=rows.check_dispatch_values,
                             fake=fake_dispatch_start, ordered=True)
 _DISPATCH_FINISH = OpContract(name="dispatch_tokens_finish", schema=DISPATCH_FINISH_SCHEMA,
                              check=check_dispatch_finish, fake=fake_dispatch_finish)
