@@ -10,18 +10,21 @@ tokens, `ops.tokens_in_flight`), the a2a backend's ``dispatch_tokens_start`` (D_
     D_0 W_0 | D_1 X_0 B_0 W_1 | D_2 X_1 B_1 R_0 W_2 | ... | X_{C-1} B_{C-1} R_{C-2} | R_{C-1}
 
 chunk i + 1's dispatch is issued before chunk i's experts and waited after them, and chunk i's
-combine is issued before chunk i + 1's experts and waited after them. The issue ops are
-ordered-effect ops (every rank issues the same collectives in the same order) and the waits
-are the functional collectives' own ``wait_tensor``, which AOTAutograd and Inductor keep where
-the graph puts it: the order holds in every inner compiler, with no Python thread and no host
-sync, and captures in a CUDA graph. The chunks' outputs (``[M_c, H]`` each, M_c = ceil(M / C)
-tokens of one window) stack to ``[C * M_c, H]``, cut to this rank's T.
+combine is issued before chunk i + 1's experts and waited after them. Traced, each issue op
+becomes its packing and the functional collectives (``_c10d_functional.all_to_all_single``,
+...) and each wait the functional collectives' own ``wait_tensor``: AOTAutograd and Inductor
+keep them where the graph puts them (Inductor moves collectives only in passes that are off
+here: peak-memory reordering, for graphs that move tokens, `compile.MoECompileBackend`, and
+compute-comm reordering, by default), Inductor keeps each send buffer until its wait, and
+nothing needs a Python thread or a host sync, so the graph captures in a CUDA graph. The
+chunks' outputs (``[M_c, H]`` each, M_c = ceil(M / C) tokens of one window) stack to
+``[C * M_c, H]``, cut to this rank's T.
 
-Why not Inductor's ``reorder_for_compute_comm_overlap``: it moves only the collectives it
-lowers itself (``_c10d_functional``), so it cannot see collectives inside an op; it is an
-Inductor pass (``aot_eager`` would run unordered); its choices follow runtime estimates that
-custom experts kernels do not give it; and a reordering pass that moves one collective past
-another deadlocks the ranks (`compile.MoECompileBackend` turns one off for that reason).
+The lowering places the collectives rather than leaving them to Inductor's
+``reorder_for_compute_comm_overlap``: a transport op that issues and waits inside offers that
+pass nothing to move; the pass is Inductor's alone (``aot_eager`` would run unordered); it
+chooses by runtime estimates, which custom experts kernels do not give it; and a pass that
+moves one rank's collectives past each other differently from another's deadlocks them.
 """
 
 from __future__ import annotations

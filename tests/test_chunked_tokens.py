@@ -34,6 +34,8 @@ CHUNKS = (2, 3, 4)
 INNERS = {2: ("aot_eager", "inductor"), 3: ("aot_eager",)}
 # Calls of one graph with T marked dynamic: T >= 2 on every rank (sizes 0 and 1 specialize,
 # and a rank whose graph differs would run other collectives).
+# The functional collectives that issue the chunks' transfers.
+ISSUES = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")
 DYNAMIC_TOKENS = {2: ((5, 2), (7, 3), (2, 6)), 3: ((6, 2, 3), (3, 7, 2), (2, 4, 5))}
 
 
@@ -148,8 +150,8 @@ def _check_overlap_order(rank, world_size, a2a):
     # After functionalization: the order of issues, experts and waits holds (four dispatch
     # messages, two combine messages, in that order).
     forward_nodes = list(forward[0].graph.nodes)
-    issues = [n for n in forward_nodes if n.target is torch.ops.higher_order.with_effects
-              and "_start" in str(n.args[1])]
+    issues = sorted((n for name in ISSUES for n in _calls(forward_nodes, name)),
+                    key=forward_nodes.index)
     forward_experts = _calls(forward_nodes, "experts")
     forward_waits = [n for n in forward_nodes if n.target is collectives.wait]
     assert len(issues) == 6 and len(forward_waits) == 6, forward[0].code
@@ -172,7 +174,8 @@ def _check_inductor_keeps_the_order(rank, world_size, a2a):
     def calls(text):
         return [i for i in range(len(code)) if code.startswith(text, i)]
 
-    issues, waits = calls("_start.default("), calls("wait_tensor.default(")
+    issues = sorted(i for name in ISSUES for i in calls(f"_c10d_functional.{name}.default("))
+    waits = calls("wait_tensor.default(")
     experts = calls("experts.default(")
     assert len(issues) == 6 and len(waits) == 6 and len(experts) == 2, code
     assert max(issues[2:4]) < experts[0] < min(waits[2:4]), code

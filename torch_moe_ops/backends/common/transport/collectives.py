@@ -12,10 +12,14 @@ ordered effect: Inductor fuses the packing around it, but can neither drop it
 another collective, so every rank runs the same collectives in the same order.
 Eagerly the functional collective is called directly.
 
-The ``start_*`` variants issue the same collectives (ordered ops ``*_start`` when traced)
-and return the tensor still in flight: a tensor nothing may read until `wait` (the
-functional collectives' own ``wait_tensor``, a node of the graph) has returned it. Between
-the two, the caller's graph places compute that the transfer then overlaps.
+The ``start_*`` variants issue the same collectives and return the tensor still in flight:
+a tensor nothing may read until `wait` (the functional collectives' own ``wait_tensor``, a
+node of the graph) has returned it; between the two, the caller's graph places compute that
+the transfer then overlaps. They are the functional collectives themselves, traced or not:
+Inductor knows that a transfer reads its send buffer until its wait (``_WaitKernel``'s
+volatile reads), so it reuses no buffer a transfer still reads, which it cannot know of a
+collective inside an op of ours. Their order is the graph's: Inductor moves collectives only
+in passes that are off for graphs that move tokens (`lowering.overlap`).
 """
 
 from __future__ import annotations
@@ -105,19 +109,16 @@ def _sized(rows):
     return fake
 
 
-# name: (check, received rows of n sent by each of p ranks, kernel that issues it).
-_KINDS = {
-    "all_to_all": (_check_blocks, lambda n, p: n, _start_all_to_all),
-    "all_gather": (lambda *args: _check_blocks(*args, divides=False), lambda n, p: n * p,
-                   _start_all_gather),
-    "reduce_scatter": (_check_blocks, lambda n, p: n // p, _start_reduce_scatter),
-}
-# Each collective waited (``all_to_all``, ...) and in flight (``all_to_all_start``, ...).
 _CONTRACTS = {
-    name + suffix: (OpContract(name=name + suffix, schema=_SCHEMA, check=check,
-                               fake=_sized(rows), ordered=True),
-                    _waited(start) if not suffix else start)
-    for name, (check, rows, start) in _KINDS.items() for suffix in ("", "_start")
+    contract.name: (contract, _waited(start)) for contract, start in (
+        (OpContract(name="all_to_all", schema=_SCHEMA, check=_check_blocks,
+                    fake=_sized(lambda n, p: n), ordered=True), _start_all_to_all),
+        (OpContract(name="all_gather", schema=_SCHEMA,
+                    check=lambda *args: _check_blocks(*args, divides=False),
+                    fake=_sized(lambda n, p: n * p), ordered=True), _start_all_gather),
+        (OpContract(name="reduce_scatter", schema=_SCHEMA, check=_check_blocks,
+                    fake=_sized(lambda n, p: n // p), ordered=True), _start_reduce_scatter),
+    )
 }
 for _contract, _kernel in _CONTRACTS.values():
     define(NAMESPACE, _contract)
@@ -148,18 +149,21 @@ def reduce_scatter(full_NX: torch.Tensor, group_name: str, ep_size: int) -> torc
 
 def start_all_to_all(send_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
     """`all_to_all`, in flight: read it only through `wait`."""
-    return _collective("all_to_all_start", send_NX, group_name, ep_size)
+    _check_blocks(send_NX, group_name, ep_size)
+    return _start_all_to_all(send_NX, group_name, ep_size)
 
 
 def start_all_gather(local_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
     """`all_gather`, in flight: read it only through `wait`."""
-    return _collective("all_gather_start", local_NX, group_name, ep_size)
+    _check_blocks(local_NX, group_name, ep_size, divides=False)
+    return _start_all_gather(local_NX, group_name, ep_size)
 
 
 def start_reduce_scatter(full_NX: torch.Tensor, group_name: str, ep_size: int
                          ) -> torch.Tensor:
     """`reduce_scatter`, in flight: read it only through `wait`."""
-    return _collective("reduce_scatter_start", full_NX, group_name, ep_size)
+    _check_blocks(full_NX, group_name, ep_size)
+    return _start_reduce_scatter(full_NX, group_name, ep_size)
 
 
 # The wait of every ``start_*``: it returns its input, arrived. Inductor and AOTAutograd know
@@ -215,9 +219,18 @@ def trace_into_graphs(namespace: str, kernels: dict) -> None:
                                       if name not in _DISPATCHES}, _sizes_fixed)
 
 
+# The chunked ops that cut their chunk's window out of the layer's tokens.
+_WINDOWED = ("dispatch_tokens_start", "combine_tokens_finish")
+
+
 def trace_in_flight_into_graphs(namespace: str, kernels: dict, contracts: dict) -> None:
     """`trace_into_graphs` for an a2a backend's chunked ops (`ops.tokens_in_flight`, their
-    ``contracts`` by name), where every size is fixed: a chunk's window of a symbolic token
-    count would specialize it, so that call stays one node."""
-    decompose_backend_ops(namespace, {name: traced(kernel) for name, kernel in kernels.items()},
-                          _all_sizes_fixed, contracts)
+    ``contracts`` by name). One that cuts a window out of the tokens is traced where every
+    size is fixed (a window of a symbolic token count would specialize it: that call stays
+    one node, its transfer's send buffer its own); the others where their first input's are
+    (``combine_tokens_start``'s rows, whose buffer Inductor then keeps until the wait)."""
+    for windowed in (True, False):
+        decompose_backend_ops(
+            namespace, {name: traced(kernel) for name, kernel in kernels.items()
+                        if (name in _WINDOWED) == windowed},
+            _all_sizes_fixed if windowed else _sizes_fixed, contracts)
