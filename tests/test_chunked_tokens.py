@@ -238,3 +238,20 @@ def _run_cases(rank, world_size, a2a):
 @pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])
 def test_chunked_layer_matches_whole_and_overlaps(a2a, world_size):
     run_on_ranks(world_size, _run_cases, a2a)
+
+
+@pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])
+@pytest.mark.parametrize("tokens, chunk, match", [
+    (9, 1, "max_tokens_per_rank"),   # 9 tokens do not fit 2 windows of 4
+    (5, 2, "chunk must be in"),
+    (5, -1, "chunk must be in"),
+])
+def test_chunked_ops_name_what_is_wrong(a2a, tokens, chunk, match):
+    namespace = {"all_to_all": torch.ops.moe_all_to_all, "allgather": torch.ops.moe_allgather}[a2a]
+    ids_TK = torch.zeros(tokens, K, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        namespace.dispatch_tokens_start(torch.randn(tokens, H), torch.ones(tokens, K), ids_TK, 4,
+                                        2, "group", 4, chunk, 2)
+    with pytest.raises(ValueError, match=match.replace("max_tokens_per_rank",
+                                                       "num_chunks \\* max_tokens_per_rank")):
+        namespace.combine_tokens_start(torch.randn(8, H), ids_TK, 4, 2, "group", 4, chunk, 2)

@@ -74,7 +74,7 @@ def fake_dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size=
             hidden_TH.new_empty((positions, top_k), dtype=torch.int32))
 
 
-def _check_experts_split(num_experts, ep_size) -> None:
+def check_experts_split(num_experts, ep_size) -> None:
     if num_experts <= 0 or num_experts % ep_size:
         raise ValueError(f"num_experts must be > 0 and divisible by ep_size ({ep_size}), got "
                          f"{num_experts}")
@@ -85,7 +85,7 @@ def check_combine(y_NH, topk_ids_TK, num_experts, ep_size=1, group_name="",
     checks.check_tensor(name, y_NH, 2, checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids_TK, 2, checks.INDEX_DTYPES)
     rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
-    _check_experts_split(num_experts, ep_size)
+    check_experts_split(num_experts, ep_size)
     checks.check_size(name, y_NH, 0, num_positions(ep_size, max_tokens_per_rank),
                       "ep_size * max_tokens_per_rank (N)")
     checks.check_same_device(name, y_NH, topk_ids=topk_ids_TK)
@@ -116,7 +116,7 @@ def check_combine_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size=1, gro
     checks.check_tensor("grad_out", grad_out_TH, 2, checks.FLOAT_DTYPES)
     checks.check_tensor("topk_ids", topk_ids_TK, 2, checks.INDEX_DTYPES)
     rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
-    _check_experts_split(num_experts, ep_size)
+    check_experts_split(num_experts, ep_size)
     checks.check_size("grad_out", grad_out_TH, 0, topk_ids_TK.shape[0], "topk_ids.shape[0] (T)")
     checks.check_same_device("grad_out", grad_out_TH, topk_ids=topk_ids_TK)
 

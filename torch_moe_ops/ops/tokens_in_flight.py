@@ -74,9 +74,7 @@ def check_dispatch_finish(routing_NX, num_experts, ep_size=1, group_name="",
                           max_tokens_per_rank=0) -> None:
     checks.check_tensor("routing_tokens", routing_NX, 2, (torch.int32,))
     rows.check_ep_args(ep_size, group_name, max_tokens_per_rank)
-    if num_experts <= 0 or num_experts % ep_size:
-        raise ValueError(f"num_experts must be > 0 and divisible by ep_size ({ep_size}), got "
-                         f"{num_experts}")
+    tokens.check_experts_split(num_experts, ep_size)
     checks.check_size("routing_tokens", routing_NX, 0,
                       tokens.num_positions(ep_size, max_tokens_per_rank),
                       "ep_size * max_tokens_per_rank (N)")
