@@ -20,13 +20,14 @@ from torch_moe_ops.lowering.plan import LayerPlan
 from torch_moe_ops.lowering.rewrite import generic_op, layer_plans, lower
 
 
-def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype
-                   ) -> tuple[int, int]:
+def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype,
+                   chunks: int = 1) -> tuple[int, int]:
     """``(dispatch, combine)`` bytes one rank sends its peers per call, at the layer's
     static sizes (every position is sent, filled or not: the splits are static).
 
     tokens: M rows of H, with K ids and weights (8 bytes each), to each peer, and M rows
-    back; rows: C rows of H with an id and a weight to each peer, C rows back.
+    back (in ``chunks`` chunks: ``chunks * ceil(M / chunks)``); rows: C rows of H with an id
+    and a weight to each peer, C rows back.
     """
     if fmt is None or not problem.ep_size or problem.ep_size < 2:
         return 0, 0
@@ -34,7 +35,7 @@ def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtyp
     row_out = hidden * dispatch_dtype.itemsize
     row_back = hidden * problem.dtype.itemsize
     if fmt == "tokens":
-        rows = problem.max_tokens_per_rank
+        rows = chunks * -(-problem.max_tokens_per_rank // chunks)
         return peers * rows * (row_out + 8 * problem.top_k), peers * rows * row_back
     return peers * problem.capacity * (row_out + 8), peers * problem.capacity * row_back
 
@@ -62,7 +63,7 @@ class LayerReport:
         lines.append(f"  experts: {plan.experts.name}" + _refused(plan))
         lines.append(f"  a2a:     {plan.a2a.name}")
         if plan.format is not None:
-            sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype)
+            sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype, plan.chunks)
             lines += [f"  format:  {plan.format} ({plan.format_reason})",
                       f"  chunks:  {plan.chunks} ({plan.chunks_reason})",
                       f"  dispatch dtype: {self.dispatch_dtype} ({self.dispatch_rule})",

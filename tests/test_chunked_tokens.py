@@ -190,6 +190,10 @@ def _check_explain(rank, world_size, a2a):
         (auto,) = tmo.explain(sharded, x_NH[mine], a2a=a2a)
     (training,) = tmo.explain(sharded, x_NH[mine], a2a=a2a, chunks=3)
     assert asked.plan.chunks == 3 and "chunks:  3 (chunks=3 asked)" in str(asked), str(asked)
+    # 3 windows of 3 positions for M = 7: fp32 rows of H with K ids and weights, rows back.
+    peers, positions = world_size - 1, 3 * 3
+    assert (f"dispatch {peers * positions * (4 * H + 8 * K):,}, "
+            f"combine {peers * positions * 4 * H:,}") in str(asked), str(asked)
     assert auto.plan.chunks == 1 and f"max_tokens_per_rank ({MAX_TOKENS}) < 1024" in str(auto)
     assert training.plan.chunks == 1 and "chunks:  1 (training" in str(training), str(training)
 
