@@ -14,7 +14,9 @@ dispatch and combine). A layer whose plan takes the tokens format is lowered who
 ``dispatch_tokens``, the experts backend's ``experts`` (``experts_quant`` for a quantized
 layer whose rows would travel unquantized) on the receive buffers (tokens with local expert
 ids, `torch_moe_ops.ops.tokens`) and the a2a backend's ``combine_tokens``: no rows, no copy
-into them, and every op in the graph by name.
+into them, and every op in the graph by name. A layer whose plan takes chunks
+(`plan.choose_chunks`) becomes its chunks' ops instead, ordered so that transfers run under
+expert compute (`overlap.lower_in_chunks`).
 """
 
 from __future__ import annotations
