@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --smoke  # CPU, gloo, tiny
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --a2a all_to_all \
+        --experts 256 --chunks 2,4                   # the layer whole and in 2 and 4 chunks
     torchrun --nproc-per-node 1 benchmarks/bench_ep.py --out DIR --one-rank  # one GPU
 
 Legend: P ranks, T tokens per rank (M = max_tokens_per_rank = T here), H hidden
