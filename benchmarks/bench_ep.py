@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --smoke  # CPU, gloo, tiny
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --a2a all_to_all \
+        --experts 256 --chunks 2,4                   # the layer whole and in 2 and 4 chunks
     torchrun --nproc-per-node 1 benchmarks/bench_ep.py --out DIR --one-rank  # one GPU
 
 Legend: P ranks, T tokens per rank (M = max_tokens_per_rank = T here), H hidden
@@ -48,7 +50,10 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    without CUDA graphs, captured by hand), against the local experts alone
    (``moe::experts_rows`` on E_l experts and the rows an all_to_all dispatch of
    uniformly random routing delivers, captured) plus the raw transport of the
-   backend's collectives.
+   backend's collectives. The layer moves whole (``chunks=1``); beside it, each chunk count
+   of ``--chunks`` that the plan takes for the layer (``auto``: the plan's own choice) gives a
+   row of the layer whose tokens move in chunks, transfers issued and waited around
+   another chunk's experts (`lowering.overlap`), against the same sum.
 
 Bytes one rank sends its peers (GB/s = those bytes / time):
     all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
@@ -61,7 +66,8 @@ Bytes one rank sends its peers (GB/s = those bytes / time):
     raw ag+rs   2 * (P-1) * M * H * b
 
 Targets: all_to_all dispatch + combine within 1.2x raw NCCL on the same bytes;
-layer step <= 1.3x (local experts + raw transport).
+layer step <= 1.3x (local experts + raw transport); the chunked layer at T=4096 <= 0.95x of
+that sum (transfers hidden under expert compute).
 
 ``--one-rank`` (one process, one GPU): only the ``flashinfer`` transport cases, at P = 1,
 where every token stays on its GPU: what the backend adds to FlashInfer's own round trip
@@ -132,6 +138,8 @@ TARGET_FLASHINFER = 1.05
 # The deepep backend against DeepEP's own round trip (peer_deepep).
 TARGET_DEEPEP = 1.15
 TARGET_LAYER = 1.1
+# The layer moved in chunks, against the same sum: part of the transport hidden.
+TARGET_OVERLAP = 0.95
 DTYPE_BYTES = 2
 
 
@@ -724,9 +732,11 @@ def time_local_experts(run: Run, sizes: Sizes, moe: tmo.MoE, tokens: int) -> dic
     return {"local_us": seconds * 1e6, "rows": x_RH.shape[0], "real_rows": int(count_E.sum())}
 
 
-def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int) -> dict:
-    """The compiled layer's forward: CUDA graphs of ``reduce-overhead`` timed per call,
-    else Inductor without them captured by hand; checked once against eager."""
+def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
+               chunks: int | None) -> dict:
+    """The compiled layer's forward, its tokens in ``chunks`` (`tmo.backend`): CUDA graphs of
+    ``reduce-overhead`` timed per call, else Inductor without them captured by hand; checked
+    once against eager."""
     gen = torch.Generator(run.device).manual_seed(3000 + run.rank)
     x_TH = torch.randn(tokens, sizes.hidden, generator=gen, device=run.device).to(run.dtype)
     counters = torch._dynamo.utils.counters
@@ -738,7 +748,8 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int) -> d
         for how, options in attempts:
             torch._dynamo.reset()
             counters.clear()
-            compiled = torch.compile(moe, backend=tmo.backend(a2a=a2a, **options),
+            compiled = torch.compile(moe, backend=tmo.backend(a2a=a2a, chunks=chunks,
+                                                              **options),
                                      fullgraph=True, dynamic=False)
             begin = time.monotonic()
             try:
@@ -770,7 +781,18 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int) -> d
     return row
 
 
-def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) -> None:
+def planned_chunks(run: Run, cfg: tmo.MoEConfig, a2a: str, asked: list[int | None]
+                   ) -> list[int]:
+    """The chunk counts > 1 the plan takes for an inference layer of ``cfg`` for each of
+    ``asked`` (None: its own choice), each once."""
+    problem = dataclasses.replace(Problem.from_config(cfg, run.dtype), training=False)
+    taken = [plan_layer(tmo.BackendSpec(a2a=a2a, chunks=chunks), problem, run.device).chunks
+             for chunks in asked]
+    return sorted({chunks for chunks in taken if chunks > 1})
+
+
+def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
+                asked_chunks: list[int | None]) -> None:
     rows, raw = results.layers, results.raw
     for tokens in sizes.layer_tokens:
         if not run.within_budget(f"layer T={tokens}"):
@@ -787,9 +809,6 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
                 continue
             fmt = plan_layer(tmo.BackendSpec(a2a=a2a), dataclasses.replace(
                 Problem.from_config(cfg, run.dtype), training=False), run.device).format
-            row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens, "format": fmt,
-                   "capacity": cfg.rows_per_rank if fmt == "rows" else tokens, **local,
-                   **time_layer(run, sizes, moe, a2a, tokens)}
             # The engine's own round trip of what the plan's format moves.
             deepep_mode = ("low_latency" if low_latency_runs(run, sizes, cfg.num_experts, tokens)
                            else "normal")
@@ -799,15 +818,23 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results) 
                 a2a, ("a2a", tokens if fmt == "tokens" else cfg.rows_per_rank))
             if fmt == "masked":
                 key = ("deepep", cfg.num_experts, tokens, "low_latency")
-            if key in raw:
-                row["raw_us"] = raw[key]["total_us"]
-            if "layer_us" in row and "raw_us" in row:
-                row["vs_local_plus_raw"] = row["layer_us"] / (row["local_us"] + row["raw_us"])
-            rows.append(row)
-            results.save(run, sizes)
-            run.log(layer_line(row))
-            release_communicators(a2a)
-            run.release()
+            for chunks in [1, *planned_chunks(run, cfg, a2a, asked_chunks)]:
+                if chunks > 1 and not run.within_budget(f"layer {a2a} T={tokens} x{chunks}"):
+                    continue
+                row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens, "format": fmt,
+                       "capacity": cfg.rows_per_rank if fmt == "rows" else tokens,
+                       "chunks": chunks, **local,
+                       **time_layer(run, sizes, moe, a2a, tokens, chunks)}
+                if key in raw:
+                    row["raw_us"] = raw[key]["total_us"]
+                if "layer_us" in row and "raw_us" in row:
+                    row["vs_local_plus_raw"] = row["layer_us"] / (row["local_us"]
+                                                                  + row["raw_us"])
+                rows.append(row)
+                results.save(run, sizes)
+                run.log(layer_line(row))
+                release_communicators(a2a)
+                run.release()
         del moe
         run.release()
 
@@ -827,7 +854,8 @@ def transport_line(row: dict) -> str:
 
 
 def layer_line(row: dict) -> str:
-    return (f"layer {row['a2a']} T={row['tokens']} ({row.get('how', 'failed')}): "
+    return (f"layer {row['a2a']} T={row['tokens']} x{row['chunks']} "
+            f"({row.get('how', 'failed')}): "
             f"{_fmt(row.get('layer_us'))} us, local experts {row['local_us']:.1f} us, "
             f"raw {_fmt(row.get('raw_us'))} us, {_fmt(row.get('vs_local_plus_raw'), '.2f')}x")
 
@@ -876,14 +904,15 @@ def raw_table(raw: dict) -> str:
 
 
 def layer_table(rows: list[dict]) -> str:
-    lines = [(f"| a2a | format | experts | T/rank | C | how | compile s | layer us | "
+    lines = [(f"| a2a | format | experts | T/rank | C | chunks | how | compile s | layer us | "
               f"local experts us (real rows) | raw transport us | layer / (local + raw) (target <= "
-              f"{TARGET_LAYER}) | rel err vs eager | errors |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"{TARGET_LAYER}; in chunks at T=4096 <= {TARGET_OVERLAP}) | rel err vs eager | "
+              f"errors |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['a2a']} | {r.get('format')} | {r['experts_backend']} | {r['tokens']} | "
-            f"{r['capacity']} | "
+            f"{r['capacity']} | {r['chunks']} | "
             f"{r.get('how', 'failed')} | {_fmt(r.get('compile_s'))} | "
             f"{_fmt(r.get('layer_us'))} | {r['local_us']:.1f} ({r['real_rows']}) | "
             f"{_fmt(r.get('raw_us'))} | {_fmt(r.get('vs_local_plus_raw'), '.2f')} | "
@@ -909,15 +938,15 @@ def short_table(transport: list[dict], layers: list[dict]) -> str:
         lines.append(f"{case:44} {r['total_us']:9.1f} {_fmt(r['gb_per_s']):>7} "
                      f"{_fmt(r.get('vs_raw'), '.2f'):>8}")
     for r in layers:
-        case = f"layer {r['a2a']} T={r['tokens']} ({r.get('how', 'failed')})"
+        case = f"layer {r['a2a']} T={r['tokens']} x{r['chunks']} ({r.get('how', 'failed')})"
         lines.append(f"{case:44} {_fmt(r.get('layer_us')):>9} {'':>7} "
                      f"{_fmt(r.get('vs_local_plus_raw'), '.2f'):>8}")
     lines.append(f"vs base: transport / raw NCCL same bytes (all_to_all target <= "
                  f"{TARGET_TRANSPORT}); flashinfer / MoeAlltoAll's own round trip, same "
                  f"payloads (tokens target <= {TARGET_FLASHINFER}); deepep masked / DeepEP's "
                  f"own low-latency round trip (target <= {TARGET_DEEPEP_LOW_LATENCY}); "
-                 f"layer / (local experts + "
-                 f"raw transport) (target <= {TARGET_LAYER})")
+                 f"layer / (local experts + raw transport) (target <= {TARGET_LAYER}; xC: "
+                 f"tokens in C chunks, target at T=4096 <= {TARGET_OVERLAP})")
     return "\n".join(lines)
 
 
@@ -945,7 +974,8 @@ def write_results(run: Run, sizes: Sizes, transport: list, raw: dict, layers: li
         json.dump({"meta": info, "formulas": FORMULAS,
                    "targets": {"all_to_all_vs_raw": TARGET_TRANSPORT,
                                "flashinfer_tokens_vs_moe_alltoall": TARGET_FLASHINFER,
-                               "layer_vs_local_plus_raw": TARGET_LAYER},
+                               "layer_vs_local_plus_raw": TARGET_LAYER,
+                               "chunked_layer_vs_local_plus_raw_at_4096": TARGET_OVERLAP},
                    "transport": transport, "raw": list(raw.values()), "layer": layers,
                    "skipped": run.skipped}, f, indent=1)
     header = (f"{info['device']}, {info['date']}, torch {info['torch']}, "
@@ -983,6 +1013,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated expert counts of the transport phase "
                              "(default: 64,256; smoke: 8)")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer phase")
+    parser.add_argument("--chunks", default="auto",
+                        help="comma-separated chunk counts of the layer rows moved in chunks, "
+                             "beside the whole layer's ('auto': the plan's own choice; '': "
+                             "none)")
     parser.add_argument("--tokens-only", action="store_true",
                         help="time only the tokens format of the backends that have it")
     parser.add_argument("--timeout-s", type=float, default=240,
@@ -993,6 +1027,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="one process on one GPU: the flashinfer transport cases at P=1 "
                              "(the backend's cost over FlashInfer's round trip), no layer")
     return parser.parse_args(argv)
+
+
+def chunk_counts(text: str) -> list[int | None]:
+    """``--chunks``: each count, None for ``auto``; a clear error for anything else."""
+    counts = []
+    for word in filter(None, text.split(",")):
+        if word != "auto" and not (word.isdigit() and int(word) >= 1):
+            sys.exit(f"--chunks takes comma-separated positive ints or 'auto', got {text!r}")
+        counts.append(None if word == "auto" else int(word))
+    return counts
 
 
 def check_launch(args: argparse.Namespace) -> None:
@@ -1035,7 +1079,7 @@ def main(argv=None) -> None:
         results = Results()
         transport_phase(run, sizes, a2a_names, results)
         if not (args.no_layer or args.one_rank):
-            layer_phase(run, sizes, a2a_names, results)
+            layer_phase(run, sizes, a2a_names, results, chunk_counts(args.chunks))
         summary = results.save(run, sizes)
         if run.rank == 0:
             print("\n" + summary, flush=True)

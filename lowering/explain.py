@@ -20,15 +20,16 @@ from torch_moe_ops.lowering.plan import LayerPlan
 from torch_moe_ops.lowering.rewrite import generic_op, layer_plans, lower
 
 
-def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype
-                   ) -> tuple[int, int]:
+def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype,
+                   chunks: int = 1) -> tuple[int, int]:
     """``(dispatch, combine)`` bytes one rank sends its peers per call, at the layer's
     static sizes (every position is sent, filled or not: the splits are static).
 
     tokens: M rows of H, with K ids and weights (8 bytes each), to each peer, and M rows
-    back; rows: C rows of H with an id and a weight to each peer, C rows back; masked: one
-    message of H per (token, slot) to its expert's rank and one back, at most M * K (the
-    transport sends the messages there are, not static blocks; the bound counts them all).
+    back (in ``chunks`` chunks: ``chunks * ceil(M / chunks)``); rows: C rows of H with an id
+    and a weight to each peer, C rows back; masked: one message of H per (token, slot) to its
+    expert's rank and one back, at most M * K (the transport sends the messages there are,
+    not static blocks; the bound counts them all).
     """
     if fmt is None or not problem.ep_size or problem.ep_size < 2:
         return 0, 0
@@ -39,7 +40,7 @@ def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtyp
         messages = problem.max_tokens_per_rank * problem.top_k
         return messages * row_out, messages * row_back
     if fmt == "tokens":
-        rows = problem.max_tokens_per_rank
+        rows = chunks * -(-problem.max_tokens_per_rank // chunks)
         return peers * rows * (row_out + 8 * problem.top_k), peers * rows * row_back
     return peers * problem.capacity * (row_out + 8), peers * problem.capacity * row_back
 
@@ -67,8 +68,9 @@ class LayerReport:
         lines.append(f"  experts: {plan.experts.name}" + _refused(plan))
         lines.append(f"  a2a:     {plan.a2a.name}")
         if plan.format is not None:
-            sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype)
+            sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype, plan.chunks)
             lines += [f"  format:  {plan.format} ({plan.format_reason})",
+                      f"  chunks:  {plan.chunks} ({plan.chunks_reason})",
                       f"  dispatch dtype: {self.dispatch_dtype} ({self.dispatch_rule})",
                       f"  bytes each rank sends per call: dispatch {sent:,}, combine {back:,}"]
         return "\n".join(lines)
@@ -115,15 +117,17 @@ def _reports(gm: fx.GraphModule, spec: BackendSpec) -> list[LayerReport]:
 
 def explain(model: torch.nn.Module, *example_inputs, experts: str = "auto", a2a: str = "none",
             route: str = "auto", dispatch_dtype: torch.dtype | None = None,
-            **kwargs) -> Explanation:
+            chunks: int | None = None, **kwargs) -> Explanation:
     """Per MoE layer of ``model`` called on ``example_inputs``: the plan the compile backend
-    ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=...)`` makes (backends,
-    the ``auto`` candidates it refused and why, the format between dispatch and combine,
-    the dispatch dtype and the bytes each rank sends per call). Runs one forward (every
+    ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=..., chunks=...)`` makes
+    (backends, the ``auto`` candidates it refused and why, the format between dispatch and
+    combine, the chunks its tokens move in and why, the dispatch dtype and the bytes each
+    rank sends per call). Runs one forward (every
     rank of an expert-parallel model must call it); prints as one block per layer.
     ``kwargs`` go to ``model`` too. Raises ValueError where the compile backend would.
     """
-    spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route)
+    spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route,
+                       chunks=chunks)
     found = Explanation()
 
     def recording(gm: fx.GraphModule, _example_inputs):

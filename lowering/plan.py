@@ -39,7 +39,8 @@ class LayerPlan:
 
     ``route`` is set for a routing op's plan, ``experts`` and ``a2a`` for the ops that carry
     activations; ``format`` is the format between dispatch and combine (`registry.FORMATS`,
-    None on one device) and ``format_reason`` why it was taken; ``refused`` lists each
+    None on one device) and ``format_reason`` why it was taken; ``chunks`` the chunks its
+    tokens move in (`choose_chunks`) and ``chunks_reason`` why; ``refused`` lists each
     ``(kind, name, reason)`` of the ``"auto"`` candidates that could not run the layer.
     """
 
@@ -51,6 +52,8 @@ class LayerPlan:
     format: str | None = None
     format_reason: str = ""
     refused: tuple[tuple[str, str, str], ...] = ()
+    chunks: int = 1
+    chunks_reason: str = ""
 
     def namespace_for(self, op_name: str) -> str:
         """The namespace whose op runs ``moe::<op_name>`` in this layer."""
@@ -125,6 +128,56 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
                      f"format for this layer: " + "; ".join(skipped))
 
 
+# From this many tokens per rank (prefill), a chunk's transfer is long enough for another
+# chunk's experts to hide it; below, each chunk's collectives would add their latency.
+CHUNKING_TOKENS = 1024
+# Two chunks up to this many tokens per rank, four from it: chunks of 512 tokens or more.
+FOUR_CHUNKS_TOKENS = 4096
+# Each chunk's experts read every local expert's weights again: fewer chunks where a chunk
+# would give an expert fewer rows than this on average, below which a bf16 expert GEMM is
+# bound by its weights' bytes on an H100 or H200 (about 165 FLOP per byte), so that the
+# re-reads would cost more than the transfers they hide.
+COMPUTE_BOUND_ROWS = 256
+
+
+def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str | None
+                  ) -> tuple[int, str]:
+    """``(chunks, why)``: how many chunks a layer's tokens move in (`ops.tokens_in_flight`),
+    chunk i + 1's dispatch in flight while chunk i's experts run and chunk i's combine while
+    chunk i + 1's do. ``spec.chunks`` asks for a number (at most ``max_tokens_per_rank``);
+    ``None`` chunks an inference layer at prefill sizes (`CHUNKING_TOKENS`) where each chunk
+    still keeps its experts' GEMMs bound by compute (`COMPUTE_BOUND_ROWS`)."""
+    if spec.chunks == 1:
+        return 1, "chunks=1 asked"
+    if fmt != "tokens":
+        return 1, f"the {fmt} format moves whole (chunks move the tokens format)"
+    if not a2a.overlaps:
+        return 1, (f"{a2a.name} issues and waits each transfer inside one op: no compute can "
+                   "run under it")
+    if problem.training:
+        return 1, "training: chunked transfers carry no gradient"
+    max_tokens = problem.max_tokens_per_rank
+    if spec.chunks is not None:
+        chunks = min(spec.chunks, max_tokens)
+        return chunks, f"chunks={spec.chunks} asked" + (
+            f", at most max_tokens_per_rank ({max_tokens})" if chunks < spec.chunks else "")
+    if max_tokens < CHUNKING_TOKENS:
+        return 1, (f"max_tokens_per_rank ({max_tokens}) < {CHUNKING_TOKENS}: transfers this "
+                   "small are latency, which more collectives would add to")
+    chunks = 2 if max_tokens < FOUR_CHUNKS_TOKENS else 4
+    # Rows an expert gets from one chunk on average: P * (M / chunks) * K / E.
+    rows = problem.ep_size * max_tokens * problem.top_k / problem.num_experts
+    while chunks > 1 and rows / chunks < COMPUTE_BOUND_ROWS:
+        chunks //= 2
+    if chunks == 1:
+        return 1, (f"an expert would get {rows / 2:.0f} rows per chunk on average, fewer than "
+                   f"{COMPUTE_BOUND_ROWS}: each chunk would read the experts' weights again, "
+                   "which would cost more than the transfers hidden")
+    return chunks, (f"max_tokens_per_rank ({max_tokens}) >= {CHUNKING_TOKENS}: {chunks} chunks "
+                    f"of {-(-max_tokens // chunks)} tokens, each chunk's transfers under another "
+                    f"chunk's experts ({a2a.name}'s collectives are issued and waited apart)")
+
+
 def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
                routing: bool = False) -> LayerPlan:
     """The plan of one layer (``routing``: of its routing op alone). Raises ValueError for an
@@ -137,10 +190,13 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
     experts = REGISTRY.choose_experts(spec, problem, device)
     refused = _refusals("experts", REGISTRY.experts, spec, problem, device, experts.name)
     a2a = REGISTRY.choose_a2a(spec, problem, device)
-    fmt, why = choose_format(a2a, experts, problem) if (problem.ep_size or 1) > 1 else (None, "")
+    if (problem.ep_size or 1) < 2:
+        return LayerPlan(device, problem, experts=experts, a2a=a2a, refused=tuple(refused))
+    fmt, why = choose_format(a2a, experts, problem)
     trainer = a2a.namespace_of(fmt, bool(problem.training))
     if trainer != a2a.namespace:
         why += (f"; it trains through {trainer}'s ops, which copy the receive buffers out of "
                 f"the transport's memory for the gradient")
+    chunks, chunks_reason = choose_chunks(spec, a2a, problem, fmt)
     return LayerPlan(device, problem, experts=experts, a2a=a2a, format=fmt, format_reason=why,
-                     refused=tuple(refused))
+                     refused=tuple(refused), chunks=chunks, chunks_reason=chunks_reason)

@@ -19,7 +19,9 @@ masked format is lowered the same way, to ``dispatch_masked``, the experts backe
 ``experts_masked`` on the per-expert blocks as they arrived, and ``combine_masked``, which
 takes the routing weights (`torch_moe_ops.ops.masked`); a quantized one to
 ``experts_masked_quant``, after ``dispatch_masked_quant`` where its blocks travel in fp8
-(their scales handed to the experts, which return the activation dtype).
+(their scales handed to the experts, which return the activation dtype). A tokens layer
+whose plan takes chunks (`plan.choose_chunks`) becomes its chunks' ops instead, ordered so
+that transfers run under expert compute (`overlap.lower_in_chunks`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from torch_moe_ops.backends.registry import (
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.lowering.graph_values import fake_value, meta_key
+from torch_moe_ops.lowering.overlap import lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, experts_op, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import defines, full_args, op_overload
@@ -63,21 +67,10 @@ def _op_name(target: object) -> tuple[str, str] | None:
     return namespace, name.split(".")[0]
 
 
-def _value(arg: object) -> object:
-    if isinstance(arg, fx.Node):
-        return arg.meta.get("val", arg.meta.get("example_value"))
-    return arg
-
-
-def _meta_key(node: fx.Node) -> str:
-    """Where ``node`` keeps its fake value (`_value`): Dynamo and make_fx differ."""
-    return "val" if "val" in node.meta else "example_value"
-
-
 def _example_args(node: fx.Node) -> tuple:
     """The node's arguments in schema order, tensors as their fake values."""
-    args = tuple(_value(a) for a in node.args)
-    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+    args = tuple(fake_value(a) for a in node.args)
+    kwargs = {k: fake_value(v) for k, v in node.kwargs.items()}
     if not isinstance(args[0], torch.Tensor):
         raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
                         "tensor metadata (was the graph traced by Dynamo?)")
@@ -110,7 +103,7 @@ def layer_problems(gm: fx.GraphModule) -> dict[fx.Node, Problem]:
         if name is None:
             continue
         problems[node] = problem_of(name, _example_args(node))
-        output = _value(node)
+        output = fake_value(node)
         if name in EXPERTS_OPS and isinstance(output, torch.Tensor) and output.requires_grad:
             problems[node] = dataclasses.replace(problems[node], training=True)
         layer_of[node] = node
@@ -150,7 +143,7 @@ def layer_plans(gm: fx.GraphModule, spec: BackendSpec) -> dict[fx.Node, LayerPla
     shared by its nodes."""
     plans, nodes = {}, {}
     for node, problem in layer_problems(gm).items():
-        device = _value(node.args[0]).device
+        device = fake_value(node.args[0]).device
         routing = generic_op(node) not in ACTIVATION_OPS
         key = (problem, device, routing)
         if key not in plans:
@@ -225,9 +218,9 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
     """``node`` calls ``op`` on ``args``, its fake value recomputed in the graph's fake mode."""
     node.target, node.args, node.kwargs = op, args, {}
-    values = [_value(a) for a in args]
+    values = [fake_value(a) for a in args]
     with values[0].fake_mode:
-        node.meta[_meta_key(node)] = op(*values)
+        node.meta[meta_key(node)] = op(*values)
 
 
 def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
@@ -262,35 +255,41 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, quant, sides)
         fp8 = chosen.dtype != plan.problem.dtype
         quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()
+        dispatch.meta["moe_dispatch_dtype"] = chosen
+        lowered |= {dispatch, experts, combine}
+        # The experts' arguments after the format's inputs: the weights, the activation.
+        weight_args = tuple(_schema_args(experts)[3:] if quant is None
+                            else _schema_args(experts)[4:-1])
+        format_experts = op_overload(plan.experts.namespace,
+                                     experts_op(plan.format, quant is not None))
+        if plan.chunks > 1:
+            lower_in_chunks(gm, (dispatch, experts, combine),
+                            (hidden, topk_weights, topk_ids, num_experts, *ep_args),
+                            namespace, format_experts, weight_args, plan.chunks)
+            continue
         # The dispatch node becomes the format's dispatch; its outputs, new getitems.
         _retarget(dispatch, op_overload(namespace, quant_dispatch if fp8 else dispatch_op),
                   (hidden, topk_weights, topk_ids, num_experts, *quant_args, *ep_args))
-        dispatch.meta["moe_dispatch_dtype"] = chosen
         with gm.graph.inserting_after(dispatch):
             sent = [gm.graph.call_function(operator.getitem, (dispatch, i))
-                    for i in range(len(_value(dispatch)))]
-        for item, value in zip(sent, _value(dispatch)):
-            item.meta[_meta_key(dispatch)] = value
+                    for i in range(len(fake_value(dispatch)))]
+        for item, value in zip(sent, fake_value(dispatch)):
+            item.meta[meta_key(dispatch)] = value
         experts_inputs, combine_inputs = _CHAINS[plan.format](sent, topk_weights, topk_ids)
-        if quant is None:
-            experts_args = (*experts_inputs, *_schema_args(experts)[3:])
-        elif plan.format == "masked":
+        if quant is not None and plan.format == "masked":
             # experts_masked_quant(x, x_scale, count, weights..., out_dtype): the scales
             # come last from a quantized dispatch.
             x_masked, count = experts_inputs
-            experts_args = (x_masked, sent[-1] if fp8 else None, count,
-                            *_schema_args(experts)[4:-1], plan.problem.dtype if fp8 else None)
+            experts_args = (x_masked, sent[-1] if fp8 else None, count, *weight_args,
+                            plan.problem.dtype if fp8 else None)
         else:
-            # experts_quant(x, topk_weights, topk_ids, weights...) quantizes the tokens inside.
-            experts_args = (*experts_inputs, *_schema_args(experts)[4:-1])
-        _retarget(experts, op_overload(plan.experts.namespace,
-                                       experts_op(plan.format, quant is not None)),
-                  experts_args)
+            # experts / experts_masked, or experts_quant, which quantizes the tokens inside.
+            experts_args = (*experts_inputs, *weight_args)
+        _retarget(experts, format_experts, experts_args)
         _retarget(combine, op_overload(namespace, FORMAT_OPS[plan.format][1]),
                   (experts, *combine_inputs, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)
-        lowered |= {dispatch, experts, combine}
     return lowered
 
 
@@ -345,11 +344,11 @@ def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node
     dispatch.args = (hidden, topk_weights, topk_ids, num_experts, quant.weights,
                      quant.activations, quant.block_list, *ep_args)
     dispatch.kwargs = {}
-    values = [_value(a) for a in dispatch.args]
+    values = [fake_value(a) for a in dispatch.args]
     # The mode of the graph's own fake values (the backend may run inside another).
-    with _value(hidden).fake_mode:
+    with fake_value(hidden).fake_mode:
         outputs = op(*values)
-    key = _meta_key(dispatch)
+    key = meta_key(dispatch)
     dispatch.meta[key] = outputs
     for item in dispatch.users:
         item.meta[key] = outputs[item.args[1]]

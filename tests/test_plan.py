@@ -100,3 +100,42 @@ def test_the_names_a_spec_accepts_are_the_registered_backends():
     assert set(EXPERTS_BACKEND_NAMES) == {"auto", *REGISTRY.experts}
     assert set(A2A_BACKEND_NAMES) == set(REGISTRY.a2a)
     assert set(ROUTE_BACKEND_NAMES) == {"auto", *REGISTRY.route}
+
+
+@pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])
+@pytest.mark.parametrize("fields, asked, chunks, why", [
+    ({"max_tokens_per_rank": 512}, None, 1, "max_tokens_per_rank (512) < 1024"),
+    ({"max_tokens_per_rank": 1024, "num_experts": 8, "top_k": 2, "ep_size": 2}, None, 2,
+     "2 chunks of 512 tokens"),
+    ({"max_tokens_per_rank": 4096, "num_experts": 8, "top_k": 2, "ep_size": 2}, None, 4,
+     "4 chunks of 1024 tokens"),
+    ({"max_tokens_per_rank": 4096, "num_experts": 128, "top_k": 8, "ep_size": 2}, None, 2,
+     "2 chunks of 2048 tokens"),
+    # DeepSeek-V3's widths on 2 ranks: 128 rows per expert per chunk, bound by weights.
+    ({"max_tokens_per_rank": 4096, "num_experts": 256, "top_k": 8, "ep_size": 2}, None, 1,
+     "fewer than 256: each chunk would read the experts' weights again"),
+    ({"max_tokens_per_rank": 4096}, 1, 1, "chunks=1 asked"),
+    ({"max_tokens_per_rank": 64}, 3, 3, "chunks=3 asked"),
+    ({"max_tokens_per_rank": 2}, 3, 2, "at most max_tokens_per_rank (2)"),
+    ({"max_tokens_per_rank": 4096, "training": True}, 2, 1, "training"),
+    ({"max_tokens_per_rank": 4096, "quant": QuantSpec("fp8_channel")}, None, 1,
+     "the rows format moves whole"),
+], ids=["decode", "prefill", "long_prefill", "fewer_for_rows", "weight_bound", "off", "asked",
+        "clamped", "training", "rows"])
+def test_layers_move_in_chunks_at_prefill_where_the_transport_overlaps(a2a, fields, asked,
+                                                                       chunks, why):
+    plan = plan_layer(BackendSpec(a2a=a2a, experts="reference", chunks=asked),
+                      _problem(**fields), CPU)
+    assert plan.chunks == chunks and why in plan.chunks_reason, plan
+
+
+def test_transports_that_wait_inside_their_ops_move_whole(deepep_runs_here):
+    plan = plan_layer(BackendSpec(a2a="deepep", experts="reference", chunks=4),
+                      _problem(max_tokens_per_rank=4096), CPU)
+    assert plan.chunks == 1 and "deepep issues and waits" in plan.chunks_reason, plan
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, True])
+def test_a_chunk_count_must_be_a_positive_int(chunks):
+    with pytest.raises(ValueError, match="chunks"):
+        BackendSpec(a2a="all_to_all", chunks=chunks)

@@ -324,15 +324,22 @@ class BackendSpec:
     routing where none other does. ``dispatch_dtype`` asks the tokens to travel in that dtype
     (resolved per layer, `torch_moe_ops.backends.dispatch_dtype`; ``None`` leaves
     it to the rule). How weights are quantized is the layer's (`MoEConfig.quant`):
-    the experts backend chosen here must have kernels for it.
+    the experts backend chosen here must have kernels for it. ``chunks`` splits each
+    expert-parallel layer's tokens into that many chunks, so that one chunk's transfers run
+    while another chunk's experts compute (1: never; ``None``: the lowering decides per layer,
+    `lowering.plan.choose_chunks`); a layer that cannot be chunked runs whole, and
+    `torch_moe_ops.explain` says why.
     """
 
     experts: str = "auto"
     a2a: str = "none"
     dispatch_dtype: torch.dtype | None = None
     route: str = "auto"
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.chunks is not None:
+            _check_positive_int("chunks", self.chunks)
         _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES, suggest=True)
         _check_choice("a2a", self.a2a, A2A_BACKEND_NAMES, suggest=True)
         _check_choice("route", self.route, ROUTE_BACKEND_NAMES, suggest=True)

@@ -20,6 +20,10 @@ gradients. All sizes are static, repeated ids and skipped slots need no special 
 positions follow from ``topk_ids`` alone, so the gradients recompute them. Ids and weights
 ride in the rows' message where it is small (`common.transport.token_routing`).
 
+Tokens in chunks (`ops.tokens_in_flight`): each chunk's window of tokens moves as above with
+M of one chunk, its all-to-alls issued by the ``*_start`` ops and waited in the graph; the
+returned positions are summed at home by ``combine_tokens_finish``.
+
 Rows (``moe::dispatch``, kept for quantized layers, whose rows travel in fp8):
 
 dispatch sorts this rank's slots by global expert, which groups them by the
@@ -49,6 +53,7 @@ activation dtype, as without quantization.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
@@ -64,13 +69,14 @@ from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.common.transport.token_positions import home, send_positions
 from torch_moe_ops.backends.common.transport.token_routing import (
+    finish_dispatch,
     received_routing,
     routing_columns,
     send_with_routing,
 )
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
-from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops import define_backend_ops, tokens_in_flight
 
 NAMESPACE = "moe_all_to_all"
 
@@ -159,10 +165,11 @@ def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, g
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)
 
 
-def _to_positions(values_TX, token_of_position_N, group_name, ep_size):
-    """``[N, ...]`` of ``values`` as each token's receivers get them."""
-    return collectives.all_to_all(gather_rows(values_TX, token_of_position_N), group_name,
-                                  ep_size)
+def _to_positions(values_TX, token_of_position_N, group_name, ep_size,
+                  issue=collectives.all_to_all):
+    """``[N, ...]`` of ``values`` as each token's receivers get them (in flight where ``issue``
+    is `collectives.start_all_to_all`)."""
+    return issue(gather_rows(values_TX, token_of_position_N), group_name, ep_size)
 
 
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
@@ -201,6 +208,35 @@ def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, grou
     return _to_positions(grad_out_TH, token_of_position_N, group_name, ep_size)
 
 
+def dispatch_tokens_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
+                          group_name, max_tokens_per_rank, chunk, num_chunks):
+    collectives.rank_in(group_name, ep_size)
+    tokens = tokens_in_flight.window(chunk, max_tokens_per_rank)
+    ids_WK = topk_ids_TK[tokens]
+    _, token_of_position_N = send_positions(ids_WK, num_experts, ep_size, max_tokens_per_rank)
+
+    def send(values_WX):
+        return _to_positions(values_WX, token_of_position_N, group_name, ep_size,
+                             collectives.start_all_to_all)
+
+    return send(hidden_TH[tokens]), send(routing_columns(ids_WK, topk_weights_TK[tokens]))
+
+
+def combine_tokens_start(y_NH, topk_ids_TK, num_experts, ep_size, group_name,
+                         max_tokens_per_rank, chunk, num_chunks):
+    collectives.rank_in(group_name, ep_size)
+    return collectives.start_all_to_all(y_NH, group_name, ep_size)
+
+
+def combine_tokens_finish(returned_NH, topk_ids_TK, num_experts, ep_size, group_name,
+                          max_tokens_per_rank, chunk, num_chunks):
+    ids_WK = topk_ids_TK[tokens_in_flight.window(chunk, max_tokens_per_rank)]
+    send_position_WP, _ = send_positions(ids_WK, num_experts, ep_size, max_tokens_per_rank)
+    summed_WH = sum_slots(returned_NH, send_position_WP)
+    # M rows whatever the window holds: the chunks' outputs stack to the layer's.
+    return F.pad(summed_WH, (0, 0, 0, max_tokens_per_rank - summed_WH.shape[0]))
+
+
 KERNELS = {"dispatch": dispatch, "combine": combine,
            "dispatch_backward": dispatch_backward,
            "combine_backward": combine_backward,
@@ -210,6 +246,13 @@ KERNELS = {"dispatch": dispatch, "combine": combine,
            "combine_tokens_backward": combine_tokens_backward}
 define_backend_ops(NAMESPACE, KERNELS)
 collectives.trace_into_graphs(NAMESPACE, KERNELS)
+IN_FLIGHT_KERNELS = {"dispatch_tokens_start": dispatch_tokens_start,
+                     "dispatch_tokens_finish": finish_dispatch,
+                     "combine_tokens_start": combine_tokens_start,
+                     "combine_tokens_finish": combine_tokens_finish}
+IN_FLIGHT_CONTRACTS = tokens_in_flight.contracts(sums_at_home=True)
+define_backend_ops(NAMESPACE, IN_FLIGHT_KERNELS, IN_FLIGHT_CONTRACTS)
+collectives.trace_in_flight_into_graphs(NAMESPACE, IN_FLIGHT_KERNELS, IN_FLIGHT_CONTRACTS)
 
 REGISTRY.register_a2a(A2ABackend(
     name="all_to_all", namespace=NAMESPACE, supports=collectives.supports,

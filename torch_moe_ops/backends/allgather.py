@@ -12,6 +12,10 @@ gathered weights and the ids made local (-1: another rank's expert, a skipped sl
 padding) is the experts' input as it is, and combine is the reduce-scatter of their
 ``[N, H]``. The gradients are the same two collectives swapped.
 
+Tokens in chunks (`ops.tokens_in_flight`): each chunk's window of tokens is gathered as above
+with M of one chunk, by collectives issued by the ``*_start`` ops and waited in the graph; the
+reduce-scatter returns each token's sum, so no ``combine_tokens_finish`` is needed.
+
 Rows (``moe::dispatch``, kept for quantized layers, whose rows travel in fp8):
 
 tokens, ids and weights are padded to M and all-gathered (padding slots carry
@@ -48,22 +52,24 @@ from torch_moe_ops.backends.common.kernels.sorting import sort_rows
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.quantized_dispatch import quantized_dispatch
 from torch_moe_ops.backends.common.transport.token_routing import (
+    finish_dispatch,
     received_routing,
     routing_columns,
 )
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.config import worst_case_capacity
-from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops import define_backend_ops, tokens_in_flight
 from torch_moe_ops.ops.checks import compute_dtype
 
 NAMESPACE = "moe_allgather"
 
 
 def _gather_padded(local_TX: torch.Tensor, max_tokens: int, fill, group_name: str,
-                   ep_size: int) -> torch.Tensor:
-    """``[P * M, ...]``: every rank's ``local`` padded to M rows with ``fill``, in rank order."""
+                   ep_size: int, issue=collectives.all_gather) -> torch.Tensor:
+    """``[P * M, ...]``: every rank's ``local`` padded to M rows with ``fill``, in rank order
+    (in flight where ``issue`` is `collectives.start_all_gather`)."""
     pad = [0, 0] * (local_TX.dim() - 1) + [0, max_tokens - local_TX.shape[0]]
-    return collectives.all_gather(F.pad(local_TX, pad, value=fill), group_name, ep_size)
+    return issue(F.pad(local_TX, pad, value=fill), group_name, ep_size)
 
 
 def _scatter_home(gathered_GX: torch.Tensor, num_tokens: int, group_name: str,
@@ -170,6 +176,26 @@ def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, grou
     return _gather_padded(grad_out_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
 
 
+def dispatch_tokens_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
+                          group_name, max_tokens_per_rank, chunk, num_chunks):
+    collectives.rank_in(group_name, ep_size)
+    tokens = tokens_in_flight.window(chunk, max_tokens_per_rank)
+
+    def send(values_WX):
+        return _gather_padded(values_WX, max_tokens_per_rank, 0, group_name, ep_size,
+                              collectives.start_all_gather)
+
+    return (send(hidden_TH[tokens]),
+            send(routing_columns(topk_ids_TK[tokens], topk_weights_TK[tokens])))
+
+
+def combine_tokens_start(y_NH, topk_ids_TK, num_experts, ep_size, group_name,
+                         max_tokens_per_rank, chunk, num_chunks):
+    collectives.rank_in(group_name, ep_size)
+    # Positions past a rank's tokens hold zeros with no expert: their sums stay zero.
+    return collectives.start_reduce_scatter(y_NH, group_name, ep_size)
+
+
 KERNELS = {"dispatch": dispatch, "combine": combine,
            "dispatch_backward": dispatch_backward,
            "combine_backward": combine_backward,
@@ -179,6 +205,12 @@ KERNELS = {"dispatch": dispatch, "combine": combine,
            "combine_tokens_backward": combine_tokens_backward}
 define_backend_ops(NAMESPACE, KERNELS)
 collectives.trace_into_graphs(NAMESPACE, KERNELS)
+IN_FLIGHT_KERNELS = {"dispatch_tokens_start": dispatch_tokens_start,
+                     "dispatch_tokens_finish": finish_dispatch,
+                     "combine_tokens_start": combine_tokens_start}
+IN_FLIGHT_CONTRACTS = tokens_in_flight.contracts(sums_at_home=False)
+define_backend_ops(NAMESPACE, IN_FLIGHT_KERNELS, IN_FLIGHT_CONTRACTS)
+collectives.trace_in_flight_into_graphs(NAMESPACE, IN_FLIGHT_KERNELS, IN_FLIGHT_CONTRACTS)
 
 REGISTRY.register_a2a(A2ABackend(
     name="allgather", namespace=NAMESPACE, supports=collectives.supports,

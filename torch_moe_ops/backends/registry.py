@@ -70,6 +70,10 @@ TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"
 TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
 # The transport ops of the masked format, its quantized dispatch among them.
 MASKED_OPS = (*FORMAT_OPS["masked"], QUANT_FORMAT_OPS["masked"][0])
+# What an a2a namespace defines to move the tokens format in chunks, each transfer issued and
+# waited apart (`ops.tokens_in_flight`; ``combine_tokens_finish`` where its returned rows are
+# summed at home).
+IN_FLIGHT_OPS = ("dispatch_tokens_start", "dispatch_tokens_finish", "combine_tokens_start")
 # Where the gradient of an experts backend without one of its own runs.
 BACKWARD_NAMESPACE = REFERENCE_NAMESPACE
 
@@ -223,6 +227,12 @@ class A2ABackend:
         """Whether its transport in ``fmt`` carries gradients."""
         return fmt in TRAINING_OPS and all(defines(self.namespace_of(fmt, True), op)
                                            for op in TRAINING_OPS[fmt])
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether it moves the tokens format in chunks whose transfers are issued and waited
+        by ops of their own (`IN_FLIGHT_OPS`), which a graph can place around compute."""
+        return all(defines(self.namespace, op) for op in IN_FLIGHT_OPS)
 
     @property
     def sends_quantized(self) -> bool:

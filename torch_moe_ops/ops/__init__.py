@@ -13,6 +13,7 @@ from torch_moe_ops.ops import (
     route,
     rows,
     tokens,
+    tokens_in_flight,
 )
 from torch_moe_ops.ops.library import (
     GENERIC_NAMESPACE,
@@ -33,20 +34,24 @@ CONTRACTS = {
 }
 
 
-def define_backend_ops(namespace: str, kernels: dict) -> None:
-    """Define ``namespace::<name>`` from each op's contract and implement it with
-    ``kernels[name]`` (CPU and CUDA): what every backend does to register."""
+def define_backend_ops(namespace: str, kernels: dict, contracts: dict | None = None) -> None:
+    """Define ``namespace::<name>`` from each op's contract (in ``contracts``, by default the
+    generic ops') and implement it with ``kernels[name]`` (CPU and CUDA): what every backend
+    does to register."""
+    contracts = CONTRACTS if contracts is None else contracts
     for name, kernel in kernels.items():
-        define(namespace, CONTRACTS[name])
-        implement(namespace, CONTRACTS[name], kernel)
+        define(namespace, contracts[name])
+        implement(namespace, contracts[name], kernel)
 
 
-def decompose_backend_ops(namespace: str, bodies: dict, applies) -> None:
+def decompose_backend_ops(namespace: str, bodies: dict, applies,
+                          contracts: dict | None = None) -> None:
     """Under ``torch.compile``, trace ``bodies[name]`` into the graph in place of
     ``namespace::<name>`` where ``applies(*args)`` holds (`library.decompose`)."""
+    contracts = CONTRACTS if contracts is None else contracts
     for name, body in bodies.items():
-        decompose(namespace, CONTRACTS[name], body, applies)
+        decompose(namespace, contracts[name], body, applies)
 
 
 __all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "decompose_backend_ops",
-           "define_backend_ops", "op_overload"]
+           "define_backend_ops", "op_overload", "tokens_in_flight"]

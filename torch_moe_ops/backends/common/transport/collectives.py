@@ -11,6 +11,15 @@ ordered effect: Inductor fuses the packing around it, but can neither drop it
 (on a rank with no tokens its results feed empty outputs) nor move it past
 another collective, so every rank runs the same collectives in the same order.
 Eagerly the functional collective is called directly.
+
+The ``start_*`` variants issue the same collectives and return the tensor still in flight:
+a tensor nothing may read until `wait` (the functional collectives' own ``wait_tensor``, a
+node of the graph) has returned it; between the two, the caller's graph places compute that
+the transfer then overlaps. They are the functional collectives themselves, traced or not:
+Inductor knows that a transfer reads its send buffer until its wait (``_WaitKernel``'s
+volatile reads), so it reuses no buffer a transfer still reads, which it cannot know of a
+collective inside an op of ours. Their order is the graph's: Inductor moves collectives only
+in passes that are off for graphs that move tokens (`lowering.overlap`).
 """
 
 from __future__ import annotations
@@ -72,20 +81,25 @@ def _check_blocks(send_NX, group_name, group_size, divides=True) -> None:
                          f"got shape {tuple(send_NX.shape)}")
 
 
-def _all_to_all(send_NX, group_name, group_size):
+def _start_all_to_all(send_NX, group_name, group_size):
     splits = [send_NX.shape[0] // group_size] * group_size
-    return _functional.wait_tensor(
-        _functional.all_to_all_single(send_NX.contiguous(), splits, splits, group_name))
+    return _functional.all_to_all_single(send_NX.contiguous(), splits, splits, group_name)
 
 
-def _all_gather(local_NX, group_name, group_size):
-    return _functional.wait_tensor(
-        _functional.all_gather_into_tensor(local_NX.contiguous(), group_size, group_name))
+def _start_all_gather(local_NX, group_name, group_size):
+    return _functional.all_gather_into_tensor(local_NX.contiguous(), group_size, group_name)
 
 
-def _reduce_scatter(full_NX, group_name, group_size):
-    return _functional.wait_tensor(
-        _functional.reduce_scatter_tensor(full_NX.contiguous(), "sum", group_size, group_name))
+def _start_reduce_scatter(full_NX, group_name, group_size):
+    return _functional.reduce_scatter_tensor(full_NX.contiguous(), "sum", group_size,
+                                             group_name)
+
+
+def _waited(start):
+    def run(send_NX, group_name, group_size):
+        return _functional.wait_tensor(start(send_NX, group_name, group_size))
+
+    return run
 
 
 def _sized(rows):
@@ -96,14 +110,14 @@ def _sized(rows):
 
 
 _CONTRACTS = {
-    contract.name: (contract, kernel) for contract, kernel in (
+    contract.name: (contract, _waited(start)) for contract, start in (
         (OpContract(name="all_to_all", schema=_SCHEMA, check=_check_blocks,
-                    fake=_sized(lambda n, p: n), ordered=True), _all_to_all),
+                    fake=_sized(lambda n, p: n), ordered=True), _start_all_to_all),
         (OpContract(name="all_gather", schema=_SCHEMA,
                     check=lambda *args: _check_blocks(*args, divides=False),
-                    fake=_sized(lambda n, p: n * p), ordered=True), _all_gather),
+                    fake=_sized(lambda n, p: n * p), ordered=True), _start_all_gather),
         (OpContract(name="reduce_scatter", schema=_SCHEMA, check=_check_blocks,
-                    fake=_sized(lambda n, p: n // p), ordered=True), _reduce_scatter),
+                    fake=_sized(lambda n, p: n // p), ordered=True), _start_reduce_scatter),
     )
 }
 for _contract, _kernel in _CONTRACTS.values():
@@ -131,6 +145,30 @@ def all_gather(local_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.T
 def reduce_scatter(full_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
     """``[N / ep_size, ...]``: this rank's block of the sum of every rank's ``full``."""
     return _collective("reduce_scatter", full_NX, group_name, ep_size)
+
+
+def start_all_to_all(send_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
+    """`all_to_all`, in flight: read it only through `wait`."""
+    _check_blocks(send_NX, group_name, ep_size)
+    return _start_all_to_all(send_NX, group_name, ep_size)
+
+
+def start_all_gather(local_NX: torch.Tensor, group_name: str, ep_size: int) -> torch.Tensor:
+    """`all_gather`, in flight: read it only through `wait`."""
+    _check_blocks(local_NX, group_name, ep_size, divides=False)
+    return _start_all_gather(local_NX, group_name, ep_size)
+
+
+def start_reduce_scatter(full_NX: torch.Tensor, group_name: str, ep_size: int
+                         ) -> torch.Tensor:
+    """`reduce_scatter`, in flight: read it only through `wait`."""
+    _check_blocks(full_NX, group_name, ep_size)
+    return _start_reduce_scatter(full_NX, group_name, ep_size)
+
+
+# The wait of every ``start_*``: it returns its input, arrived. Inductor and AOTAutograd know
+# it (its output aliases its input), so a graph may hold it as a node of its own.
+wait = _functional.wait_tensor.default
 
 
 def check_capacity(needed: torch.Tensor, capacity: int, group_name: str, what: str) -> None:
@@ -165,6 +203,10 @@ def _sizes_fixed(first: torch.Tensor, *_) -> bool:
     return fixed_sizes(first)
 
 
+def _all_sizes_fixed(*args) -> bool:
+    return all(fixed_sizes(a) for a in args if isinstance(a, torch.Tensor))
+
+
 def trace_into_graphs(namespace: str, kernels: dict) -> None:
     """Under ``torch.compile`` with fixed sizes, trace an a2a backend's kernels
     (its ``dispatch``, ``combine``, their gradients and ``dispatch_quant``) into
@@ -175,3 +217,20 @@ def trace_into_graphs(namespace: str, kernels: dict) -> None:
     decompose_backend_ops(namespace, dispatches, _dispatch_traceable)
     decompose_backend_ops(namespace, {name: traced(kernel) for name, kernel in kernels.items()
                                       if name not in _DISPATCHES}, _sizes_fixed)
+
+
+# The chunked ops that cut their chunk's window out of the layer's tokens.
+_WINDOWED = ("dispatch_tokens_start", "combine_tokens_finish")
+
+
+def trace_in_flight_into_graphs(namespace: str, kernels: dict, contracts: dict) -> None:
+    """`trace_into_graphs` for an a2a backend's chunked ops (`ops.tokens_in_flight`, their
+    ``contracts`` by name). One that cuts a window out of the tokens is traced where every
+    size is fixed (a window of a symbolic token count would specialize it: that call stays
+    one node, its transfer's send buffer its own); the others where their first input's are
+    (``combine_tokens_start``'s rows, whose buffer Inductor then keeps until the wait)."""
+    for windowed in (True, False):
+        decompose_backend_ops(
+            namespace, {name: traced(kernel) for name, kernel in kernels.items()
+                        if (name in _WINDOWED) == windowed},
+            _all_sizes_fixed if windowed else _sizes_fixed, contracts)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from torch_moe_ops.backends.common.transport import collectives
+
 # Above this many bytes of rows in one message, the routing takes a message of its own.
 ONE_MESSAGE_BYTES = 16 * 2**20
 
@@ -52,3 +54,11 @@ def send_with_routing(send: Callable[[torch.Tensor], torch.Tensor], rows_TH: tor
     packed_NX = send(torch.cat([rows_TH, columns_TX.view(rows_TH.dtype)], 1))
     return (packed_NX[:, :hidden].contiguous(),
             packed_NX[:, hidden:].contiguous().view(torch.int32))
+
+
+def finish_dispatch(routing_NX: torch.Tensor, num_experts: int, ep_size: int, group_name: str,
+                    max_tokens_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``dispatch_tokens_finish`` kernel (`ops.tokens_in_flight`) of every transport that
+    sends the routing columns in a message of their own: `received_routing` of what arrived."""
+    rank = collectives.rank_in(group_name, ep_size)
+    return received_routing(routing_NX, routing_NX.shape[1] // 2, rank, num_experts // ep_size)
