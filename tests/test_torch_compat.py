@@ -1,7 +1,11 @@
 """Each private torch API of `torch_moe_ops.torch_compat`: it exists, and it does
-what the library relies on. Run on every torch in ``torch_compat.TESTED_ON``."""
+what the library relies on. Run on every torch in ``torch_compat.TESTED_ON``
+(scripts/torch_version_check.sh); the module's docstring names each entry's test."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ import torch_moe_ops  # noqa: F401  (defines the moe ops)
 from torch_moe_ops import torch_compat
 
 TEST_NAMESPACE = "moe_compat_test"
+ROOT = Path(__file__).resolve().parent.parent
+VERSION_CHECK = ROOT / "scripts" / "torch_version_check.sh"
 
 
 def test_op_overload_and_packet_classes():
@@ -140,3 +146,38 @@ def test_tensor_version_counts_in_place_writes():
     with torch.inference_mode():
         inference = torch.zeros(2)
     assert torch_compat.tensor_version(inference) is None
+
+
+def _entry_table() -> dict[str, tuple[tuple[str, ...], str]]:
+    """The module docstring's first table: entry -> (torch versions, test name)."""
+    lines = torch_compat.__doc__.splitlines()
+    rulers = [i for i, line in enumerate(lines) if line.startswith("===")]
+    rows = {}
+    for line in lines[rulers[1] + 1:rulers[2]]:
+        entry, versions, test = re.split(r"\s{2,}", line.strip())
+        rows[entry] = (tuple(v.strip() for v in versions.split(",")), test)
+    return rows
+
+
+def test_every_entry_names_a_test_of_this_module():
+    table = _entry_table()
+    # A private API used through a new name must be exported, listed and tested.
+    public = {name for name in vars(torch_compat)
+              if not name.startswith("_") and name not in ("annotations", "torch")}
+    assert public == set(torch_compat.__all__)
+    assert set(table) == public - {"TESTED_ON"}
+    for entry, (versions, test) in table.items():
+        assert versions == torch_compat.TESTED_ON, entry
+        assert test.startswith("test_") and callable(globals().get(test)), (entry, test)
+
+
+def test_the_version_check_runs_the_tests_the_docstring_names():
+    script = VERSION_CHECK.read_text()
+    run = set(re.findall(r"^  ((?:tests|graph_tests)/\w+\.py)(?:::(\w+))?$", script,
+                         re.MULTILINE))
+    assert run, "no tests found in the version check's TESTS"
+    for path, test in run:
+        source = (ROOT / path).read_text()
+        assert not test or f"def {test}(" in source, (path, test)
+    named = set(re.findall(r"(?:tests|graph_tests)/\w+\.py", torch_compat.__doc__))
+    assert named <= {path for path, _ in run}
