@@ -1,7 +1,12 @@
 """Each private torch API of `torch_moe_ops.torch_compat`: it exists, and it does
-what the library relies on. Run on every torch in ``torch_compat.TESTED_ON``."""
+what the library relies on. Run on every torch in ``torch_compat.TESTED_ON``
+(scripts/torch_version_check.sh); the module's docstring names each entry's test."""
 
 from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,8 @@ import torch_moe_ops  # noqa: F401  (defines the moe ops)
 from torch_moe_ops import torch_compat
 
 TEST_NAMESPACE = "moe_compat_test"
+ROOT = Path(__file__).resolve().parent.parent
+VERSION_CHECK = ROOT / "scripts" / "torch_version_check.sh"
 
 
 def test_op_overload_and_packet_classes():
@@ -108,6 +115,47 @@ def test_functional_collectives_take_the_group_by_name(world_of_one):
         functional.reduce_scatter_tensor(x, "sum", 1, name)), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_by_rows_and_by_contraction(dtype):
+    # The CPU kernels (torch 2.11 on): the CPU backend and the gradients run on them.
+    # Every stride but the unit one a multiple of 16 bytes, as torch._grouped_mm takes.
+    g = torch.Generator().manual_seed(0)
+    ends_G = torch.tensor([2, 2, 6], dtype=torch.int32)  # the middle group is empty
+    groups = [slice(0, 2), slice(2, 2), slice(2, 6)]
+    a_RK = torch.randn(6, 16, generator=g).to(dtype)
+    w_GNK = torch.randn(3, 8, 16, generator=g).to(dtype)
+    by_rows_RN = torch_compat.grouped_mm(a_RK, w_GNK.transpose(-2, -1), ends_G)
+    assert by_rows_RN.shape == (6, 8) and by_rows_RN.dtype == dtype
+    expected_RN = torch.cat([a_RK[rows].float() @ w_GNK[i].float().T
+                             for i, rows in enumerate(groups)])
+    torch.testing.assert_close(by_rows_RN.float(), expected_RN, rtol=2e-2, atol=2e-2)
+    # The weight gradient's form: a transposed a, groups along the contraction.
+    b_RN = torch.randn(6, 8, generator=g).to(dtype)
+    by_contraction_GKN = torch_compat.grouped_mm(a_RK.t(), b_RN, ends_G)
+    assert by_contraction_GKN.shape == (3, 16, 8)
+    for i, rows in enumerate(groups):
+        if rows.stop > rows.start:  # an empty group's block is left unspecified
+            torch.testing.assert_close(by_contraction_GKN[i].float(),
+                                       a_RK[rows].float().T @ b_RN[rows].float(),
+                                       rtol=2e-2, atol=2e-2)
+
+
+def test_scaled_grouped_mm_signature_and_output():
+    # Its kernel is CUDA sm90 alone: on the CPU, torch's meta kernel checks the call.
+    assert torch_compat.has_scaled_grouped_mm()
+    names = [a.name for a in torch_compat.schema(torch.ops.aten._scaled_grouped_mm.default)
+             .arguments]
+    assert names[:5] == ["self", "mat2", "scale_a", "scale_b", "offs"] and "out_dtype" in names
+    fp8 = torch.float8_e4m3fn
+    a_RK = torch.empty(16, 32, dtype=fp8, device="meta")
+    w_GNK = torch.empty(2, 48, 32, dtype=fp8, device="meta")
+    out_RN = torch_compat.scaled_grouped_mm(
+        a_RK, w_GNK.transpose(-2, -1), torch.empty(16, device="meta"),
+        torch.empty(2, 48, device="meta"), torch.empty(2, dtype=torch.int32, device="meta"),
+        torch.bfloat16)
+    assert out_RN.shape == (16, 48) and out_RN.dtype == torch.bfloat16
+
+
 def test_resolve_process_group(world_of_one):
     assert torch_compat.resolve_process_group(world_of_one.group_name) is world_of_one
     with pytest.raises((KeyError, ValueError, RuntimeError)):
@@ -140,3 +188,83 @@ def test_tensor_version_counts_in_place_writes():
     with torch.inference_mode():
         inference = torch.zeros(2)
     assert torch_compat.tensor_version(inference) is None
+
+
+def _entry_table() -> dict[str, tuple[tuple[str, ...], str]]:
+    """The module docstring's first table: entry -> (torch versions, test name)."""
+    lines = torch_compat.__doc__.splitlines()
+    rulers = [i for i, line in enumerate(lines) if line.startswith("===")]
+    rows = {}
+    for line in lines[rulers[1] + 1:rulers[2]]:
+        entry, versions, test = re.split(r"\s{2,}", line.strip())
+        rows[entry] = (tuple(v.strip() for v in versions.split(",")), test)
+    return rows
+
+
+def test_every_entry_names_a_test_of_this_module():
+    table = _entry_table()
+    # A private API used through a new name must be exported, listed and tested.
+    public = {name for name in vars(torch_compat)
+              if not name.startswith("_") and name not in ("annotations", "torch")}
+    assert public == set(torch_compat.__all__)
+    assert set(table) == public - {"TESTED_ON"}
+    for entry, (versions, test) in table.items():
+        assert versions == torch_compat.TESTED_ON, entry
+        assert test.startswith("test_") and callable(globals().get(test)), (entry, test)
+
+
+def test_the_version_check_runs_the_tests_the_docstring_names():
+    script = VERSION_CHECK.read_text()
+    run = set(re.findall(r"^  ((?:tests|graph_tests)/\w+\.py)(?:::(\w+))?$", script,
+                         re.MULTILINE))
+    assert run, "no tests found in the version check's TESTS"
+    for path, test in run:
+        source = (ROOT / path).read_text()
+        assert not test or f"def {test}(" in source, (path, test)
+    named = set(re.findall(r"(?:tests|graph_tests)/\w+\.py", torch_compat.__doc__))
+    assert named <= {path for path, _ in run}
+
+
+def _private_torch_names(source: str) -> list[str]:
+    """The private torch names (a part after ``torch`` starting with ``_``) that the
+    code of ``source`` imports, reads as attributes or passes to getattr/hasattr.
+    Private attributes of torch objects held in variables (``op._schema``) are not
+    seen: those pass for the library's own."""
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__")
+                                           for p in parts[1:])
+
+    def dotted(node: ast.expr) -> str:
+        """``torch.ops.aten`` for a chain of names, else ``""``."""
+        if isinstance(node, ast.Attribute):
+            base = dotted(node.value)
+            return f"{base}.{node.attr}" if base else ""
+        return node.id if isinstance(node, ast.Name) else ""
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if private(alias.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if private(f"{node.module}.{alias.name}")]
+        elif isinstance(node, ast.Attribute) and private(dotted(node)):
+            found.append(dotted(node))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and private(f"{dotted(node.args[0])}.{node.args[1].value}")):
+            found.append(f"{dotted(node.args[0])}.{node.args[1].value}")
+    return found
+
+
+def test_private_torch_apis_go_through_this_module():
+    compat = Path(torch_compat.__file__).resolve()
+    sources = {path.resolve() for folder in ("torch_moe_ops", "lowering")
+               for path in (ROOT / folder).rglob("*.py")}
+    assert compat in sources
+    outside = {str(path.relative_to(ROOT)): names for path in sorted(sources - {compat})
+               if (names := _private_torch_names(path.read_text()))}
+    assert not outside, f"private torch APIs used outside torch_compat: {outside}"
+    assert "torch._grouped_mm" in _private_torch_names(compat.read_text())

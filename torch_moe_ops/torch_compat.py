@@ -1,10 +1,62 @@
 """The private torch APIs the library relies on, each named once here.
 
 None of these is public or stable: a torch release may move or change any of
-them. Each is tested (tests/test_torch_compat.py: it exists and behaves as
-relied upon) on the torch versions in `TESTED_ON`: 2.11 on the GPU machines,
-2.13 on the CPU. When a release breaks one, the fix goes here, and the other
-modules keep calling the name they call now.
+them. When a release breaks one, the fix goes here, and the other modules keep
+calling the name they call now. No other module of the library names a private
+torch API (tests/test_torch_compat.py reads their code for one).
+
+Each entry has a test of its own in tests/test_torch_compat.py (it exists and
+behaves as relied upon), run on every torch in `TESTED_ON`; a test there asserts
+that this table names every entry of ``__all__``, and only tests that exist:
+
+=======================  ==========  =========================================================
+entry                    tested on   test (tests/test_torch_compat.py)
+=======================  ==========  =========================================================
+FakeTensor               2.11, 2.13  test_fake_and_functional_tensor_classes
+FunctionalTensor         2.11, 2.13  test_fake_and_functional_tensor_classes
+FunctionalTensorMode     2.11, 2.13  test_fake_and_functional_tensor_classes
+OpOverload               2.11, 2.13  test_op_overload_and_packet_classes
+OpOverloadPacket         2.11, 2.13  test_op_overload_and_packet_classes
+below_autograd           2.11, 2.13  test_below_autograd_skips_the_autograd_kernels
+c10d_functional          2.11, 2.13  test_functional_collectives_take_the_group_by_name
+grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
+has_scaled_grouped_mm    2.11, 2.13  test_scaled_grouped_mm_signature_and_output
+inductor_compiler        2.11, 2.13  test_inductor_compiler_applies_mode_and_options
+lookup_backend           2.11, 2.13  test_lookup_backend_runs_a_graph
+packet_name              2.11, 2.13  test_packet_name
+register_ordered_effect  2.11, 2.13  test_ordered_effect_threads_a_token_through_the_traced_op
+resolve_process_group    2.11, 2.13  test_resolve_process_group
+scaled_grouped_mm        2.11, 2.13  test_scaled_grouped_mm_signature_and_output
+schema                   2.11, 2.13  test_schema_gives_names_and_defaults
+tensor_version           2.11, 2.13  test_tensor_version_counts_in_place_writes
+=======================  ==========  =========================================================
+
+The library's uses of them are tested on the same versions, by these tests
+(`scripts/torch_version_check.sh VERSION` makes a virtualenv with that torch and
+runs them, tests/test_torch_compat.py and the import tests included):
+
+- ops/library.py (schema, OpOverload, FakeTensor, FunctionalTensor,
+  FunctionalTensorMode): tests/test_opcheck.py, graph_tests/test_decompose.py;
+  its register_ordered_effect: tests/test_tokens_transport.py and
+  tests/test_expert_parallel.py's Inductor run with an idle rank.
+- ops/group_checks.py (schema, resolve_process_group) and
+  backends/common/transport/collectives.py (c10d_functional,
+  resolve_process_group): tests/test_tokens_transport.py.
+- backends/cpu.py (below_autograd, grouped_mm): tests/test_cpu_backend.py.
+- backends/common/kernels/grouped_gemm.py and grouped_backward.py (grouped_mm):
+  tests/test_experts_backward.py (the grouped_mm backend's forward and gradient).
+- backends/common/kernels/scaled_grouped_gemm.py (scaled_grouped_mm,
+  has_scaled_grouped_mm): tests/test_grouped_mm_quant.py; its fp8 kernel runs on
+  sm90 alone, so on the CPU a stand-in checked by torch's meta kernel takes its place.
+- backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
+  version" tests of tests/test_flashinfer_experts.py.
+- lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
+  lowering/compile.py (inductor_compiler, lookup_backend): graph_tests/test_compile.py.
+
+Tested on means: torch 2.13.0+cpu, and torch 2.11.0 (the PyPI wheel, +cu130, the
+GPU machines' build, run on the CPU with Triton 3.6.0's interpreter). Triton
+3.6's interpreter needs numpy below 2.4 (3.8's does not): the script installs it
+where the Triton is older than 3.8.
 """
 
 from __future__ import annotations
@@ -17,9 +69,10 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 TESTED_ON = ("2.11", "2.13")
 
 __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode", "OpOverload",
-           "OpOverloadPacket", "below_autograd", "c10d_functional", "inductor_compiler",
-           "lookup_backend", "packet_name", "register_ordered_effect", "resolve_process_group",
-           "schema", "tensor_version"]
+           "OpOverloadPacket", "below_autograd", "c10d_functional", "grouped_mm",
+           "has_scaled_grouped_mm", "inductor_compiler", "lookup_backend", "packet_name",
+           "register_ordered_effect", "resolve_process_group", "scaled_grouped_mm", "schema",
+           "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
@@ -74,3 +127,27 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter, which every in-place write bumps; None for an
     inference tensor (made under ``torch.inference_mode``), which has none."""
     return None if tensor.is_inference() else tensor._version
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """One matmul per group; ``offs`` (int32) holds the groups' cumulative ends.
+
+    2-D ``a [R, K]``, 3-D ``b [G, K, N]``: groups of rows, ``out[r] = a[r] @ b[g]``
+    for ``r`` in group ``g``; ``[R, N]``. 2-D ``a [M, R]``, 2-D ``b [R, N]``: groups
+    of the contraction, ``out[g] = a[:, rows of g] @ b[rows of g]``; ``[G, M, N]``.
+    """
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def has_scaled_grouped_mm() -> bool:
+    """Whether this torch has `scaled_grouped_mm`."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, offs: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """`grouped_mm` by rows of fp8 ``a [R, K]`` and ``b [G, K, N]`` (CUDA, sm90):
+    ``out[r] = (a[r] @ b[g]) * scale_a[r] * scale_b[g]``, fp32 scales ``[R]`` and
+    ``[G, N]``, accumulated in fp32 and written as ``out_dtype``."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)

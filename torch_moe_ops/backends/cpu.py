@@ -84,7 +84,7 @@ def _grouped_linear(x_RN: torch.Tensor, w_EMN: torch.Tensor, ends_E: torch.Tenso
     """
     w_ENM = w_EMN.transpose(-2, -1)
     if ends_E is not None:
-        return torch._grouped_mm(x_RN, w_ENM, offs=ends_E)
+        return torch_compat.grouped_mm(x_RN, w_ENM, ends_E)
     y_RM = x_RN.new_empty((x_RN.shape[0], w_EMN.shape[1]))
     start = 0
     for e, count in active:

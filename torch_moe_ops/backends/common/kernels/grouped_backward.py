@@ -50,6 +50,7 @@ from collections.abc import Callable
 
 import torch
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.kernels.activation import activation, activation_backward
 from torch_moe_ops.backends.common.kernels.rows import sum_slots
 from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
@@ -122,7 +123,7 @@ def _column(values_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _bias_grad(rows_RN: torch.Tensor, weight_RC: torch.Tensor, ends_E: torch.Tensor
                ) -> torch.Tensor:
     """``[E, N]``: each expert's rows summed, weighted by column 0 of ``weight_RC``."""
-    return torch._grouped_mm(rows_RN.t(), weight_RC, offs=ends_E)[:, :, 0].contiguous()
+    return torch_compat.grouped_mm(rows_RN.t(), weight_RC, ends_E)[:, :, 0].contiguous()
 
 
 def _no_rows(grad_out_TH, hidden_TH, topk_weights_TK, w13_EFH, w2_EHI, b13_EF, b2_EH):
@@ -162,14 +163,14 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
     # Garbage (NaN) where a slot is skipped: those rows are never read.
     weight_R = topk_weights_TK.reshape(-1).index_select(0, order_R).float()
 
-    h_RF = torch._grouped_mm(x_RH, w13_EFH.transpose(-2, -1), offs=ends_E)
-    gw2_RI = torch._grouped_mm(g_RH, w2_EHI, offs=ends_E)
+    h_RF = torch_compat.grouped_mm(x_RH, w13_EFH.transpose(-2, -1), ends_E)
+    gw2_RI = torch_compat.grouped_mm(g_RH, w2_EHI, ends_E)
     dh_RF, wa_RI, dot_R = steps.act_backward_rows(h_RF, b13_EF, expert_R, gw2_RI, weight_R,
                                                   act, alpha, limit)
     grad_w2_EHI = steps.zero_empty_experts_(
-        torch._grouped_mm(g_RH.t(), wa_RI, offs=ends_E), count_E)
+        torch_compat.grouped_mm(g_RH.t(), wa_RI, ends_E), count_E)
     grad_w13_EFH = steps.zero_empty_experts_(
-        torch._grouped_mm(dh_RF.t(), x_RH, offs=ends_E), count_E)
+        torch_compat.grouped_mm(dh_RF.t(), x_RH, ends_E), count_E)
     # An absent bias gets its own empty gradient: outputs of an op must not alias.
     grad_b13_EF, grad_b2_EH = hidden_TH.new_empty((0,)), hidden_TH.new_empty((0,))
     if b13_EF is not None:
@@ -180,7 +181,7 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
             _bias_grad(g_RH, _column(weight_R, dtype), ends_E), count_E)
 
     row_of_slot_S = rows_of_slots(order_R)
-    grad_x_RH = torch._grouped_mm(dh_RF, w13_EFH, offs=ends_E)
+    grad_x_RH = torch_compat.grouped_mm(dh_RF, w13_EFH, ends_E)
     grad_hidden_TH = steps.sum_token_rows(grad_x_RH, row_of_slot_S, topk_ids_TK)
     grad_weights_TK = dot_R.index_select(0, row_of_slot_S).view(num_tokens, top_k)
     ids_TK = topk_ids_TK.long().contiguous()

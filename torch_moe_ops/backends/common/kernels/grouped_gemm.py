@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.common.kernels import grouped_backward
 from torch_moe_ops.backends.common.kernels.launch import on_first_call
@@ -94,9 +95,9 @@ def supports(spec, problem, device) -> str | None:
 def _grouped_gemms(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha, limit):
     """``y_RH [R, H]`` before ``b2``; rows past the counted ones hold garbage."""
     ends_E = torch.cumsum(count_E, 0, dtype=torch.int32)
-    h_RF = torch._grouped_mm(x_RH, w13_EFH.transpose(-2, -1), offs=ends_E)
+    h_RF = torch_compat.grouped_mm(x_RH, w13_EFH.transpose(-2, -1), ends_E)
     a_RI = bias_act_rows(h_RF, b13_EF, expert_R, act, alpha, limit)
-    return torch._grouped_mm(a_RI, w2_EHI.transpose(-2, -1), offs=ends_E)
+    return torch_compat.grouped_mm(a_RI, w2_EHI.transpose(-2, -1), ends_E)
 
 
 def experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF, b2_EH, act, alpha, limit):

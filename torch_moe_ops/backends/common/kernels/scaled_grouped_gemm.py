@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops import quant
+from torch_moe_ops import quant, torch_compat
 from torch_moe_ops.backends.common.kernels import grouped_gemm
 from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
 from torch_moe_ops.config import QuantSpec
@@ -73,7 +73,7 @@ def supports(spec, problem, device) -> str | None:
     reason = format_reason(problem.quant)
     if reason is not None:
         return reason
-    if not hasattr(torch, "_scaled_grouped_mm"):
+    if not torch_compat.has_scaled_grouped_mm():
         return f"needs torch._scaled_grouped_mm for fp8, which torch {torch.__version__} lacks"
     reason = grouped_gemm.device_reason(device, gpu="a CUDA GPU of sm90 for fp8")
     if reason is not None:
@@ -130,8 +130,8 @@ def scaled_grouped_mm(q_MK: torch.Tensor, scale_M: torch.Tensor, w_ENK: torch.Te
     """``[M, N]`` bf16: ``out[m] = (q[m] @ w[e].T) * scale[m] * w_scale[e]`` for the
     rows ``[ends_E[e - 1], ends_E[e])`` of each expert e, accumulated in fp32;
     rows from ``ends_E[-1]`` on are left unwritten."""
-    return torch._scaled_grouped_mm(q_MK, w_ENK.transpose(-2, -1), scale_M, w_scale_EN,
-                                    offs=ends_E, out_dtype=torch.bfloat16)
+    return torch_compat.scaled_grouped_mm(q_MK, w_ENK.transpose(-2, -1), scale_M, w_scale_EN,
+                                          ends_E, torch.bfloat16)
 
 
 def _grouped_gemms(q_RH, scale_R, expert_R, count_E, w13, w2, w13_scale, w2_scale, b13_EF,
