@@ -260,10 +260,10 @@ def _check_tokens(rank, world_size, top_k, num_local, route, max_tokens):
     check_bf16_out(out_TH, ref_NH[mine])
 
 
-def _check_tokens_compiled(rank, world_size, deepep, max_tokens):
-    """A `MoE` sharded over the group and compiled with ``a2a="deepep"``: with gradients
-    it keeps rows (in the mode `choose_mode` gives), without it takes the tokens chain on a
-    normal-mode communicator of its own; both against the same layer in one process."""
+def _trained_and_served(rank, world_size, max_tokens):
+    """`trained_and_served` of a bf16 `MoE` sharded over the group with ``a2a="deepep"``,
+    against the same layer in one process: the sharded layer, this rank's tokens, and the
+    op sequences of its training and its serving graphs."""
     torch._dynamo.reset()
     torch.manual_seed(5)
     single = tmo.MoE(_moe_config(world_size, 1, max_tokens), dtype=torch.bfloat16)
@@ -272,8 +272,17 @@ def _check_tokens_compiled(rank, world_size, deepep, max_tokens):
     sharded.load_full_weights(single.state_dict())
     x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
                        generator=torch.Generator().manual_seed(9)).bfloat16()
-    trained, served = trained_and_served(single, sharded, x_NH, _my_tokens(rank, world_size),
-                                         a2a="deepep", experts="reference")
+    x_TH = x_NH[_my_tokens(rank, world_size)]
+    return sharded, x_TH, *trained_and_served(single, sharded, x_NH,
+                                              _my_tokens(rank, world_size), a2a="deepep",
+                                              experts="reference")
+
+
+def _check_tokens_compiled(rank, world_size, deepep, max_tokens):
+    """A `MoE` sharded over the group and compiled with ``a2a="deepep"``: with gradients
+    it keeps rows (in the mode `choose_mode` gives), without it takes the tokens chain on a
+    normal-mode communicator of its own; both against the same layer in one process."""
+    _, _, trained, served = _trained_and_served(rank, world_size, max_tokens)
     assert "moe_deepep::dispatch\n" in trained and "dispatch_tokens" not in trained, trained
     assert served == "moe_reference::route\n" + "\n".join(TOKENS_OPS), served
     modes = {comm.mode for comm in deepep.open_communicators()}
@@ -363,23 +372,13 @@ def _check_masked_compiled(rank, world_size, deepep):
     """A `MoE` sharded over the group and compiled with ``a2a="deepep"`` at decode size:
     with gradients it takes low-latency rows, without them the masked chain on the same
     low-latency communicator; both against the same layer in one process."""
-    torch._dynamo.reset()
-    torch.manual_seed(5)
-    single = tmo.MoE(_moe_config(world_size, 1, M_MASKED), dtype=torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(world_size, world_size, M_MASKED), dtype=torch.bfloat16,
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
-    x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
-                       generator=torch.Generator().manual_seed(9)).bfloat16()
-    trained, served = trained_and_served(single, sharded, x_NH, _my_tokens(rank, world_size),
-                                         a2a="deepep", experts="reference")
+    sharded, x_TH, trained, served = _trained_and_served(rank, world_size, M_MASKED)
     assert "moe_deepep::dispatch\n" in trained and "masked" not in trained, trained
     assert served == "moe_reference::route\n" + "\n".join(MASKED_OPS), served
     assert {comm.mode for comm in deepep.open_communicators()} == {"low_latency"}
     # `tmo.explain` says so: the format, why, and one bf16 row per (token, slot) at most.
     with torch.no_grad():
-        (report,) = tmo.explain(sharded, x_NH[_my_tokens(rank, world_size)], a2a="deepep",
-                                experts="reference")
+        (report,) = tmo.explain(sharded, x_TH, a2a="deepep", experts="reference")
     text, row_bytes = str(report), M_MASKED * 2 * H * 2
     assert "format:  masked (the transport's decode layout, read where it arrives" in text, text
     assert (f"bytes each rank sends per call: dispatch {row_bytes:,}, combine {row_bytes:,}"
