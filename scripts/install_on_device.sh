@@ -1,8 +1,7 @@
 # Sourced by the GPU check scripts: the wheels carried in the ignored .whl/ (the
-# device machine reaches no registry), FlashInfer's trimmed package from .peers/flashinfer
-# (scripts/flashinfer_peer.sh) and a flashinfer experts module built on an earlier machine
-# (.peers/fi_module/, the xz parts scripts/flashinfer_experts_pack.sh wrote), then this
-# project, editable; its log goes to $LOGS (else $OUT).
+# device machine reaches no registry) and FlashInfer's trimmed package from .peers/flashinfer
+# (scripts/flashinfer_peer.sh), then this project, editable; its log goes to $LOGS (else
+# $OUT). A flashinfer experts module built earlier: scripts/flashinfer_experts_check.sh.
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -17,13 +16,6 @@ if [ -f .peers/flashinfer/flashinfer-trim.tar.xz ]; then  # scripts/flashinfer_p
     touch /tmp/site/.flashinfer-unpacked
   fi
   export PYTHONPATH=/tmp/site
-  if ls .peers/fi_module/*.so.xz.part* >/dev/null 2>&1; then
-    # FlashInfer loads a module found in its AOT folder without building it.
-    name=$(basename "$(ls .peers/fi_module/*.so.xz.part* | head -1)" | sed 's/\.so\.xz\.part.*//')
-    mkdir -p "/tmp/site/flashinfer/data/aot/$name"
-    cat .peers/fi_module/"$name".so.xz.part* | xz -d >"/tmp/site/flashinfer/data/aot/$name/$name.so"
-    echo "flashinfer experts module $name from .peers/fi_module"
-  fi
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"${LOGS:-$OUT}/install.log" 2>&1 \
   || { cat "${LOGS:-$OUT}/install.log"; exit 1; }
