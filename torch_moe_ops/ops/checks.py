@@ -35,6 +35,15 @@ def check_tensor(name: str, t: object, ndim: int, dtypes: Sequence[torch.dtype])
                          f"{str(t.dtype).removeprefix('torch.')}")
 
 
+def check_gradient_of(grad_out: torch.Tensor, input_: torch.Tensor, input_name: str) -> None:
+    """``grad_out``: a float tensor of ``input_``'s shape (the gradient of an op's output that
+    has its input's shape)."""
+    check_tensor("grad_out", grad_out, input_.dim(), OP_FLOAT_DTYPES)
+    if grad_out.shape != input_.shape:
+        raise ValueError(f"grad_out must have {input_name}'s shape {tuple(input_.shape)}, "
+                         f"got {tuple(grad_out.shape)}")
+
+
 def check_size(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
     # `!=` on symbolic sizes adds a guard that holds for every size that reaches here.
     if t.shape[dim] != expected:

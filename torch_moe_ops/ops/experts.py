@@ -94,10 +94,7 @@ def fake(hidden_TH, *_):
 
 
 def check_backward(grad_out_TH, hidden_TH, *args) -> None:
-    checks.check_tensor("grad_out", grad_out_TH, 2, checks.OP_FLOAT_DTYPES)
-    if grad_out_TH.shape != hidden_TH.shape:
-        raise ValueError(f"grad_out must have hidden's shape {tuple(hidden_TH.shape)}, "
-                         f"got {tuple(grad_out_TH.shape)}")
+    checks.check_gradient_of(grad_out_TH, hidden_TH, "hidden")
     check(hidden_TH, *args)
 
 

@@ -93,10 +93,7 @@ def fake(x_ECH, *_):
 
 
 def check_backward(grad_out_ECH, x_ECH, *args) -> None:
-    checks.check_tensor("grad_out", grad_out_ECH, 3, checks.OP_FLOAT_DTYPES)
-    if grad_out_ECH.shape != x_ECH.shape:
-        raise ValueError(f"grad_out must have x_masked's shape {tuple(x_ECH.shape)}, "
-                         f"got {tuple(grad_out_ECH.shape)}")
+    checks.check_gradient_of(grad_out_ECH, x_ECH, "x_masked")
     check(x_ECH, *args)
 
 
