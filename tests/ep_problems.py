@@ -159,6 +159,21 @@ def check_graph_replays(pipeline, draw, mine: slice, local: slice, static_args) 
     torch.cuda.synchronize()
 
 
+def cpu_single_and_sharded(hidden: int, inter: int, top_k: int, max_tokens: int,
+                           seed: int = 5):
+    """The single-process fp32 `MoE` on the CPU (2 experts per rank, renormalized top-k) and
+    this rank's shard of it over the default group, with the same full weights."""
+    torch.manual_seed(seed)
+    world_size = dist.get_world_size()
+    cfg = dict(hidden_size=hidden, intermediate_size=inter, num_experts=2 * world_size,
+               top_k=top_k, renormalize=True)
+    single = tmo.MoE(tmo.MoEConfig(**cfg))
+    sharded = tmo.MoE(tmo.MoEConfig(**cfg, ep_size=world_size, max_tokens_per_rank=max_tokens),
+                      ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    return single, sharded
+
+
 def single_and_sharded(moe_config, seed: int):
     """The single-process `MoE` of ``moe_config(1)`` (bf16, the current GPU) and this rank's
     shard of it, ``moe_config(P)`` over the default group of P ranks, with the same full

@@ -20,7 +20,7 @@ from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
-from ep_problems import token_slice
+from ep_problems import cpu_single_and_sharded, token_slice
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.lowering.compile import MoECompileBackend
 from torch_moe_ops.lowering.rewrite import lower
@@ -39,18 +39,11 @@ ISSUES = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"
 DYNAMIC_TOKENS = {2: ((5, 2), (7, 3), (2, 6)), 3: ((6, 2, 3), (3, 7, 2), (2, 4, 5))}
 
 
-def _layers(world_size: int):
+def _layers():
     # No sizes remembered from another case's calls: a rank whose T turned symbolic would run
     # other collectives than one whose T (0 or 1) stays static.
     torch._dynamo.reset()
-    torch.manual_seed(5)
-    cfg = dict(hidden_size=H, intermediate_size=I, num_experts=2 * world_size, top_k=K,
-               renormalize=True)
-    single = tmo.MoE(tmo.MoEConfig(**cfg))
-    sharded = tmo.MoE(tmo.MoEConfig(**cfg, ep_size=world_size, max_tokens_per_rank=MAX_TOKENS),
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
-    return single, sharded
+    return cpu_single_and_sharded(H, I, K, MAX_TOKENS)
 
 
 def _tokens(rank: int, world_size: int):
@@ -66,7 +59,7 @@ def _compiled(layer, a2a: str, chunks: int, inner: str):
 
 
 def _check_chunked_matches_whole(rank, world_size, a2a):
-    single, sharded = _layers(world_size)
+    single, sharded = _layers()
     x_NH, mine = _tokens(rank, world_size)
     with torch.no_grad():
         expected_TH = single(x_NH)[mine]
@@ -82,7 +75,7 @@ def _check_chunked_matches_whole(rank, world_size, a2a):
 
 def _check_symbolic_token_count(rank, world_size, a2a):
     """One graph serves every T (marked dynamic): the chunks' windows stay inside their ops."""
-    single, sharded = _layers(world_size)
+    single, sharded = _layers()
     compiled = _compiled(sharded, a2a, 2, "aot_eager")
     with torch.no_grad():
         for seed, counts in enumerate(DYNAMIC_TOKENS[world_size]):
@@ -108,7 +101,7 @@ def _check_overlap_order(rank, world_size, a2a):
     """Chunk 2's dispatch is issued before chunk 1's experts and waited after them; chunk 1's
     combine is issued before chunk 2's experts and waited after them: in the lowered graph
     and in the forward graph AOTAutograd makes of it."""
-    _, sharded = _layers(world_size)
+    _, sharded = _layers()
     spec = tmo.BackendSpec(a2a=a2a, chunks=2)
     lowered, forward = [], []
 
@@ -165,7 +158,7 @@ def _check_overlap_order(rank, world_size, a2a):
 def _check_inductor_keeps_the_order(rank, world_size, a2a):
     """The code Inductor generates calls chunk 2's dispatch collectives before chunk 1's
     experts and waits for them after: its scheduler keeps the order the lowering chose."""
-    _, sharded = _layers(world_size)
+    _, sharded = _layers()
     x_NH, mine = _tokens(rank, world_size)
     with torch.no_grad():
         _, codes = run_and_get_code(_compiled(sharded, a2a, 2, "inductor"), x_NH[mine])
@@ -183,7 +176,7 @@ def _check_inductor_keeps_the_order(rank, world_size, a2a):
 
 
 def _check_explain(rank, world_size, a2a):
-    _, sharded = _layers(world_size)
+    _, sharded = _layers()
     x_NH, mine = _tokens(rank, world_size)
     with torch.no_grad():
         (asked,) = tmo.explain(sharded, x_NH[mine], a2a=a2a, chunks=3)

@@ -15,7 +15,13 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks
-from ep_problems import assert_rank_matches, draw_problem, leaves, token_slice
+from ep_problems import (
+    assert_rank_matches,
+    cpu_single_and_sharded,
+    draw_problem,
+    leaves,
+    token_slice,
+)
 from torch_moe_ops.backends.common.transport import token_routing
 from torch_moe_ops.config import BackendSpec, worst_case_capacity
 from torch_moe_ops.lowering import moe_op_sequence
@@ -108,13 +114,7 @@ def _check_rows_keep_repeated_ids(rank, world_size, a2a):
 
 
 def _check_compiled_layer_trains_on_tokens(rank, world_size, a2a):
-    torch.manual_seed(5)
-    cfg = dict(hidden_size=H, intermediate_size=I, num_experts=2 * world_size, top_k=K,
-               renormalize=True)
-    single = tmo.MoE(tmo.MoEConfig(**cfg))
-    sharded = tmo.MoE(tmo.MoEConfig(**cfg, ep_size=world_size, max_tokens_per_rank=MAX_TOKENS),
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
+    single, sharded = cpu_single_and_sharded(H, I, K, MAX_TOKENS)
     sequences = []
 
     def recording(gm, example_inputs):
