@@ -81,18 +81,39 @@ def _position_of_cell(key_L: torch.Tensor, num_positions: int) -> torch.Tensor:
     return scatter_index(cells % num_positions, cell_L, key_L.shape[0])
 
 
+def send(comm, x_TH: torch.Tensor, ids_TK: torch.Tensor, use_fp8: bool = False):
+    """``Buffer.low_latency_dispatch`` of ``x`` (``[T, H]``) to the experts ``ids_TK`` name:
+    ``(recv_x, count_E, handle)``, ``recv_x`` the ``[E_l, Q, H]`` blocks (with ``use_fp8``
+    DeepEP's pair of fp8 values and scales). An idle rank hands DeepEP one row routed
+    nowhere: its kernels take no empty tensor, and the rank joins the exchange."""
+    padded = max(ids_TK.shape[0], 1)
+    recv_x, count_E, handle, _, _ = comm.buffer.low_latency_dispatch(
+        pad_tokens(x_TH, padded, 0), pad_tokens(ids_TK.to(comm.topk_idx_dtype), padded, -1),
+        comm.max_tokens_per_rank, comm.num_experts, use_fp8=use_fp8, async_finish=False,
+        return_recv_hook=False)
+    return recv_x, count_E, handle
+
+
+def send_back(comm, x_EQH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+              handle) -> torch.Tensor:
+    """``Buffer.low_latency_combine`` of the blocks: ``[T, H]``, each token's rows weighted
+    by ``weights_TK`` and summed (the idle rank's row padded as `send` pads it)."""
+    num_tokens = ids_TK.shape[0]
+    padded = max(num_tokens, 1)
+    combined_TH, _, _ = comm.buffer.low_latency_combine(
+        x_EQH, pad_tokens(ids_TK.to(comm.topk_idx_dtype), padded, -1),
+        pad_tokens(weights_TK.float(), padded, 0), handle, async_finish=False,
+        return_recv_hook=False)
+    return combined_TH[:num_tokens]
+
+
 def dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows, spec=None):
     """``Buffer.low_latency_dispatch`` into rows: dispatch's six outputs, then with
     ``spec`` (DeepEP's fp8 cast, `fp8_transport_reason` None) ``x_scale``."""
-    num_tokens, top_k = topk_ids_TK.shape
+    top_k = topk_ids_TK.shape[1]
     ep_size, max_tokens, num_local = comm.ep_size, comm.max_tokens_per_rank, comm.num_local_experts
     num_positions = ep_size * max_tokens
-    padded = max(num_tokens, 1)
-    x_TH = pad_tokens(hidden_TH, padded, 0)
-    ids_TK = pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
-    recv_x, _, handle, _, _ = comm.buffer.low_latency_dispatch(
-        x_TH, ids_TK, max_tokens, comm.num_experts, use_fp8=spec is not None,
-        async_finish=False, return_recv_hook=False)
+    recv_x, _, handle = send(comm, hidden_TH, topk_ids_TK, use_fp8=spec is not None)
     key_L = _keys(handle[0], handle[1], max_tokens)
     position_L = _position_of_cell(key_L, num_positions)
     # Rows in cell order (expert, then key): rows of expert e from its first row on.
@@ -162,24 +183,14 @@ def combine(comm, rows_RH, src_R, slot_map_TK):
     num_cells = comm.num_local_experts * comm.ep_size * comm.max_tokens_per_rank
     x_EQH = scatter_rows(rows_RH.to(DTYPE), slot_R, num_cells).view(
         comm.num_local_experts, -1, comm.hidden_size)
-    padded = max(num_tokens, 1)
-    ids_TK = pad_tokens(slot_map_TK.to(comm.topk_idx_dtype), padded, -1)
-    ones_TK = torch.ones((padded, top_k), dtype=torch.float32, device=rows_RH.device)
-    combined_TH, _, _ = comm.buffer.low_latency_combine(
-        x_EQH, ids_TK, ones_TK, handle, async_finish=False, return_recv_hook=False)
-    return combined_TH[:num_tokens]
+    ones_TK = torch.ones((num_tokens, top_k), dtype=torch.float32, device=rows_RH.device)
+    return send_back(comm, x_EQH, slot_map_TK, ones_TK, handle)
 
 
 def send_out(comm, grad_out_TH, src_R, slot_map_TK):
     """A second ``low_latency_dispatch``, of ``grad_out``: each row's token's gradient."""
-    num_tokens = slot_map_TK.shape[0]
     num_positions = comm.ep_size * comm.max_tokens_per_rank
-    padded = max(num_tokens, 1)
-    grad_TH = pad_tokens(grad_out_TH.to(DTYPE), padded, 0)
-    ids_TK = pad_tokens(slot_map_TK.to(comm.topk_idx_dtype), padded, -1)
-    recv_EQH, _, handle, _, _ = comm.buffer.low_latency_dispatch(
-        grad_TH, ids_TK, comm.max_tokens_per_rank, comm.num_experts, use_fp8=False,
-        async_finish=False, return_recv_hook=False)
+    recv_EQH, _, handle = send(comm, grad_out_TH.to(DTYPE), slot_map_TK)
     position_L = _position_of_cell(_keys(handle[0], handle[1], comm.max_tokens_per_rank),
                                       num_positions)
     position_R = gather_index(position_L, src_R)

@@ -32,10 +32,9 @@ max_tokens_per_rank, Q = P * M rows per local expert, G = H / 128 fp8 scales per
 
 from __future__ import annotations
 
-import torch
-
 from torch_moe_ops.backends.common.transport import collectives
-from torch_moe_ops.backends.deepep.buffer import check_tensor, communicator, on, opened, pad_tokens
+from torch_moe_ops.backends.deepep import low_latency
+from torch_moe_ops.backends.deepep.buffer import check_tensor, communicator, on, opened
 from torch_moe_ops.backends.deepep.modes import LOW_LATENCY, fp8_transport_reason
 from torch_moe_ops.config import QuantSpec
 
@@ -52,12 +51,7 @@ def _dispatch(hidden_TH, topk_ids_TK, num_experts, ep_size, group_name, max_toke
                             max_tokens_per_rank, hidden_TH.dtype, mode=LOW_LATENCY,
                             device=hidden_TH.device)
         comm.check_tokens(num_tokens)
-        padded = max(num_tokens, 1)
-        x_TH = pad_tokens(hidden_TH, padded, 0)
-        ids_TK = pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
-        recv_x, count_E, handle, _, _ = comm.buffer.low_latency_dispatch(
-            x_TH, ids_TK, max_tokens_per_rank, num_experts, use_fp8=use_fp8,
-            async_finish=False, return_recv_hook=False)
+        recv_x, count_E, handle = low_latency.send(comm, hidden_TH, topk_ids_TK, use_fp8)
         return recv_x, count_E, handle[0], handle[1]
 
 
@@ -85,17 +79,12 @@ def dispatch_masked_quant(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, 
 def combine_masked(y_EQH, src_info_EQ, layout_range_EP, topk_weights_TK, topk_ids_TK,
                    num_experts, ep_size, group_name, max_tokens_per_rank):
     check_tensor("y_masked", y_EQH)
-    num_tokens, top_k = topk_ids_TK.shape
+    top_k = topk_ids_TK.shape[1]
     collectives.rank_in(group_name, ep_size)
     hidden_size = y_EQH.shape[2]
     with on(y_EQH.device):
         comm = opened(group_name, hidden_size, num_experts, top_k, max_tokens_per_rank,
                       y_EQH.dtype, LOW_LATENCY)
-        padded = max(num_tokens, 1)
-        ids_TK = pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
-        weights_TK = pad_tokens(topk_weights_TK.to(torch.float32), padded, 0)
         handle = (src_info_EQ, layout_range_EP, max_tokens_per_rank, hidden_size, num_experts)
-        combined_TH, _, _ = comm.buffer.low_latency_combine(
-            y_EQH.contiguous(), ids_TK, weights_TK, handle, async_finish=False,
-            return_recv_hook=False)
-        return combined_TH[:num_tokens]
+        return low_latency.send_back(comm, y_EQH.contiguous(), topk_ids_TK, topk_weights_TK,
+                                     handle)
