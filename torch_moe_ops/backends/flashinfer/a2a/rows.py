@@ -23,7 +23,7 @@ from torch_moe_ops.backends.flashinfer.a2a.bookkeeping import (
     token_index,
 )
 from torch_moe_ops.backends.flashinfer.a2a.comm_api import check_activations, on
-from torch_moe_ops.backends.flashinfer.a2a.workspace import communicator, opened
+from torch_moe_ops.backends.flashinfer.a2a.workspace import answering, communicator
 from torch_moe_ops.config import worst_case_capacity
 
 
@@ -52,11 +52,9 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
 
 
 def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
-    check_activations("y_rows", y_RH)
     num_tokens, top_k = slot_map_TK.shape
-    with on(y_RH.device):
-        comm = opened(group_name, ep_size, y_RH.shape[1], top_k, max_tokens_per_rank,
-                      y_RH.dtype)
+    with answering("y_rows", y_RH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         token_N1 = comm.received.token_N1 if comm.received is not None else None
         if token_N1 is None:
             raise RuntimeError(f"a2a backend 'flashinfer': combine must follow the dispatch "
@@ -76,11 +74,9 @@ def _send_back_tokens(comm, slot_map_TK, payloads=()) -> tuple[torch.Tensor, lis
 
 def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
                       max_tokens_per_rank):
-    check_activations("grad_x_rows", grad_x_RH)
     num_tokens, top_k = slot_map_TK.shape
-    with on(grad_x_RH.device):
-        comm = opened(group_name, ep_size, grad_x_RH.shape[1], top_k, max_tokens_per_rank,
-                      grad_x_RH.dtype)
+    with answering("grad_x_rows", grad_x_RH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         token_N1, _ = _send_back_tokens(comm, slot_map_TK)
         grad_hidden_TH = comm.combine(
             summed_rows(grad_x_RH, src_R, token_N1, None, max_tokens_per_rank, top_k),
@@ -95,11 +91,9 @@ def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, gro
 
 def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
                      max_tokens_per_rank):
-    check_activations("y_rows", y_RH)
     top_k = slot_map_TK.shape[1]
-    with on(y_RH.device):
-        comm = opened(group_name, ep_size, y_RH.shape[1], top_k, max_tokens_per_rank,
-                      y_RH.dtype)
+    with answering("y_rows", y_RH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         token_N1, (grad_NH,) = _send_back_tokens(comm, slot_map_TK,
                                                  [grad_out_TH.to(y_RH.dtype)])
         grads = rows_of_grad(grad_NH, y_RH, weight_R, src_R, token_N1, max_tokens_per_rank,

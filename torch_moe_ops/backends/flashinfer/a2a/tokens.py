@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.flashinfer.a2a.comm_api import check_activations, on
-from torch_moe_ops.backends.flashinfer.a2a.workspace import communicator, opened
+from torch_moe_ops.backends.flashinfer.a2a.workspace import answering, communicator
 
 
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
@@ -29,9 +29,7 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
 
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
-    check_activations("y_tokens", y_NH)
     num_tokens, top_k = topk_ids_TK.shape
-    with on(y_NH.device):
-        comm = opened(group_name, ep_size, y_NH.shape[1], top_k, max_tokens_per_rank,
-                      y_NH.dtype)
+    with answering("y_tokens", y_NH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         return comm.combine(y_NH, num_tokens)

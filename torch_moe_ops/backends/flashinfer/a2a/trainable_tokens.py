@@ -49,8 +49,8 @@ from torch_moe_ops.backends.flashinfer.a2a.bookkeeping import (
 from torch_moe_ops.backends.flashinfer.a2a.comm_api import check_activations, on
 from torch_moe_ops.backends.flashinfer.a2a.workspace import (
     FlashInferCommunicator,
+    answering,
     communicator,
-    opened,
 )
 
 
@@ -90,22 +90,18 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
 
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
-    check_activations("y_tokens", y_NH)
     num_tokens, top_k = topk_ids_TK.shape
-    with on(y_NH.device):
-        comm = opened(group_name, ep_size, y_NH.shape[1], top_k, max_tokens_per_rank,
-                      y_NH.dtype)
+    with answering("y_tokens", y_NH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         return _combine(comm, y_NH, num_experts, num_tokens, gradient=False,
                         follows="combine_tokens must follow the dispatch_tokens of its layer")
 
 
 def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, group_name,
                             max_tokens_per_rank):
-    check_activations("grad_out", grad_out_TH)
     num_tokens, top_k = topk_ids_TK.shape
-    with on(grad_out_TH.device):
-        comm = opened(group_name, ep_size, grad_out_TH.shape[1], top_k, max_tokens_per_rank,
-                      grad_out_TH.dtype)
+    with answering("grad_out", grad_out_TH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         ids_TK = topk_ids_TK.to(torch.int32)
         grad_NH, ids_NK, token_N1 = comm.dispatch(
             ids_TK, num_experts, [grad_out_TH, ids_TK, token_index(num_tokens, ids_TK.device)],
@@ -117,11 +113,9 @@ def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, grou
 
 def dispatch_tokens_backward(grad_x_NH, grad_weights_NK, topk_ids_TK, num_experts, ep_size,
                              group_name, max_tokens_per_rank):
-    check_activations("grad_x_tokens", grad_x_NH)
     num_tokens, top_k = topk_ids_TK.shape
-    with on(grad_x_NH.device):
-        comm = opened(group_name, ep_size, grad_x_NH.shape[1], top_k, max_tokens_per_rank,
-                      grad_x_NH.dtype)
+    with answering("grad_x_tokens", grad_x_NH, top_k, group_name, ep_size,
+                   max_tokens_per_rank) as comm:
         grad_hidden_TH = _combine(
             comm, grad_x_NH, num_experts, num_tokens, gradient=True,
             follows="dispatch_tokens_backward must follow the combine_tokens_backward of its "

@@ -9,6 +9,7 @@ positions, H hidden size, K experts per token, X the width of a payload.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -19,7 +20,7 @@ from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.communicators import Communicators
 from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
 from torch_moe_ops.backends.flashinfer.a2a import comm_api
-from torch_moe_ops.backends.flashinfer.a2a.comm_api import on
+from torch_moe_ops.backends.flashinfer.a2a.comm_api import check_activations, on
 
 
 def _metainfo_index(lib: types.SimpleNamespace, name: str) -> int:
@@ -263,5 +264,16 @@ def opened(group_name, ep_size, hidden_size, top_k, max_tokens_per_rank, dtype
         _key(group_name, hidden_size, top_k, max_tokens_per_rank, dtype), "flashinfer",
         f"group {group_name!r}, H={hidden_size}, K={top_k}, max_tokens_per_rank="
         f"{max_tokens_per_rank}, {dtype}")
+
+
+@contextlib.contextmanager
+def answering(name: str, x: torch.Tensor, top_k: int, group_name: str, ep_size: int,
+              max_tokens_per_rank: int):
+    """The open communicator of ``x``'s shape (`opened`; ``x`` checked as the activations
+    argument ``name``), with ``x``'s device current: where the ops that answer a dispatch run
+    (its combine and the gradients)."""
+    check_activations(name, x)
+    with on(x.device):
+        yield opened(group_name, ep_size, x.shape[1], top_k, max_tokens_per_rank, x.dtype)
 
 
