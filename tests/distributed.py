@@ -19,6 +19,7 @@ import sys
 import tempfile
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -62,6 +63,13 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def skip_without_gpus(world_size: int) -> None:
+    """Skip the calling test where there are fewer CUDA GPUs than ``world_size`` (NCCL runs
+    one rank per GPU)."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
 
 
 def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",

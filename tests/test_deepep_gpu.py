@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import torch_moe_ops as tmo
-from distributed import run_on_ranks
+from distributed import run_on_ranks, skip_without_gpus
 from ep_problems import (
     assert_close_scaled,
     assert_quantized_dispatch,
@@ -107,8 +107,7 @@ def _layout() -> tuple[int, ...]:
 
 
 def _launch(world_size, fn, *args, deadline_s=DEADLINE_S) -> None:
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    skip_without_gpus(world_size)
     run_on_ranks(world_size, fn, *args, backend="nccl", timeout=TIMEOUT, deadline_s=deadline_s)
 
 

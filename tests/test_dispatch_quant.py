@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_moe_ops as tmo
-from distributed import run_on_ranks
+from distributed import run_on_ranks, skip_without_gpus
 from ep_problems import assert_close_scaled, token_slice
 from torch_moe_ops import quant
 from torch_moe_ops.backends.dispatch_dtype import DEFAULT_RULE, DispatchDtype
@@ -409,6 +409,5 @@ def _gpu_cases(rank, world_size, a2a):
 @pytest.mark.parametrize("world_size", sorted(GPU_LAYOUTS), ids="P{}".format)
 @pytest.mark.parametrize("a2a", sorted(A2A_NAMESPACES))
 def test_quantized_layers_dispatch_fp8_on_gpus(a2a, world_size):
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    skip_without_gpus(world_size)
     run_on_ranks(world_size, _gpu_cases, a2a, backend="nccl", deadline_s=600)

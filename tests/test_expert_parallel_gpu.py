@@ -28,7 +28,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_moe_ops as tmo
-from distributed import run_on_ranks
+from distributed import run_on_ranks, skip_without_gpus
 from ep_problems import (
     assert_close_scaled,
     assert_rank_matches,
@@ -83,8 +83,7 @@ def _skip_unless_available(a2a: str, world_size: int) -> None:
 
 
 def _launch(world_size, fn, *args) -> None:
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    skip_without_gpus(world_size)
     run_on_ranks(world_size, fn, *args, backend="nccl", timeout=COLLECTIVE_TIMEOUT,
                  deadline_s=RUN_DEADLINE_S)
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import torch_moe_ops as tmo
-from distributed import run_on_ranks
+from distributed import run_on_ranks, skip_without_gpus
 from ep_problems import (
     TwoLayers,
     assert_close_scaled,
@@ -324,8 +324,7 @@ def _run(rank, world_size, shared_gpu):
 @pytest.mark.skipif(TWO_GPUS_REASON is not None, reason=str(TWO_GPUS_REASON))
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids="P{}".format)
 def test_matches_single_process(world_size):
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    skip_without_gpus(world_size)
     run_on_ranks(world_size, _run, False, backend="nccl", timeout=TIMEOUT,
                  deadline_s=DEADLINE_S)
 
