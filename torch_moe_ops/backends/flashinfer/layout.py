@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from torch_moe_ops import quant
+from torch_moe_ops.backends.flashinfer.weight_cache import outside_graph_pools
 from torch_moe_ops.config import MXFP4_GROUP, QuantSpec
 
 # FlashInfer's ActivationType per activation of ours.
@@ -107,10 +108,12 @@ class PreparedWeights:
         if activation == "swiglu_oai":
             if (alpha, limit) not in self.swiglu:
                 num_experts, device = self.fc1.shape[0], self.fc1.device
-                self.swiglu[(alpha, limit)] = {
-                    f"swiglu_{name}": torch.full((num_experts,), value, dtype=torch.float32,
-                                                 device=device)
-                    for name, value in (("alpha", alpha), ("beta", 1.0), ("limit", limit))}
+                with outside_graph_pools(device):  # kept with the prepared weights
+                    self.swiglu[(alpha, limit)] = {
+                        f"swiglu_{name}": torch.full((num_experts,), value,
+                                                     dtype=torch.float32, device=device)
+                        for name, value in (("alpha", alpha), ("beta", 1.0),
+                                            ("limit", limit))}
             kwargs.update(self.swiglu[(alpha, limit)])
         return kwargs
 

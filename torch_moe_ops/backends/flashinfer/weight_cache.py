@@ -1,9 +1,11 @@
 """Prepared copies of a layer's weights, kept by their source tensors: by (tensor,
 version), as DESIGN asks of a backend whose kernels read another layout. The
-``flashinfer`` experts backend keeps its one cache here (`WeightCache`)."""
+``flashinfer`` experts backend keeps its one cache here (`WeightCache`), and makes what
+outlives a call inside `outside_graph_pools`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -38,6 +40,41 @@ def _version(t: torch.Tensor | None) -> int | None:
     return None if t is None else torch_compat.tensor_version(t)
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def outside_graph_pools(device: torch.device):
+    """Runs its block where what it allocates on ``device`` comes from the caching
+    allocator's own pools, for tensors that outlive the call (prepared weights).
+
+    A compiled layer's first call runs inside a CUDA graph's memory pool (Inductor's
+    CUDA-graph trees warm up there), and a tensor made then and kept raises "tensor(s)
+    in the cudagraph pool not tracked as outputs". That pool takes the allocations of
+    one stream only, so the block runs on a side stream of its own, ordered after the
+    current stream's work and before what follows. Each entry waits for the current
+    stream, so a block freed later and handed out here again is not written before the
+    kernels that read it have run. Raises during a capture: kernels do not run then, and
+    a copy made would hold garbage.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("experts backend 'flashinfer' converts a layer's weights on "
+                           "its first call, which cannot be captured in a CUDA graph: "
+                           "run the layer once before capturing (or after changing its "
+                           "weights)")
+    if device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side = _SIDE_STREAMS[device]
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
 class WeightCache:
     """Prepared weights by their source tensors, as DESIGN asks: by (tensor, version).
 
@@ -63,16 +100,13 @@ class WeightCache:
                 and all(ref() is t.untyped_storage()
                         for ref, t in zip(entry.storages, sources) if t is not None)):
             return entry.prepared
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            # Kernels do not run during capture: a copy made now would hold garbage.
-            raise RuntimeError("experts backend 'flashinfer' converts a layer's weights on "
-                               "its first call, which cannot be captured in a CUDA graph: "
-                               "run the layer once before capturing (or after changing its "
-                               "weights)")
         storages = tuple(weakref.ref(t.untyped_storage()) for t in sources if t is not None)
         if entry is not None:
             entry.detach()
-        entry = _Entry(versions, storages, prepare())
+        device = next(t.device for t in sources if t is not None)
+        with outside_graph_pools(device):
+            prepared = prepare()
+        entry = _Entry(versions, storages, prepared)
         self._entries[key] = entry
         for t in sources:
             if t is not None:
