@@ -24,6 +24,8 @@ the CPU.
   64, K of 128). The weights' is a bit shuffle of its CUDA kernel that this stand-in does
   not reproduce: it swaps the two nibbles of each byte instead (with the kernel's
   checks: N a multiple of 16, K of 64), so weights that skip it read back wrong here too.
+- ``flashinfer.autotuner.autotune``: a context whose kernel calls go to `PROFILED`
+  instead of `CALLS` (FlashInfer's autotuner runs the kernels to time them).
 - ``flashinfer.jit.env``: ``FLASHINFER_JIT_DIR`` (the tests point it at a temporary
   folder) and ``get_aot_artifacts`` (none, unless a test adds one).
 - ``flashinfer.jit.fused_moe``: ``gen_cutlass_fused_moe_sm90_module`` returns a spec
@@ -36,6 +38,7 @@ What it cannot tell is whether FlashInfer's kernels behave as documented: the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib.machinery
@@ -55,10 +58,23 @@ MXFP4_GROUP = 32
 FOLD_ROWS, FOLD_COLS = 64, 128
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
-# What the tests read: every build asked of the stand-in, every kernel call.
+# What the tests read: every build asked of the stand-in, every kernel call (those under
+# ``autotune(True)`` apart).
 BUILDS: list[str] = []
 CALLS: list[dict] = []
+PROFILED: list[dict] = []
 AOT_ARTIFACTS: dict[str, Path] = {}
+# Open ``autotune(True)`` contexts.
+TUNING: list[bool] = []
+
+
+@contextlib.contextmanager
+def autotune(tune_mode: bool = True, **options):
+    TUNING.append(tune_mode)
+    try:
+        yield
+    finally:
+        TUNING.pop()
 
 
 class ActivationType(enum.IntEnum):
@@ -153,10 +169,11 @@ def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_exp
                       enable_alltoall=False, use_deepseek_fp8_block_scale=False,
                       use_w4_group_scaling=False, activation_type=ActivationType.Swiglu,
                       **options):
-    CALLS.append({"activation_type": activation_type, "num_tokens": input.shape[0],
-                  "block_scale": use_deepseek_fp8_block_scale, "w4": use_w4_group_scaling,
-                  "input": input, "ids": token_selected_experts,
-                  "scales": token_final_scales, "options": options})
+    (PROFILED if any(TUNING) else CALLS).append({
+        "activation_type": activation_type, "num_tokens": input.shape[0],
+        "block_scale": use_deepseek_fp8_block_scale, "w4": use_w4_group_scaling,
+        "input": input, "ids": token_selected_experts, "scales": token_final_scales,
+        "output": output, "options": options})
     x_TH, ids_TK, scales_TK = input, token_selected_experts, token_final_scales
     fc1_EFH, fc2_EHI = fc1_expert_weights, fc2_expert_weights
     _check(ids_TK.dtype == torch.int32 and ids_TK.dim() == 2, "token_selected_experts")
@@ -283,6 +300,7 @@ MODULES = {
     "flashinfer.fused_moe.core": _module(
         "flashinfer.fused_moe.core",
         gen_cutlass_fused_moe_sm90_module=gen_cutlass_fused_moe_sm90_module),
+    "flashinfer.autotuner": _module("flashinfer.autotuner", autotune=autotune),
     "flashinfer.jit": _module("flashinfer.jit", env=jit_env),
     "flashinfer.jit.env": jit_env,
     "flashinfer.jit.gemm": _module("flashinfer.jit.gemm"),
@@ -297,6 +315,7 @@ MODULES = {
 MODULES["flashinfer"].fused_moe = MODULES["flashinfer.fused_moe"]
 MODULES["flashinfer.fused_moe"].core = MODULES["flashinfer.fused_moe.core"]
 MODULES["flashinfer"].jit = MODULES["flashinfer.jit"]
+MODULES["flashinfer"].autotuner = MODULES["flashinfer.autotuner"]
 MODULES["flashinfer.jit"].fused_moe = MODULES["flashinfer.jit.fused_moe"]
 
 
@@ -307,5 +326,6 @@ def install(jit_dir: Path) -> None:
     jit_env.FLASHINFER_GEN_SRC_DIR = Path(jit_dir) / "generated"
     BUILDS.clear()
     CALLS.clear()
+    PROFILED.clear()
     AOT_ARTIFACTS.clear()
     sys.modules.update(MODULES)

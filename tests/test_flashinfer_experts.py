@@ -45,7 +45,7 @@ from torch_moe_ops.backends.dispatch_dtype import (
     DispatchSides,
     resolve_dispatch_dtype,
 )
-from torch_moe_ops.backends.flashinfer import cutlass_module, cutlass_symbols, library
+from torch_moe_ops.backends.flashinfer import cutlass_module, cutlass_symbols, library, tuning
 from torch_moe_ops.backends.flashinfer import experts as backend
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
@@ -82,7 +82,10 @@ def emulated(monkeypatch, tmp_path):
     monkeypatch.setattr(flashinfer_emulator.jit_env, "FLASHINFER_JIT_DIR", tmp_path / "jit")
     flashinfer_emulator.BUILDS.clear()
     flashinfer_emulator.CALLS.clear()
+    flashinfer_emulator.PROFILED.clear()
     flashinfer_emulator.AOT_ARTIFACTS.clear()
+    tuning.forget_tuned_shapes()
+    monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
     monkeypatch.delenv(cutlass_module.BUILD_ENV, raising=False)
     library.missing.cache_clear()
     cutlass_module.check_symbols.cache_clear()
@@ -400,6 +403,41 @@ def test_cache_entries_go_with_their_weights(emulated, expert_inputs, freed_firs
     del inputs
     gc.collect()
     assert len(backend._PREPARED) == 0 and all(ref() is None for ref in storages)
+
+
+def test_each_layer_shape_is_profiled_once_then_runs_tuned(emulated, expert_inputs):
+    """The first call of a shape runs once more under FlashInfer's autotuner, into an output
+    of its own; later calls of that shape (another layer, another token count) do not; a
+    new shape does. Every call passes the same ``tune_max_num_tokens``, which its buckets
+    depend on."""
+    for num_tokens in (9, 5):
+        torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, False, num_tokens).args())
+    assert len(emulated.PROFILED) == 1 and len(emulated.CALLS) == 2
+    (profiled,) = emulated.PROFILED
+    assert profiled["output"].data_ptr() != emulated.CALLS[0]["output"].data_ptr()
+    assert torch.equal(profiled["output"], emulated.CALLS[0]["output"])
+    wider = expert_inputs(num_tokens=3, hidden_size=64, intermediate_size=16, num_experts=4,
+                          top_k=2, dtype=torch.bfloat16)
+    torch.ops.moe_flashinfer.experts(*wider.args())
+    assert len(emulated.PROFILED) == 2
+    assert all(call["options"]["tune_max_num_tokens"] == tuning.TUNE_MAX_TOKENS
+               for call in emulated.CALLS + emulated.PROFILED)
+
+
+def test_autotune_off_profiles_nothing(emulated, expert_inputs, monkeypatch):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    out_TH = torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, bias=False).args())
+    assert emulated.PROFILED == [] and len(emulated.CALLS) == 1 and out_TH.isfinite().all()
+
+
+def test_a_shape_first_seen_during_capture_runs_untuned(emulated, expert_inputs, monkeypatch):
+    args = bf16_inputs(expert_inputs, bias=False).args()
+    torch.ops.moe_flashinfer.experts(*args)
+    tuning.forget_tuned_shapes()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    torch.ops.moe_flashinfer.experts(*args)
+    assert len(emulated.PROFILED) == 1 and len(emulated.CALLS) == 2
 
 
 def test_a_miss_during_cuda_graph_capture_raises(emulated, expert_inputs, monkeypatch):

@@ -42,8 +42,9 @@ Weights are converted once per (tensor, version) and kept in this module's one c
 (`weight_cache.WeightCache`; `clear_prepared_weights` empties it): the ``fc1`` copy takes
 as much memory as ``w13`` (and ``b13``, and the scales of quantized ``w13``); mxfp4 copies
 ``w2`` too. The first call of a layer makes it, outside CUDA-graph capture (a miss during
-capture raises: run the layer once first). An empty batch (T = 0, an idle rank) returns
-``[0, H]`` and launches nothing.
+capture raises: run the layer once first). The first call of each layer shape also runs
+FlashInfer's autotuner (`tuning`). An empty batch (T = 0, an idle rank) returns ``[0, H]``
+and launches nothing.
 
 With expert parallelism it reads what the planned format delivers: the tokens format's
 receive buffers through its ``experts`` op, as they are: ``x_tokens [N, H]`` (a view of
@@ -64,7 +65,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_moe_ops.backends.flashinfer import cutlass_module, library
+from torch_moe_ops.backends.flashinfer import cutlass_module, library, tuning
 from torch_moe_ops.backends.flashinfer.layout import (
     ACTIVATION_TYPES,
     MXFP4_ALIGNMENT,
@@ -200,12 +201,22 @@ def _run(x_NH, weights_NK, ids_NK, weights: tuple, spec: QuantSpec | None, activ
     pad = prepared.padded_hidden - prepared.hidden_size
     x_NHp = F.pad(x_NH, (0, pad)) if pad else x_NH.contiguous()
     out_NHp = torch.empty(x_NHp.shape, dtype=x_NH.dtype, device=x_NH.device) if pad else out_NH
-    cutlass_fused_moe(x_NHp, ids_NK.to(torch.int32).contiguous(),
-                      weights_NK.float().contiguous(), prepared.fc1, prepared.fc2,
-                      x_NH.dtype, prepared.quant_scales, fc1_expert_biases=prepared.fc1_bias,
-                      fc2_expert_biases=prepared.fc2_bias, output=out_NHp,
-                      **prepared.format_kwargs,
-                      **prepared.activation_kwargs(activation, alpha, limit))
+    ids_NK = ids_NK.to(torch.int32).contiguous()
+    weights_NK = weights_NK.float().contiguous()
+    activation_kwargs = prepared.activation_kwargs(activation, alpha, limit)
+
+    def run(output_NHp: torch.Tensor) -> None:
+        cutlass_fused_moe(x_NHp, ids_NK, weights_NK, prepared.fc1, prepared.fc2, x_NH.dtype,
+                          prepared.quant_scales, fc1_expert_biases=prepared.fc1_bias,
+                          fc2_expert_biases=prepared.fc2_bias, output=output_NHp,
+                          tune_max_num_tokens=tuning.TUNE_MAX_TOKENS,
+                          **prepared.format_kwargs, **activation_kwargs)
+
+    shape_key = (x_NHp.device, x_NHp.dtype, ids_NK.shape[1], activation, spec,
+                 *((tuple(t.shape), t.dtype) if t is not None else None
+                   for t in (prepared.fc1, prepared.fc2, prepared.fc1_bias)))
+    tuning.tune_once(shape_key, x_NH.device, lambda: run(torch.empty_like(out_NHp)))
+    run(out_NHp)
     if pad:
         out_NH.copy_(out_NHp[:, :prepared.hidden_size])
     return out_NH
