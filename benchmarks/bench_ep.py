@@ -50,9 +50,9 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    without CUDA graphs, captured by hand), against the local experts alone
    (``moe::experts_rows`` on E_l experts and the rows an all_to_all dispatch of
    uniformly random routing delivers, captured) plus the raw transport of the
-   backend's collectives. The layer moves whole (``chunks=1``); beside it, each chunk count
-   of ``--chunks`` that the plan takes for the layer (``auto``: the plan's own choice) gives a
-   row of the layer whose tokens move in chunks, transfers issued and waited around
+   backend's collectives. The layer moves whole (``chunks=1``); beside it, at the largest
+   token count, each chunk count of ``--chunks`` that the plan takes for the layer
+   (``auto``: the plan's own choice) gives a row of the layer whose tokens move in chunks, transfers issued and waited around
    another chunk's experts (`lowering.overlap`), against the same sum.
 
 Bytes one rank sends its peers (GB/s = those bytes / time):
@@ -818,7 +818,10 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
                 a2a, ("a2a", tokens if fmt == "tokens" else cfg.rows_per_rank))
             if fmt == "masked":
                 key = ("deepep", cfg.num_experts, tokens, "low_latency")
-            for chunks in [1, *planned_chunks(run, cfg, a2a, asked_chunks)]:
+            # Chunks of a decode-sized batch each read every expert's weights again: the
+            # asked counts run at the prefill size only.
+            asked = asked_chunks if tokens == max(sizes.layer_tokens) else []
+            for chunks in [1, *planned_chunks(run, cfg, a2a, asked)]:
                 if chunks > 1 and not run.within_budget(f"layer {a2a} T={tokens} x{chunks}"):
                     continue
                 row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens, "format": fmt,
