@@ -57,3 +57,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``TORCH_MOE_OPS_DURATIONS_LOG`` set, each test's call time is appended to that
+    file as the test ends, in ``--durations``' line format: a run cut short by its time
+    bound still balances the next run's shards (scripts/gpu_shards.py)."""
+    path = os.environ.get("TORCH_MOE_OPS_DURATIONS_LOG")
+    if path and report.when == "call":
+        with open(path, "a") as log:
+            log.write(f"{report.duration:.2f}s call     {report.nodeid}\n")

@@ -2,7 +2,8 @@
 # The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
 # skips them; SHARDS=N, default one per GPU, runs the single-GPU tests as N pytest
 # processes of whole files, each on its own GPU (scripts/gpu_shards.py; DURATIONS_LOG, a
-# log of an earlier run, balances them), then the multigpu tests on all; TEST_SECONDS
+# log of an earlier run, balances them: the durations_<gpu>.log files it writes to $OUT, one
+# after the other, or pytest's --durations lines), then the multigpu tests on all; TEST_SECONDS
 # bounds each part), then with TUNE=<shapes> the config tuning of those benchmark
 # shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the bf16 experts
 # benchmark, one shape at a time (BENCH_ARGS="--formats ..." for others; quantized
@@ -21,7 +22,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   gpu=0
   while read -r files; do
     # SIGINT at the bound: pytest then reports what failed so far and the durations.
-    [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu timeout -s INT -k 30 "${TEST_SECONDS:-540}" \
+    # Each test's time is logged as it ends: a shard cut short still balances the next run.
+    [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu TORCH_MOE_OPS_DURATIONS_LOG="$OUT/durations_$gpu.log" \
+      timeout -s INT -k 30 "${TEST_SECONDS:-540}" \
       python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} $files \
       >"$OUT/gpu_tests_$gpu.log" 2>&1; echo $? >"$OUT/gpu_tests_$gpu.rc") &
     gpu=$((gpu + 1))
