@@ -35,13 +35,23 @@ def send_positions(topk_ids_TK, num_experts, ep_size, max_tokens):
     # A comparison, not a scatter into [T, P + 1]: Inductor (torch 2.11) failed to generate
     # the training graph's code for that scatter's int32 buffer.
     ranks_TK = torch.where(topk_ids_TK < 0, -1, topk_ids_TK // (num_experts // ep_size))
-    goes_TP = (ranks_TK.unsqueeze(2) == rank_P).any(1).to(torch.int32)
-    send_position_TP = torch.where(goes_TP > 0,
-                                   torch.cumsum(goes_TP, 0) - 1 + rank_P * max_tokens, -1)
-    tokens_TP = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, ep_size)
-    token_of_position_N = scatter_index(tokens_TP.reshape(-1), send_position_TP.reshape(-1),
+    goes_PT = (ranks_TK.unsqueeze(0) == rank_P.view(-1, 1, 1)).any(2)
+    # One scan over the P * T flags, rank by rank, not a scan down T of a [T, P] buffer:
+    # Inductor (torch 2.11) splits that scan over blocks of T in a kernel with no rank
+    # axis, and fails to generate it once it computes the rank there ("list indices must
+    # be integers or slices, not NoneType"); this scan has no other axis.
+    counted_PT = torch.cumsum(goes_PT.reshape(-1).to(torch.int32), 0).view(goes_PT.shape)
+    # The count runs on across ranks: rank p's starts after the flags of the ranks before
+    # it, its first token's count less that token's own flag.
+    before_P1 = counted_PT[:, :1] - goes_PT[:, :1].long()
+    send_position_PT = torch.where(goes_PT, counted_PT - before_P1 - 1
+                                   + rank_P.unsqueeze(1) * max_tokens, -1)
+    tokens_PT = torch.arange(num_tokens, device=device).expand(ep_size, -1)
+    token_of_position_N = scatter_index(tokens_PT.reshape(-1), send_position_PT.reshape(-1),
                                         ep_size * max_tokens)
-    return send_position_TP.to(torch.int32), token_of_position_N
+    send_position_TP = send_position_PT.t().to(torch.int32,
+                                               memory_format=torch.contiguous_format)
+    return send_position_TP, token_of_position_N
 
 
 def received_positions(local_NK: torch.Tensor, token_N: torch.Tensor, max_tokens: int
