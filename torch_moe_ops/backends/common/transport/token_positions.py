@@ -32,8 +32,6 @@ def send_positions(topk_ids_TK, num_experts, ep_size, max_tokens):
     num_tokens = topk_ids_TK.shape[0]
     device = topk_ids_TK.device
     rank_P = torch.arange(ep_size, device=device, dtype=torch.int32)
-    # A comparison, not a scatter into [T, P + 1]: Inductor (torch 2.11) failed to generate
-    # the training graph's code for that scatter's int32 buffer.
     ranks_TK = torch.where(topk_ids_TK < 0, -1, topk_ids_TK // (num_experts // ep_size))
     goes_PT = (ranks_TK.unsqueeze(0) == rank_P.view(-1, 1, 1)).any(2)
     # One scan over the P * T flags, rank by rank, not a scan down T of a [T, P] buffer:
