@@ -52,8 +52,9 @@ Three phases, each in the same run, every time the slower rank's (max over ranks
    uniformly random routing delivers, captured) plus the raw transport of the
    backend's collectives. The layer moves whole (``chunks=1``); beside it, at the largest
    token count, each chunk count of ``--chunks`` that the plan takes for the layer
-   (``auto``: the plan's own choice) gives a row of the layer whose tokens move in chunks, transfers issued and waited around
-   another chunk's experts (`lowering.overlap`), against the same sum.
+   (``auto``: the plan's own choice) gives a row of the layer whose tokens move in chunks,
+   transfers issued and waited around another chunk's experts (`lowering.overlap`),
+   against the same sum.
 
 Bytes one rank sends its peers (GB/s = those bytes / time):
     all_to_all  (P-1) * C * (2*H*b + 8)   rows out and back, + int32 expert id and fp32 weight
