@@ -285,6 +285,32 @@ def check_tensor(name: str, t: torch.Tensor) -> None:
                          "another a2a backend")
 
 
+@contextlib.contextmanager
+def dispatching(name: str, x: torch.Tensor, top_k: int, num_experts: int, ep_size: int,
+                group_name: str, max_tokens_per_rank: int, mode: str = "auto"):
+    """The communicator of ``x``'s layer shape in ``mode``, opened on first use
+    (`communicator`; ``x`` checked as the activations argument ``name``, this rank checked
+    in ``group_name``), with ``x``'s device current: where a dispatch runs."""
+    check_tensor(name, x)
+    collectives.rank_in(group_name, ep_size)
+    with on(x.device):
+        yield communicator(group_name, x.shape[-1], num_experts, top_k, max_tokens_per_rank,
+                           x.dtype, mode=mode, device=x.device)
+
+
+@contextlib.contextmanager
+def answering(name: str, y: torch.Tensor, top_k: int, num_experts: int, ep_size: int,
+              group_name: str, max_tokens_per_rank: int, mode: str):
+    """The open communicator of ``y``'s layer shape in ``mode`` (`opened`; ``y`` checked as
+    the activations argument ``name``, this rank checked in ``group_name``), with ``y``'s
+    device current: where a combine answers its dispatch."""
+    check_tensor(name, y)
+    collectives.rank_in(group_name, ep_size)
+    with on(y.device):
+        yield opened(group_name, y.shape[-1], num_experts, top_k, max_tokens_per_rank, y.dtype,
+                     mode)
+
+
 def pad_tokens(t_TX: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
     """``t`` with rows of ``fill`` appended up to ``num_rows``, contiguous."""
     missing = num_rows - t_TX.shape[0]

@@ -32,9 +32,8 @@ max_tokens_per_rank, Q = P * M rows per local expert, G = H / 128 fp8 scales per
 
 from __future__ import annotations
 
-from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.deepep import low_latency
-from torch_moe_ops.backends.deepep.buffer import check_tensor, communicator, on, opened
+from torch_moe_ops.backends.deepep.buffer import answering, dispatching
 from torch_moe_ops.backends.deepep.modes import LOW_LATENCY, fp8_transport_reason
 from torch_moe_ops.config import QuantSpec
 
@@ -43,13 +42,9 @@ def _dispatch(hidden_TH, topk_ids_TK, num_experts, ep_size, group_name, max_toke
               use_fp8):
     """``Buffer.low_latency_dispatch``: ``(recv_x, count_E, src_info_EQ, layout_range_EP)``,
     ``recv_x`` bf16 or, with ``use_fp8``, DeepEP's pair (fp8 values, scales)."""
-    check_tensor("hidden", hidden_TH)
     num_tokens, top_k = topk_ids_TK.shape
-    collectives.rank_in(group_name, ep_size)
-    with on(hidden_TH.device):
-        comm = communicator(group_name, hidden_TH.shape[1], num_experts, top_k,
-                            max_tokens_per_rank, hidden_TH.dtype, mode=LOW_LATENCY,
-                            device=hidden_TH.device)
+    with dispatching("hidden", hidden_TH, top_k, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, LOW_LATENCY) as comm:
         comm.check_tokens(num_tokens)
         recv_x, count_E, handle = low_latency.send(comm, hidden_TH, topk_ids_TK, use_fp8)
         return recv_x, count_E, handle[0], handle[1]
@@ -78,13 +73,9 @@ def dispatch_masked_quant(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, 
 
 def combine_masked(y_EQH, src_info_EQ, layout_range_EP, topk_weights_TK, topk_ids_TK,
                    num_experts, ep_size, group_name, max_tokens_per_rank):
-    check_tensor("y_masked", y_EQH)
-    top_k = topk_ids_TK.shape[1]
-    collectives.rank_in(group_name, ep_size)
-    hidden_size = y_EQH.shape[2]
-    with on(y_EQH.device):
-        comm = opened(group_name, hidden_size, num_experts, top_k, max_tokens_per_rank,
-                      y_EQH.dtype, LOW_LATENCY)
-        handle = (src_info_EQ, layout_range_EP, max_tokens_per_rank, hidden_size, num_experts)
+    with answering("y_masked", y_EQH, topk_ids_TK.shape[1], num_experts, ep_size, group_name,
+                   max_tokens_per_rank, LOW_LATENCY) as comm:
+        handle = (src_info_EQ, layout_range_EP, max_tokens_per_rank, y_EQH.shape[2],
+                  num_experts)
         return low_latency.send_back(comm, y_EQH.contiguous(), topk_ids_TK, topk_weights_TK,
                                      handle)

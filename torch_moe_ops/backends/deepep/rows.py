@@ -25,8 +25,8 @@ from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.deepep import low_latency, normal
 from torch_moe_ops.backends.deepep.buffer import (
     check_tensor,
-    communicator,
     communicators,
+    dispatching,
     on,
 )
 from torch_moe_ops.backends.deepep.modes import LOW_LATENCY, NORMAL, fp8_transport_reason
@@ -63,13 +63,10 @@ def _transport(src_R, group_name, ep_size, max_tokens_per_rank, hidden_size, top
 def _dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
               max_tokens_per_rank, capacity, spec=None):
     """Dispatch's six outputs, and with ``spec`` the rows in fp8 and ``x_scale``."""
-    check_tensor("hidden", hidden_TH)
     num_tokens, top_k = topk_ids_TK.shape
     num_local = num_experts // ep_size
-    collectives.rank_in(group_name, ep_size)
-    with on(hidden_TH.device):
-        comm = communicator(group_name, hidden_TH.shape[1], num_experts, top_k,
-                            max_tokens_per_rank, hidden_TH.dtype, device=hidden_TH.device)
+    with dispatching("hidden", hidden_TH, top_k, num_experts, ep_size, group_name,
+                     max_tokens_per_rank) as comm:
         comm.check_tokens(num_tokens)
         if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
             collectives.check_capacity(_rows_per_rank(topk_ids_TK, num_local, ep_size), capacity,

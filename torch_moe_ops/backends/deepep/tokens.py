@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.deepep import normal
 from torch_moe_ops.backends.deepep.buffer import (
     TokensDispatch,
-    check_tensor,
-    communicator,
-    on,
-    opened,
+    answering,
+    dispatching,
     pad_tokens,
 )
 from torch_moe_ops.backends.deepep.modes import NORMAL
@@ -48,13 +45,9 @@ from torch_moe_ops.backends.deepep.modes import NORMAL
 
 def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
                     max_tokens_per_rank):
-    check_tensor("hidden", hidden_TH)
     num_tokens, top_k = topk_ids_TK.shape
-    collectives.rank_in(group_name, ep_size)
-    with on(hidden_TH.device):
-        comm = communicator(group_name, hidden_TH.shape[1], num_experts, top_k,
-                            max_tokens_per_rank, hidden_TH.dtype, mode=NORMAL,
-                            device=hidden_TH.device)
+    with dispatching("hidden", hidden_TH, top_k, num_experts, ep_size, group_name,
+                     max_tokens_per_rank, NORMAL) as comm:
         x_TH = pad_tokens(hidden_TH, max(num_tokens, 1), 0)
         x_NH, ids_NK, weights_NK, handle = normal.send(comm, x_TH, topk_weights_TK, topk_ids_TK)
         comm.tokens_dispatch = TokensDispatch(handle, num_tokens)
@@ -62,12 +55,9 @@ def dispatch_tokens(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_siz
 
 
 def combine_tokens(y_NH, topk_ids_TK, num_experts, ep_size, group_name, max_tokens_per_rank):
-    check_tensor("y_tokens", y_NH)
     num_tokens, top_k = topk_ids_TK.shape
-    collectives.rank_in(group_name, ep_size)
-    with on(y_NH.device):
-        comm = opened(group_name, y_NH.shape[1], num_experts, top_k, max_tokens_per_rank,
-                      y_NH.dtype, NORMAL)
+    with answering("y_tokens", y_NH, top_k, num_experts, ep_size, group_name,
+                   max_tokens_per_rank, NORMAL) as comm:
         sent = comm.tokens_dispatch
         if sent is None or sent.num_tokens != num_tokens:
             raise RuntimeError(f"a2a backend 'deepep': combine_tokens of {num_tokens} tokens "
