@@ -156,6 +156,18 @@ def _moe_config(world_size, ep_size, max_tokens, intermediate_size=I, quant=None
                          max_tokens_per_rank=max_tokens if ep_size > 1 else None, quant=quant)
 
 
+def _single_and_sharded(world_size, max_tokens, intermediate_size=I, quant=None):
+    """The single-process bf16 `MoE` and this rank's shard of it over the default group,
+    with the same full weights (seed 5)."""
+    torch.manual_seed(5)
+    single = tmo.MoE(_moe_config(world_size, 1, max_tokens, intermediate_size, quant),
+                     dtype=torch.bfloat16)
+    sharded = tmo.MoE(_moe_config(world_size, world_size, max_tokens, intermediate_size, quant),
+                      dtype=torch.bfloat16, ep_group=dist.group.WORLD)
+    sharded.load_full_weights(single.state_dict())
+    return single, sharded
+
+
 class TwoLayers(nn.Module):
     def __init__(self, layers):
         super().__init__()
@@ -265,11 +277,7 @@ def _trained_and_served(rank, world_size, max_tokens):
     against the same layer in one process: the sharded layer, this rank's tokens, and the
     op sequences of its training and its serving graphs."""
     torch._dynamo.reset()
-    torch.manual_seed(5)
-    single = tmo.MoE(_moe_config(world_size, 1, max_tokens), dtype=torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(world_size, world_size, max_tokens), dtype=torch.bfloat16,
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
+    single, sharded = _single_and_sharded(world_size, max_tokens)
     x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
                        generator=torch.Generator().manual_seed(9)).bfloat16()
     x_TH = x_NH[_my_tokens(rank, world_size)]
@@ -417,11 +425,7 @@ def _masked_inductor_cases(rank, world_size):
     combine survive though their outputs are empty (ordered effects)."""
     deepep = _use_emulator()
     torch._dynamo.reset()
-    torch.manual_seed(5)
-    single = tmo.MoE(_moe_config(world_size, 1, M_MASKED), dtype=torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(world_size, world_size, M_MASKED), dtype=torch.bfloat16,
-                      ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
+    single, sharded = _single_and_sharded(world_size, M_MASKED)
     sequences = []
     compiled = torch.compile(sharded, backend=recording_backend(
         sequences, a2a="deepep", experts="reference", inner="inductor"), fullgraph=True,
@@ -494,11 +498,7 @@ def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True)
     max_tokens = LAYER_TOKENS[mode]
     comm = deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
                                torch.bfloat16, mode=mode, device="cpu")
-    torch.manual_seed(5)
-    single = tmo.MoE(_moe_config(world_size, 1, max_tokens, QUANT_I, spec), dtype=torch.bfloat16)
-    sharded = tmo.MoE(_moe_config(world_size, world_size, max_tokens, QUANT_I, spec),
-                      dtype=torch.bfloat16, ep_group=dist.group.WORLD)
-    sharded.load_full_weights(single.state_dict())
+    single, sharded = _single_and_sharded(world_size, max_tokens, QUANT_I, spec)
     x_NH = torch.randn(sum(TOKENS_PER_RANK[world_size]), H,
                        generator=torch.Generator().manual_seed(9)).bfloat16()
     mine = _my_tokens(rank, world_size)

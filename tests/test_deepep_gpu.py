@@ -310,13 +310,14 @@ def _tokens_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens):
     return torch.ops.moe_deepep.combine_tokens(y_NH, ids_TK, E, *ep_args)
 
 
-def _check_tokens(rank, route, max_tokens):
-    """The tokens chain against ``moe_reference::experts`` on all tokens."""
+def _check_chain(rank, route, pipeline):
+    """``pipeline`` (this rank's tokens, routing and experts -> its ``[T, H]`` output)
+    against ``moe_reference::experts`` on all tokens."""
     hidden_NH, weights_NK, ids_NK, full = _full_problem(8, route)
     mine, local = _mine(rank), _local(rank)
     with torch.no_grad():
-        out_TH = _tokens_pipeline(hidden_NH[mine], weights_NK[mine], ids_NK[mine],
-                                  [w[local] for w in full], max_tokens)
+        out_TH = pipeline(hidden_NH[mine], weights_NK[mine], ids_NK[mine],
+                          [w[local] for w in full])
         ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
     check_bf16_out(out_TH, ref_NH[mine])
 
@@ -324,10 +325,10 @@ def _check_tokens(rank, route, max_tokens):
 def _run_tokens(rank, world_size):
     # M_LOW_LATENCY: the size where rows take the low-latency kernels; tokens stay normal.
     for max_tokens in (M_NORMAL, M_LOW_LATENCY):
+        pipeline = functools.partial(_tokens_pipeline, max_tokens=max_tokens)
         for route in ("random", "one_rank"):
-            _check_tokens(rank, route, max_tokens)
-        check_graph_replays(functools.partial(_tokens_pipeline, max_tokens=max_tokens),
-                            _full_problem, _mine(rank), _local(rank), STATIC)
+            _check_chain(rank, route, pipeline)
+        check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     assert [c.mode for c in deepep.open_communicators()] == ["normal", "normal"]
     deepep.close_all()
 
@@ -349,23 +350,12 @@ def _masked_pipeline(hidden_TH, weights_TK, ids_TK, experts, namespace="moe_refe
                                                ids_TK, E, *ep_args)
 
 
-def _check_masked(rank, route, namespace):
-    """The masked chain against ``moe_reference::experts`` on all tokens."""
-    hidden_NH, weights_NK, ids_NK, full = _full_problem(8, route)
-    mine, local = _mine(rank), _local(rank)
-    with torch.no_grad():
-        out_TH = _masked_pipeline(hidden_NH[mine], weights_NK[mine], ids_NK[mine],
-                                  [w[local] for w in full], namespace)
-        ref_NH = torch.ops.moe_reference.experts(hidden_NH, weights_NK, ids_NK, *full, *STATIC)
-    check_bf16_out(out_TH, ref_NH[mine])
-
-
 def _run_masked(rank, world_size):
     for namespace in MASKED_EXPERTS:
+        pipeline = functools.partial(_masked_pipeline, namespace=namespace)
         for route in ("random", "one_rank"):
-            _check_masked(rank, route, namespace)
-        check_graph_replays(functools.partial(_masked_pipeline, namespace=namespace),
-                            _full_problem, _mine(rank), _local(rank), STATIC)
+            _check_chain(rank, route, pipeline)
+        check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     assert [c.mode for c in deepep.open_communicators()] == ["low_latency"]
     deepep.close_all()
 
