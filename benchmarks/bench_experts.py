@@ -87,6 +87,7 @@ SHAPES = {
     "qwen3-30b-a3b": Shape(128, 8, 2048, 768),
     "olmoe": Shape(64, 8, 2048, 1024),
     "gpt-oss-20b": Shape(32, 4, 2880, 2880, "swiglu_oai", True),
+    "gpt-oss-120b": Shape(128, 4, 2880, 2880, "swiglu_oai", True),
     "deepseek-v3": Shape(256, 8, 7168, 2048),
 }
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)

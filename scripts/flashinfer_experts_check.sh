@@ -17,9 +17,9 @@
 # Carrying the module: a call that finds it built by its own build writes
 # $OUT/fi_module.tar.xz.partNN (xz, split at 15 MiB, at most MAX_PARTS parts: 2 by default,
 # since a call carries 64 MiB in all, FlashInfer's wheels included). Put those files in the
-# git-ignored .fi_module/ and name it in the next call's carry: this script installs the
-# module as FlashInfer's AOT copy (checked against the sha256 packed beside it), and nothing
-# is compiled. FlashInfer itself comes from .peers/flashinfer (scripts/flashinfer_peer.sh).
+# git-ignored .fi_module/ and name it in the next call's carry: scripts/install_on_device.sh
+# installs it as FlashInfer's AOT copy (checked against the sha256 packed beside it), and
+# nothing is compiled. FlashInfer itself comes from .peers/flashinfer (scripts/flashinfer_peer.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -40,21 +40,10 @@ name=$(py "from torch_moe_ops.backends.flashinfer.cutlass_module import module_n
 print(module_name())") || { echo "flashinfer does not import: see $OUT/install.log"; exit 1; }
 aot_dir=$(py "from flashinfer.jit import env; print(env.FLASHINFER_AOT_DIR)")
 jit_dir=$(py "from flashinfer.jit import env; print(env.FLASHINFER_JIT_DIR)")
-module="carried: none"
+module=$FI_MODULE  # scripts/install_on_device.sh installs a carried module
 build="not needed"
 minutes="-"
 
-# A carried module: FlashInfer's AOT copy, loaded without building.
-if ls .fi_module/fi_module.tar.xz.part* >/dev/null 2>&1; then
-  mkdir -p "$aot_dir"
-  if cat .fi_module/fi_module.tar.xz.part* | tar -xJ -C "$aot_dir" \
-      && (cd "$aot_dir/$name" && sha256sum -c --quiet "$name.so.sha256"); then
-    module="carried: installed as $aot_dir/$name/$name.so"
-  else
-    module="carried: unpacking or its checksum failed; building"
-    rm -f "$aot_dir/$name/$name.so"
-  fi
-fi
 echo "module $name: $module"
 
 # The build, detached (setsid nohup in flashinfer_build.sh): it outlives this call.
@@ -121,7 +110,7 @@ else
     [ "$rc" -eq 0 ] || status=1
   fi
   if [ "${BENCH:-1}" = 1 ]; then
-    for shape in ${SHAPES:-gpt-oss-20b deepseek-v3 qwen3-30b-a3b mixtral-8x7b olmoe}; do
+    for shape in ${SHAPES:-gpt-oss-20b gpt-oss-120b deepseek-v3 mixtral-8x7b qwen3-30b-a3b olmoe}; do
       if [ "$(left)" -lt 60 ]; then
         bench+=" $shape: not started ($(left) s of BUDGET_SECONDS left);"
         continue

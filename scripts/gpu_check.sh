@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0
-# skips them; SHARDS=N, default one per GPU, runs the single-GPU tests as N pytest
-# processes of whole files, each on its own GPU (scripts/gpu_shards.py; DURATIONS_LOG, a
-# log of an earlier run, balances them: the durations_<gpu>.log files it writes to $OUT, one
-# after the other, or pytest's --durations lines), then the multigpu tests on all; TEST_SECONDS
-# bounds each part), then with TUNE=<shapes> the config tuning of those benchmark
+# The whole GPU check in one call: install, GPU tests and quickstart (TESTS=0 skips
+# them). SHARDS=N (default: one per GPU) runs the single-GPU tests as N pytest processes
+# of whole files, each on its own GPU of CUDA_VISIBLE_DEVICES, round robin
+# (scripts/gpu_shards.py; DURATIONS_LOG, a log of an earlier run, balances them: the
+# durations_<gpu>.log files it writes to $OUT, one after the other, or pytest's --durations
+# lines); then the multigpu tests on all of them (MULTIGPU=0 skips them); TEST_SECONDS
+# bounds each part. Then with TUNE=<shapes> the config tuning of those benchmark
 # shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the bf16 experts
 # benchmark, one shape at a time (BENCH_ARGS="--formats ..." for others; quantized
 # formats: scripts/quant_gpu_check.sh); with MODEL=<shapes> the whole-model benchmark
@@ -17,17 +18,22 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
   shards=${SHARDS:-$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+  # Shard i runs on the i-th GPU this script may use (CUDA_VISIBLE_DEVICES as it came in).
+  read -r -a gpus <<<"$(python3 -c "import os, torch
+ids = os.environ.get('CUDA_VISIBLE_DEVICES') or ','.join(map(str, range(torch.cuda.device_count())))
+print(' '.join(ids.split(',')))")"
   python3 scripts/gpu_shards.py "$shards" ${TEST_PATHS:-tests graph_tests} \
     ${DURATIONS_LOG:+--durations-log "$DURATIONS_LOG"} >"$OUT/shards.txt"
-  gpu=0
+  shard=0
   while read -r files; do
+    gpu=${gpus[$((shard % ${#gpus[@]}))]}
     # SIGINT at the bound: pytest then reports what failed so far and the durations.
     # Each test's time is logged as it ends: a shard cut short still balances the next run.
     [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu TORCH_MOE_OPS_DURATIONS_LOG="$OUT/durations_$gpu.log" \
       timeout -s INT -k 30 "${TEST_SECONDS:-540}" \
       python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} $files \
       >"$OUT/gpu_tests_$gpu.log" 2>&1; echo $? >"$OUT/gpu_tests_$gpu.rc") &
-    gpu=$((gpu + 1))
+    shard=$((shard + 1))
   done <"$OUT/shards.txt"
   wait
   for log in "$OUT"/gpu_tests_*.log; do
@@ -35,7 +41,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     echo "$log: rc=$rc $(tail -1 "$log")"
     [ "$rc" = 0 ] || status=1
   done
-  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  if [ "${MULTIGPU:-1}" = 1 ] && [ "${#gpus[@]}" -ge 2 ]; then
     timeout -s INT -k 30 "${TEST_SECONDS:-540}" python3 -m pytest -q -m multigpu \
       -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} ${TEST_PATHS:-tests graph_tests} \
       >"$OUT/multigpu_tests.log" 2>&1 || status=1
