@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -118,6 +119,17 @@ class TorchDistBackend:
                              "communicator given to MnnvlMemory must split itself")
 
 
+class CapsuleWrapper:
+    """What FlashInfer's storage deleter reads: freed while a view of the workspace
+    lives, the view's free reads freed memory. `made`: a weak reference to each."""
+
+    made: list = []
+
+    @classmethod
+    def all_alive(cls) -> bool:
+        return all(ref() is not None for ref in cls.made)
+
+
 class MnnvlMemory:
     comm = None
     live = 0
@@ -134,8 +146,14 @@ class MnnvlMemory:
         MnnvlMemory.live -= 1
 
     def as_torch_strided_tensor(self, dtype):
+        # As FlashInfer's: a tensor of its own each call, holding the struct its storage's
+        # deleter reads (there `flashinfer.comm.dlpack_utils.CapsuleWrapper`), which
+        # its views do not hold.
         assert dtype == torch.uint8
-        return self.segment
+        tensor = self.segment.view(self.segment.shape)
+        tensor._capsule_wrapper = CapsuleWrapper()
+        CapsuleWrapper.made.append(weakref.ref(tensor._capsule_wrapper))
+        return tensor
 
     @staticmethod
     def initialize():

@@ -71,6 +71,10 @@ def experts_formula(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
         for t, k: if (e := topk_ids[t, k]) >= 0:
             out[t] += topk_weights[t, k] * (act(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
     """
+    # Every input goes to fp64 on the CPU once: a copy per slot would move a whole
+    # expert's weights off the device each time (minutes at T=2048).
+    hidden_TH, topk_weights_TK = _fp64(hidden_TH), _fp64(topk_weights_TK)
+    w13_EFH, w2_EHI, b13_EF, b2_EH = _fp64(w13_EFH), _fp64(w2_EHI), _fp64(b13_EF), _fp64(b2_EH)
     rows = []
     for t, ids in enumerate(topk_ids_TK.tolist()):
         out_H = torch.zeros(hidden_TH.shape[1], dtype=torch.float64)
@@ -81,7 +85,7 @@ def experts_formula(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
                                     None if b13_EF is None else b13_EF[e],
                                     None if b2_EH is None else b2_EH[e],
                                     activation, swiglu_alpha, swiglu_limit)
-            out_H = out_H + topk_weights_TK[t, k].double().cpu() * y_H
+            out_H = out_H + topk_weights_TK[t, k] * y_H
         rows.append(out_H)
     if not rows:
         return torch.zeros((0, hidden_TH.shape[1]), dtype=torch.float64)

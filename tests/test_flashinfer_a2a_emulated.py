@@ -183,6 +183,10 @@ def _cases(rank, world_size):
     a2a.close_all()
     gc.collect()
     assert not a2a.open_communicators() and flashinfer_a2a_emulator.MnnvlMemory.live == 0
+    # Views of a closed workspace may outlive it (in a caller, a compiled graph): the
+    # struct their free reads stays.
+    assert flashinfer_a2a_emulator.CapsuleWrapper.made
+    assert flashinfer_a2a_emulator.CapsuleWrapper.all_alive()
 
 
 def test_matches_single_process(monkeypatch):

@@ -108,12 +108,11 @@ class PreparedWeights:
         if activation == "swiglu_oai":
             if (alpha, limit) not in self.swiglu:
                 num_experts, device = self.fc1.shape[0], self.fc1.device
-                with outside_graph_pools(device):  # kept with the prepared weights
-                    self.swiglu[(alpha, limit)] = {
-                        f"swiglu_{name}": torch.full((num_experts,), value,
-                                                     dtype=torch.float32, device=device)
-                        for name, value in (("alpha", alpha), ("beta", 1.0),
-                                            ("limit", limit))}
+                # Kept with the prepared weights.
+                self.swiglu[(alpha, limit)] = outside_graph_pools(device, lambda: {
+                    f"swiglu_{name}": torch.full((num_experts,), value,
+                                                 dtype=torch.float32, device=device)
+                    for name, value in (("alpha", alpha), ("beta", 1.0), ("limit", limit))})
             kwargs.update(self.swiglu[(alpha, limit)])
         return kwargs
 

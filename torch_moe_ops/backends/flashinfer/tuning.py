@@ -49,8 +49,11 @@ def tune_once(shape_key: tuple, device: torch.device,
         return
     from flashinfer.autotuner import autotune
 
-    with outside_graph_pools(device), autotune(True):
-        profile()
+    def tuned_profile() -> None:
+        with autotune(True):
+            profile()
+
+    outside_graph_pools(device, tuned_profile)
     _TUNED_SHAPES.add(shape_key)
 
 

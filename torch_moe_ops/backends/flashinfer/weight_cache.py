@@ -5,14 +5,17 @@ outlives a call inside `outside_graph_pools`."""
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import dataclasses
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from torch_moe_ops import torch_compat
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +44,25 @@ def _version(t: torch.Tensor | None) -> int | None:
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# One thread of its own: CUDA graphs' pools take the allocations of a thread, not a stream.
+_WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="torch_moe_ops_weights")
 
 
-@contextlib.contextmanager
-def outside_graph_pools(device: torch.device):
-    """Runs its block where what it allocates on ``device`` comes from the caching
-    allocator's own pools, for tensors that outlive the call (prepared weights).
+def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
+    """``make()``, run where what it allocates on ``device`` comes from the caching
+    allocator's own pools, for tensors that outlive the call (prepared weights, the
+    autotuner's buffers).
 
     A compiled layer's first call runs inside a CUDA graph's memory pool (Inductor's
     CUDA-graph trees warm up there), and a tensor made then and kept raises "tensor(s)
-    in the cudagraph pool not tracked as outputs". That pool takes the allocations of
-    one stream only, so the block runs on a side stream of its own, ordered after the
-    current stream's work and before what follows. Each entry waits for the current
-    stream, so a block freed later and handed out here again is not written before the
-    kernels that read it have run. Raises during a capture: kernels do not run then, and
-    a copy made would hold garbage.
+    in the cudagraph pool not tracked as outputs". That pool takes every allocation of
+    the thread that warms up, whatever the stream, so ``make`` runs on a thread of its own
+    (with the caller's grad mode), on a side stream ordered after the caller's current
+    stream's work and before what follows. Each call waits for the current stream, so a
+    block freed later and handed out here again is not written before the kernels that
+    read it have run. Raises during a capture: kernels do not run then, and a copy made
+    would hold garbage.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("experts backend 'flashinfer' converts a layer's weights on "
@@ -63,16 +70,22 @@ def outside_graph_pools(device: torch.device):
                            "run the layer once before capturing (or after changing its "
                            "weights)")
     if device.type != "cuda":
-        yield
-        return
+        return make()
     current = torch.cuda.current_stream(device)
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     side = _SIDE_STREAMS[device]
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        yield
+    grad_enabled = torch.is_grad_enabled()
+
+    def run() -> T:
+        with torch.cuda.device(device), torch.set_grad_enabled(grad_enabled):
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                return make()
+
+    made = _WORKER.submit(run).result()
     current.wait_stream(side)
+    return made
 
 
 class WeightCache:
@@ -104,8 +117,7 @@ class WeightCache:
         if entry is not None:
             entry.detach()
         device = next(t.device for t in sources if t is not None)
-        with outside_graph_pools(device):
-            prepared = prepare()
+        prepared = outside_graph_pools(device, prepare)
         entry = _Entry(versions, storages, prepared)
         self._entries[key] = entry
         for t in sources:

@@ -205,12 +205,20 @@ class FlashInferCommunicator:
                 torch.cuda.synchronize(self.device)
             # No rank frees its part while a peer may still read it.
             self.comm.barrier()
+            _KEPT_CAPSULES.append(getattr(self.workspace, "_capsule_wrapper", None))
             self.received, self.recv_views, self.aliases = None, {}, {}
             self.workspace = self.metainfo = self.memory = None
         key = _key(self.group_name, self.hidden_size, self.top_k, self.max_tokens_per_rank,
                    self.dtype)
         _COMMUNICATORS.forget(key, self)
 
+
+# FlashInfer's workspace tensor holds, as `_capsule_wrapper`, the DLPack struct whose
+# deleter its storage calls when the last tensor over it goes; views of the workspace
+# (ours, and those a compiled graph or a caller keeps) do not hold the attribute. Freed
+# with the workspace tensor on close, the struct was read after its end by the last
+# view's free (SIGSEGV on 2x H200). A few hundred bytes per communicator ever opened.
+_KEPT_CAPSULES: list = []
 
 # The one cache of this module: open communicators by (group, H, K, M, dtype).
 # `communicator` fills it, `FlashInferCommunicator.close` and `close_all` empty it.
