@@ -29,7 +29,11 @@ print(' '.join(ids.split(',')))")"
     gpu=${gpus[$((shard % ${#gpus[@]}))]}
     # SIGINT at the bound: pytest then reports what failed so far and the durations.
     # Each test's time is logged as it ends: a shard cut short still balances the next run.
-    [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu TORCH_MOE_OPS_DURATIONS_LOG="$OUT/durations_$gpu.log" \
+    # OMP_NUM_THREADS: the tests' fp64 references on the CPU run small matrices one slot at
+    # a time; with a thread per core in each of several processes beside Inductor's
+    # compile workers, one (T=333) took 35-41 s on a 64-core host against 1 s on 2 cores.
+    [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=${SHARD_THREADS:-4} \
+      TORCH_MOE_OPS_DURATIONS_LOG="$OUT/durations_$gpu.log" \
       timeout -s INT -k 30 "${TEST_SECONDS:-540}" \
       python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} $files \
       >"$OUT/gpu_tests_$gpu.log" 2>&1; echo $? >"$OUT/gpu_tests_$gpu.rc") &
