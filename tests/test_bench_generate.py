@@ -9,6 +9,7 @@ cache).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,3 +63,25 @@ def test_bad_shapes_name_the_flag(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_generate.parse_args(["--smoke", "--shapes", "qwen3", "--out", str(tmp_path)])
     assert "--shapes must be comma-separated names from qwen3-30b-a3b, " in capsys.readouterr().err
+
+
+def test_first_token_agreement(monkeypatch):
+    """A greedy token that changes within rounding of the row's largest logit is not a
+    disagreement, one beyond it is; a score both ways mask with -inf (the end-of-text
+    token under ``min_new_tokens``) agrees (it made every difference NaN), -inf in one way
+    only does not."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generate
+    import torch
+
+    want_BV = torch.tensor([[1.0, 5.0, 4.9, -math.inf], [0.0, 5.0, 1.0, -math.inf]])
+    got_BV = want_BV.clone()
+    got_BV[0, 2] = 5.1  # the top two are 0.02 of the largest logit apart
+    agreement = bench_generate.first_token_agreement(got_BV, want_BV)
+    assert agreement == {"logits_rel_diff": pytest.approx(0.2 / 5.0, rel=1e-5),
+                         "first_token_differs": 1, "first_token_differs_beyond_rounding": 0}
+    got_BV[1, 2] = 5.5  # the reference put this token 0.8 of the largest logit below
+    assert bench_generate.first_token_agreement(got_BV, want_BV)[
+        "first_token_differs_beyond_rounding"] == 1
+    got_BV[0, 3] = 0.0  # masked in one way only
+    assert bench_generate.first_token_agreement(got_BV, want_BV)["logits_rel_diff"] == math.inf
