@@ -39,7 +39,7 @@ import dataclasses
 import random
 import sys
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ class CapsuleWrapper:
     """What FlashInfer's storage deleter reads: freed while a view of the workspace
     lives, the view's free reads freed memory. `made`: a weak reference to each."""
 
-    made: list = []
+    made: ClassVar[list] = []
 
     @classmethod
     def all_alive(cls) -> bool:
