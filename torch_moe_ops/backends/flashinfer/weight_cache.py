@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
@@ -47,6 +48,8 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # One thread of its own: CUDA graphs' pools take the allocations of a thread, not a stream.
 _WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="torch_moe_ops_weights")
+# Set on that thread: a call made from it runs in place (waiting for itself would hang).
+_ON_WORKER = threading.local()
 
 
 def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
@@ -69,7 +72,7 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
                            "its first call, which cannot be captured in a CUDA graph: "
                            "run the layer once before capturing (or after changing its "
                            "weights)")
-    if device.type != "cuda":
+    if device.type != "cuda" or getattr(_ON_WORKER, "active", False):
         return make()
     current = torch.cuda.current_stream(device)
     if device not in _SIDE_STREAMS:
@@ -78,6 +81,7 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
     grad_enabled = torch.is_grad_enabled()
 
     def run() -> T:
+        _ON_WORKER.active = True
         with torch.cuda.device(device), torch.set_grad_enabled(grad_enabled):
             side.wait_stream(current)
             with torch.cuda.stream(side):
