@@ -20,6 +20,9 @@
 # git-ignored .fi_module/ and name it in the next call's carry: scripts/install_on_device.sh
 # installs it as FlashInfer's AOT copy (checked against the sha256 packed beside it), and
 # nothing is compiled. FlashInfer itself comes from .peers/flashinfer (scripts/flashinfer_peer.sh).
+# FlashInfer's tuned tactics (minutes of profiling per shape and process) go to
+# $OUT/tactics.json (TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE); a copy carried as
+# .fi_module/tactics.json is read first, so the shapes it holds are not profiled again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -29,6 +32,10 @@ budget=${BUDGET_SECONDS:-570}
 left() { echo $(( budget - (SECONDS - start) )); }
 bounded() { local want=$1 rest; rest=$(left); echo $(( want < rest ? want : rest )); }
 source scripts/install_on_device.sh
+export TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE=${TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE:-/tmp/fi_tactics.json}
+if [ -f .fi_module/tactics.json ] && [ ! -f "$TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE" ]; then
+  cp .fi_module/tactics.json "$TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE"
+fi
 work=$(mktemp -d)/fi_experts
 mkdir -p "$work"
 LOG=${LOG:-/tmp/flashinfer_fused_moe_build.log}
@@ -137,6 +144,7 @@ else
   fi
 fi
 cp "$LOG" "$work/build.log" 2>/dev/null
+cp "$TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE" "$OUT/tactics.json" 2>/dev/null
 tar czf "$OUT/fi_experts.tgz" -C "$(dirname "$work")" fi_experts
 {
   results=$(ls "$work"/*/experts.json 2>/dev/null)

@@ -64,12 +64,14 @@ BUILDS: list[str] = []
 CALLS: list[dict] = []
 PROFILED: list[dict] = []
 AOT_ARTIFACTS: dict[str, Path] = {}
-# Open ``autotune(True)`` contexts.
+# Open ``autotune(True)`` contexts, and the options each context was opened with.
 TUNING: list[bool] = []
+TUNE_OPTIONS: list[dict] = []
 
 
 @contextlib.contextmanager
 def autotune(tune_mode: bool = True, **options):
+    TUNE_OPTIONS.append(options)
     TUNING.append(tune_mode)
     try:
         yield
@@ -327,5 +329,6 @@ def install(jit_dir: Path) -> None:
     BUILDS.clear()
     CALLS.clear()
     PROFILED.clear()
+    TUNE_OPTIONS.clear()
     AOT_ARTIFACTS.clear()
     sys.modules.update(MODULES)

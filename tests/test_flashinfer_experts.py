@@ -83,9 +83,11 @@ def emulated(monkeypatch, tmp_path):
     flashinfer_emulator.BUILDS.clear()
     flashinfer_emulator.CALLS.clear()
     flashinfer_emulator.PROFILED.clear()
+    flashinfer_emulator.TUNE_OPTIONS.clear()
     flashinfer_emulator.AOT_ARTIFACTS.clear()
     tuning.forget_tuned_shapes()
     monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
+    monkeypatch.delenv(tuning.CACHE_ENV, raising=False)
     monkeypatch.delenv(cutlass_module.BUILD_ENV, raising=False)
     library.missing.cache_clear()
     cutlass_module.check_symbols.cache_clear()
@@ -422,6 +424,17 @@ def test_each_layer_shape_is_profiled_once_then_runs_tuned(emulated, expert_inpu
     assert len(emulated.PROFILED) == 2
     assert all(call["options"]["tune_max_num_tokens"] == tuning.TUNE_MAX_TOKENS
                for call in emulated.CALLS + emulated.PROFILED)
+
+
+def test_tune_cache_names_flashinfers_file(emulated, expert_inputs, monkeypatch, tmp_path):
+    """Without the variable FlashInfer's autotuner keeps its tactics in the process only;
+    with it, it reads and writes the file named."""
+    torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, bias=False).args())
+    assert emulated.TUNE_OPTIONS == [{"cache": None}]
+    tuning.forget_tuned_shapes()
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "tactics.json"))
+    torch.ops.moe_flashinfer.experts(*bf16_inputs(expert_inputs, bias=False).args())
+    assert emulated.TUNE_OPTIONS[1] == {"cache": str(tmp_path / "tactics.json")}
 
 
 def test_autotune_off_profiles_nothing(emulated, expert_inputs, monkeypatch):

@@ -12,6 +12,11 @@ later ones read the tuned tactics. Layers of one shape share the profile (FlashI
 cache is the process's).
 
 ``TORCH_MOE_OPS_FLASHINFER_AUTOTUNE=0`` turns it off (fallback tactics, no profiling).
+Profiling costs about 40 s per bf16 layer shape and minutes per MXFP4 one on an H200, in
+every process: ``TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE=<file.json>`` names a file that
+FlashInfer's autotuner reads its tactics from before profiling (a shape found there is not
+profiled again) and writes what it profiled back to (FlashInfer's ``autotune(cache=...)``;
+the file is FlashInfer's format, tied to its version and the GPU).
 During a CUDA-graph capture nothing is profiled: a shape first seen there runs what is
 cached. The profiling allocates outside CUDA graphs' pools (`outside_graph_pools`), since
 a compiled layer's first call runs inside one.
@@ -30,6 +35,7 @@ from torch_moe_ops.backends.flashinfer.weight_cache import outside_graph_pools
 # cache keys, depend on it. Prefill chunks of up to 16384 tokens get a bucket of their own.
 TUNE_MAX_TOKENS = 16384
 AUTOTUNE_ENV = "TORCH_MOE_OPS_FLASHINFER_AUTOTUNE"
+CACHE_ENV = "TORCH_MOE_OPS_FLASHINFER_TUNE_CACHE"
 
 _TUNED_SHAPES: set[tuple] = set()
 
@@ -50,7 +56,7 @@ def tune_once(shape_key: tuple, device: torch.device,
     from flashinfer.autotuner import autotune
 
     def tuned_profile() -> None:
-        with autotune(True):
+        with autotune(True, cache=os.environ.get(CACHE_ENV) or None):
             profile()
 
     outside_graph_pools(device, tuned_profile)
