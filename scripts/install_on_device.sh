@@ -3,10 +3,11 @@
 # (scripts/flashinfer_peer.sh), then this project, editable; its log goes to $LOGS (else
 # $OUT). A built flashinfer experts module carried in .fi_module/ (written by
 # scripts/flashinfer_experts_check.sh) is installed as FlashInfer's AOT copy, checked against
-# the sha256 packed beside it, so nothing is compiled. Scripts started side by side on one
-# machine (scripts/lanes.sh) install once: the first holds a lock, the others wait for it.
+# the sha256 packed beside it, so nothing is compiled; FI_MODULE says what became of it.
+# Scripts started by one that installed already (scripts/lanes.sh) find
+# TORCH_MOE_OPS_INSTALLED set and the rest in their environment, and install nothing.
 export PYTHONUNBUFFERED=1
-_install_once() {
+_install_packages() {
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   fi
@@ -21,7 +22,6 @@ _install_once() {
   fi
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"${LOGS:-$OUT}/install.log" 2>&1 \
     || { cat "${LOGS:-$OUT}/install.log"; return 1; }
-  _install_fi_module >/tmp/site/.fi_module_status
 }
 _install_fi_module() {  # prints what became of a carried module
   ls .fi_module/fi_module.tar.xz.part* >/dev/null 2>&1 || { echo "carried: none"; return; }
@@ -38,13 +38,10 @@ print(env.FLASHINFER_AOT_DIR)") || { echo "carried: not installed (flashinfer do
     echo "carried: unpacking or its checksum failed"
   fi
 }
-mkdir -p /tmp/site
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-{
-  flock 9
-  if [ ! -f /tmp/site/.installed ] || [ "$(cat /tmp/site/.installed)" != "$PWD" ]; then
-    _install_once || exit 1
-    echo "$PWD" >/tmp/site/.installed
-  fi
-} 9>/tmp/site/.install.lock
-FI_MODULE=$(cat /tmp/site/.fi_module_status 2>/dev/null || echo "carried: none")
+if [ -z "${TORCH_MOE_OPS_INSTALLED:-}" ]; then
+  mkdir -p /tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  _install_packages || exit 1
+  FI_MODULE=$(_install_fi_module)
+  export FI_MODULE TORCH_MOE_OPS_INSTALLED=1
+fi

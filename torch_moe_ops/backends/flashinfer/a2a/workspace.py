@@ -283,5 +283,3 @@ def answering(name: str, x: torch.Tensor, top_k: int, group_name: str, ep_size: 
     check_activations(name, x)
     with on(x.device):
         yield opened(group_name, ep_size, x.shape[1], top_k, max_tokens_per_rank, x.dtype)
-
-
