@@ -19,6 +19,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# FlashInfer's experts profile their tactics on the first call of each layer shape: 20 to
+# 100 s per shape on an H200, the bulk of the GPU suite's time where every backend's test
+# met it. Tests run its fallback tactics unless they test the tuned path, which sets this
+# back (tests/test_flashinfer_experts.py).
+os.environ.setdefault("TORCH_MOE_OPS_FLASHINFER_AUTOTUNE", "0")
+
 
 def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

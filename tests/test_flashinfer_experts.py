@@ -885,11 +885,12 @@ COMPILED_CONFIGS = {  # a small layer of each format's model family
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "cuda-graphs"])
 @pytest.mark.parametrize("fmt", list(GPU_FORMATS))
-def test_gpu_compiled_moe_runs_flashinfer(fmt, mode):
+def test_gpu_compiled_moe_runs_flashinfer(fmt, mode, monkeypatch):
     """``tmo.backend(experts="flashinfer")``: one graph (fullgraph) whose experts op is
-    FlashInfer's, against the reference backend's graph of the same module; with
+    FlashInfer's, tuned, against the reference backend's graph of the same module; with
     ``mode="reduce-overhead"`` replayed as CUDA graphs on new tokens."""
     _needs_flashinfer(GPU_FORMATS[fmt])
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
     from torch._inductor.utils import run_and_get_code
 
     cfg = tmo.MoEConfig(**COMPILED_CONFIGS[fmt])
