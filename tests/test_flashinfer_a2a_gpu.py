@@ -377,7 +377,7 @@ def _run_tokens_into_flashinfer(rank, world_size):
 
     fused_moe.cutlass_fused_moe = recording
     hidden_NH, weights_NK, ids_NK, full = on_current_gpu(*draw_problem(
-        11, "random", sum(TOKENS_PER_RANK), E, WORLD, H, EXPERTS_I, K))
+        11, "random", sum(_layout()), E, WORLD, H, EXPERTS_I, K))
     mine = _mine(rank)
     with torch.no_grad():
         for spec in EXPERTS_FORMATS:
@@ -393,7 +393,7 @@ def _run_tokens_into_flashinfer(rank, world_size):
                                                                  *_ep_args())
             ref_NH = getattr(torch.ops.moe_reference, op_name)(
                 hidden_NH, weights_NK, ids_NK, *_experts_args(full, spec, slice(None)))
-            assert out_TH.shape == (TOKENS_PER_RANK[rank], H)
+            assert out_TH.shape == (_layout()[rank], H)
             assert_close_scaled(out_TH, ref_NH[mine], bound, bound)
     a2a.close_all()
 
