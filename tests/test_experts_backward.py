@@ -183,6 +183,7 @@ def test_activation_backward_matches_autograd(act, generator):
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_triton_steps_match_the_torch_steps(act, bias, generator):
+    from torch_moe_ops.backends.common.kernels import epilogues
     from torch_moe_ops.backends.common.kernels.grouped_gemm import TRITON_STEPS
 
     num_rows, inter_size, num_experts = 9, 24, 3
@@ -198,10 +199,14 @@ def test_triton_steps_match_the_torch_steps(act, bias, generator):
         torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-5)
 
     count_E = torch.tensor([2, 0, 3], dtype=torch.int32)
-    for steps in (TRITON_STEPS, grouped_backward.TORCH_STEPS):
-        grad_EX = torch.full((num_experts, 5000), math.nan)
-        steps.zero_empty_experts_(grad_EX, count_E)
-        assert (grad_EX[1] == 0).all() and grad_EX[[0, 2]].isnan().all()
+    # 5000: two blocks of an expert; the second size one block more than an expert's
+    # programs, so that a program loops.
+    looped = (epilogues.ZERO_PROGRAMS // num_experts + 1) * epilogues.BLOCK_ZERO + 7
+    for numel in (5000, looped):
+        for steps in (TRITON_STEPS, grouped_backward.TORCH_STEPS):
+            grad_EX = torch.full((num_experts, numel), math.nan)
+            steps.zero_empty_experts_(grad_EX, count_E)
+            assert (grad_EX[1] == 0).all() and grad_EX[[0, 2]].isnan().all()
 
     row_of_slot_S = torch.randperm(8, generator=generator).to(torch.int32)
     ids_TK = torch.tensor([[0, -1], [1, 2], [-1, -1], [2, 0]], dtype=torch.int32)
