@@ -230,7 +230,9 @@ def bench_way(shape_name: str, way: str, rows, args) -> list[dict]:
             ids_BS = torch.randint(3, cfg.vocab_size, (batch, seq), device="cuda")
             x_BSH = torch.randn(batch, seq, cfg.hidden_size, device="cuda",
                                 dtype=torch.bfloat16)
-            iters = args.iters if seq == 1 else max(3, args.iters // 10)
+            # Prefill rows: half the calls of decode rows, at least 20. A tenth (5
+            # forwards of OLMoE 1x2048) read host noise as a gap between the ways.
+            iters = args.iters if seq == 1 else max(20, args.iters // 2)
             with torch.inference_mode():
                 def run(forward=forward, ids_BS=ids_BS):
                     return forward(input_ids=ids_BS, use_cache=False).logits
@@ -295,7 +297,8 @@ def main() -> None:
     parser.add_argument("--prefill", default=",".join(f"{b}x{s}" for b, s in PREFILL),
                         help="BxS of the prefill rows ('' for none)")
     parser.add_argument("--layers", type=int, default=None, help="override the layer count")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=50,
+                        help="timed calls per decode row (prefill rows: half, at least 20)")
     parser.add_argument("--traces", action="store_true", help="write chrome traces to --out")
     parser.add_argument("--out", default="results")
     parser.add_argument("--table-from", nargs="+", metavar="JSON",
