@@ -114,7 +114,7 @@ def test_unregistered_route_backend_names_the_registered_ones():
 
 def test_spec_rejects_unknown_route_names():
     with pytest.raises(ValueError, match=r"^route must be one of 'auto', 'reference', "
-                                         r"'flashinfer', got 'cuda'$"):
+                                         r"'triton', 'flashinfer', got 'cuda'$"):
         tmo.BackendSpec(route="cuda")
     with pytest.raises(ValueError, match="^route must be one of"):
         tmo.backend(route="nope")

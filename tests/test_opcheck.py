@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torch_moe_ops import quant
+from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     BACKWARD_NAMESPACE,
@@ -363,6 +364,14 @@ def case_dtype(op_name: str, case: str) -> torch.dtype:
     return EXPERT_CASES.get(case, ({},))[0].get("dtype", torch.float32)
 
 
+def route_reason(namespace: str, case: str) -> str | None:
+    """Why route backend ``namespace`` does not compute ``case``'s routing (its `supports`
+    on the case's own problem: groups, scoring, sizes), or None."""
+    (name, backend), = ((n, b) for n, b in REGISTRY.route.items() if b.namespace == namespace)
+    args = route_args(case, torch.Generator().manual_seed(0))
+    return backend.supports(BackendSpec(route=name), problem_of("route", args), CPU)
+
+
 def params():
     # The tokens and masked formats' transport ops move tokens between ranks only:
     # tests/test_tokens_transport.py and the emulated transports opcheck them on several.
@@ -376,6 +385,8 @@ def params():
             for (namespace, name), reason in implementations(case_dtype(op_name, case),
                                                              spec).items():
                 if name == op_name:
+                    if op_name == "route" and reason is None and namespace != GENERIC_NAMESPACE:
+                        reason = route_reason(namespace, case)
                     marks = [pytest.mark.skip(reason=f"{namespace}: {reason}")] if reason else []
                     yield pytest.param(namespace, op_name, case, marks=marks,
                                        id=f"{namespace}::{op_name}-{case}")

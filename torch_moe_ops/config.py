@@ -17,7 +17,7 @@ SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "flashinfer")
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
-ROUTE_BACKEND_NAMES = ("auto", "reference", "flashinfer")
+ROUTE_BACKEND_NAMES = ("auto", "reference", "triton", "flashinfer")
 FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")
 # What a layer may ask its tokens to travel in (`backends.dispatch_dtype` resolves
 # the choice per layer).

@@ -48,6 +48,8 @@ class OpContract:
 
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
+# The Python kernel `implement` registered for each op, by qualified name.
+_KERNELS: dict[str, Callable] = {}
 
 
 def _library(namespace: str) -> torch.library.Library:
@@ -64,6 +66,14 @@ def qualified_name(namespace: str, contract: OpContract) -> str:
 
 def op_overload(namespace: str, name: str) -> torch_compat.OpOverload:
     return getattr(getattr(torch.ops, namespace), name).default
+
+
+def kernel_of(namespace: str, name: str) -> Callable | None:
+    """The kernel `implement` registered as ``namespace::name`` (it checks the
+    arguments it is given, in schema order), or None. Called directly, it skips
+    the dispatcher and the op's autograd wrapper: for a caller that is itself an
+    op's kernel, below autograd already (the generic ops' eager kernels)."""
+    return _KERNELS.get(f"{namespace}::{name}")
 
 
 def defines(namespace: str, name: str) -> bool:
@@ -141,6 +151,7 @@ def implement(namespace: str, contract: OpContract, kernel: Callable,
                 check(args)
         return kernel(*args)
 
+    _KERNELS[qualified_name(namespace, contract)] = checked_kernel
     torch.library.register_kernel(qualified_name(namespace, contract), device_types,
                                   checked_kernel, lib=_library(namespace))
 

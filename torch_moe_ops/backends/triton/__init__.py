@@ -6,6 +6,9 @@ the routing weight, and a deterministic sum over the K slots of each token.
 Tile sizes come from tuned JSON files (`configs`), read on the first call of a
 shape. Weights are used in the canonical layout.
 
+The ``triton`` route backend (``moe_triton_route::route``, `route`) computes the routing
+of every family without expert groups in one kernel (`route_limits` says what it takes).
+
 The masked format (``experts_masked``, ``experts_masked_quant``: `masked`) runs the tiled
 kernels on each expert's block where it stands, skipping the blocks past its count.
 
@@ -30,12 +33,15 @@ import os
 import torch
 
 from torch_moe_ops.backends.common import TRITON_INSTALLED
-from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem
+from torch_moe_ops.backends.problems import problem_of
+from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem, RouteBackend
+from torch_moe_ops.backends.triton import route_limits
 from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES, block_k_limits
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, op_overload
 
 NAMESPACE = "moe_triton"
+ROUTE_NAMESPACE = "moe_triton_route"
 # fp8 (e4m3) conversions and tl.dot: Ada and newer.
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -57,17 +63,32 @@ def _why_not_quant(quant: QuantSpec, device) -> str | None:
     return None
 
 
-def supports(spec, problem, device) -> str | None:
+def _device_reason(device, kind: str, named: bool) -> str | None:
+    """Why Triton kernels cannot run on ``device``, or None; on the CPU only under the
+    interpreter, and only for a backend the spec names (``kind='triton'``)."""
     if not TRITON_INSTALLED:
         return "triton is not installed (pip install triton)"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "needs a CUDA GPU (on the CPU only under TRITON_INTERPRET=1)"
-    if device.type == "cpu" and spec.experts == "auto":
-        return "the Triton interpreter is for tests: name experts='triton' to use it on the CPU"
+    if device.type == "cpu" and not named:
+        return f"the Triton interpreter is for tests: name {kind}='triton' to use it on the CPU"
     if device.type not in ("cpu", "cuda"):
         return f"needs a CUDA GPU, got device {device.type}"
     if device.type == "cuda" and not torch.cuda.is_available():
         return "needs a CUDA GPU, this torch sees none"
+    return None
+
+
+def route_supports(spec, problem, device) -> str | None:
+    """The route backend's `supports`: the routing's limits first (they need no GPU)."""
+    return (route_limits.limits(problem)
+            or _device_reason(device, "route", spec is not None and spec.route == "triton"))
+
+
+def supports(spec, problem, device) -> str | None:
+    reason = _device_reason(device, "experts", spec.experts != "auto")
+    if reason is not None:
+        return reason
     if problem.dtype not in KERNEL_DTYPES:
         return f"needs float32, float16 or bfloat16, got {problem.dtype}"
     if problem.quant is not None:
@@ -118,6 +139,17 @@ if TRITON_INSTALLED:
             return grouped_gemm.experts_masked_backward(*args)
         return op_overload(REFERENCE_NAMESPACE, "experts_masked_backward")(*args)
 
+    run_route = on_first_call("torch_moe_ops.backends.triton.route", "route")
+
+    def route(*args):
+        """``moe::route`` (schema order) on the kernel; a routing it cannot compute raises."""
+        reason = route_limits.limits(problem_of("route", args))
+        if reason is not None:
+            raise ValueError(f"the triton route backend cannot run this routing: {reason}")
+        return run_route(*args)
+
+    define_backend_ops(ROUTE_NAMESPACE, {"route": route})
+    decompose_backend_ops(ROUTE_NAMESPACE, {"route": traced(route)}, static_shapes_on_cuda)
     define_backend_ops(NAMESPACE, {"experts": fused_experts, "experts_rows": fused_experts_rows,
                                    "experts_backward": experts_backward,
                                    "experts_quant": fused_experts_quant,
@@ -147,3 +179,8 @@ REGISTRY.register_experts(ExpertsBackend(
     backward=grouped_gemm.supports if TRITON_INSTALLED else None,
     # Its experts_rows_quant reads rows that dispatch quantized (x_scale): fp8 dispatch.
     quantized_rows=("fp8_token", "fp8_group")))
+REGISTRY.register_route(RouteBackend(
+    name="triton", namespace=ROUTE_NAMESPACE, supports=route_supports, priority=5,
+    description=(f"one Triton kernel: softmax, sigmoid or topk_softmax scores (+ correction "
+                 f"bias), no expert groups, <= {route_limits.MAX_EXPERTS} experts, top_k <= "
+                 f"{route_limits.MAX_TOP_K}")))
