@@ -10,6 +10,7 @@ without changing a size, a stride or a gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -81,13 +82,21 @@ def defines(namespace: str, name: str) -> bool:
     return hasattr(getattr(torch.ops, namespace), name)
 
 
+@functools.cache
+def _arguments(op: torch_compat.OpOverload) -> tuple:
+    # Read once: the schema builds a new list of its arguments on every access (~5 us),
+    # and every eager call of an op reads it.
+    return tuple(torch_compat.schema(op).arguments)
+
+
 def full_args(op: torch_compat.OpOverload, args: tuple, kwargs: dict) -> tuple:
     """``args`` and ``kwargs`` of a call of ``op`` as one positional tuple in schema
     order, defaults filled in: what the contract's functions and kernels take."""
-    if not kwargs and len(args) == len(torch_compat.schema(op).arguments):
+    arguments = _arguments(op)
+    if not kwargs and len(args) == len(arguments):
         return args
     full = list(args)
-    for argument in torch_compat.schema(op).arguments[len(args):]:
+    for argument in arguments[len(args):]:
         if argument.name in kwargs:
             full.append(kwargs[argument.name])
         elif argument.has_default_value():
