@@ -29,6 +29,12 @@ size dynamic, alike for both ways. The ways:
 - ``tmo-patch``: the same model after ``torch_moe_ops.hf.patch``, compiled with
   ``torch_moe_ops.backend(mode=...)``.
 
+The ways of a model run side by side: both models are built, and for each row every
+way's warm-up calls run, then the timed calls alternate between the ways. A batch-1
+decode step is mostly host work (`profile_generate.py`), and a host's speed drifts by
+1.4x over seconds: run one way after the other, the same code measured 0.98x and 1.43x
+on one H200 host (2026-11-26); alternated, both ways meet the same drift.
+
 Per row: prefill ms (time to first token: from the call to the moment the first
 token's logits exist; uncompiled unless ``--compiled-prefill``), decode tokens/s (``B * (N - 1)``
 over the time after that), the seconds of the first (compiling) call, and
@@ -51,8 +57,8 @@ graphs on ``aot_eager`` (no Inductor C++ build), one short prompt of batch 2 and
 
 Writes ``generate.json`` and ``generate.md`` (device, date, versions, table) to
 ``--out`` and prints the table last. A way that raises is recorded with its error
-(``failed``) and the other models still run. ``--budget-s`` starts no model past
-that many seconds (the rest are listed as skipped).
+(``failed``) and dropped; the other ways and models still run. ``--budget-s`` starts no
+model past that many seconds (the rest are listed as skipped).
 """
 
 from __future__ import annotations
@@ -199,68 +205,115 @@ def prompts(cfg, batch: int, seq: int, device: torch.device) -> torch.Tensor:
     return torch.randint(3, cfg.vocab_size, (batch, seq), generator=generator).to(device)
 
 
-def bench_way(name: str, shape: bench_model.ModelShape, way: str, rows, args,
-              reference: dict) -> tuple[list[dict], dict]:
-    """Every (B, S) row of one model and way; ``reference`` maps (B, S) to the new
-    tokens and first-token logits of `REFERENCE_WAY` (filled when ``way`` is it).
-    Returns the rows and what compiling ``forward`` counted."""
+class CompileCounts:
+    """What Dynamo and Inductor counted while one way's calls ran: the ways share
+    Dynamo's global counters, so each call adds what changed during it to its way's."""
+
+    def __init__(self):
+        self.graph_breaks, self.graphs, self.cudagraph_skips = 0, 0, 0
+        self.break_reasons: set[str] = set()
+
+    @staticmethod
+    def _now() -> tuple[int, int, int]:
+        return (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                counters["inductor"]["cudagraph_skips"])
+
+    def run(self, fn, *args):
+        before = self._now()
+        try:
+            return fn(*args)
+        finally:
+            breaks, graphs, skips = (after - b for after, b in zip(self._now(), before))
+            self.graph_breaks += breaks
+            self.graphs += graphs
+            self.cudagraph_skips += skips
+            self.break_reasons.update(counters["graph_break"])
+
+
+def bench_model_ways(name: str, shape: bench_model.ModelShape, ways: list[str], rows, args,
+                     failed: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Every (B, S) row of one model, its ways interleaved: each way's warm-up calls, then
+    the timed calls way after way, so that every way meets the same host (batch-1 steps
+    are mostly host work, whose speed drifts over seconds). A way that raises is recorded
+    in ``failed`` and dropped. Returns the rows and what compiling each way counted."""
     device = torch.device(args.device)
     clock = Clock(device)
-    model = bench_model.build(shape, way, args.layers, device=args.device, dtype=args.dtype)
     torch._dynamo.reset()
     counters.clear()
-    compiled = compile_config(way, args)
+    models = {way: bench_model.build(shape, way, args.layers, device=args.device,
+                                     dtype=args.dtype) for way in ways}
+    compiled = {way: compile_config(way, args) for way in ways}
+    counts = {way: CompileCounts() for way in ways}
     results = []
     for batch, seq in rows:
-        ids_BS = prompts(model.config, batch, seq, device)
-        begin = time.perf_counter()
-        runs = [generate_once(model, ids_BS, args.new_tokens, clock, compiled,
-                              args.compiled_prefill)
-                for _ in range(args.warmup + args.repeats)]
-        timed = runs[args.warmup:]
-        tokens_BN, scores_BV = timed[-1]["tokens"], timed[-1]["first_scores"]
-        if way == REFERENCE_WAY:
-            reference[(batch, seq)] = (tokens_BN, scores_BV)
-        want_BN, want_BV = reference.get((batch, seq), (None, None))
-        prefill_ms = statistics.median(r["prefill_ms"] for r in timed)
-        decode_ms = statistics.median(r["decode_ms"] for r in timed)
-        first_call_s = (runs[0]["prefill_ms"] + runs[0]["decode_ms"]) / 1e3
-        row = {"shape": name, "way": way, "batch": batch, "prompt": seq,
-               "new_tokens": args.new_tokens, "prefill_ms": prefill_ms,
-               "decode_tok_s": batch * (args.new_tokens - 1) / (decode_ms / 1e3),
-               "first_call_s": first_call_s, "decode_experts": timed[-1]["decode_experts"],
-               "same_tokens_every_call": all(torch.equal(r["tokens"], tokens_BN)
-                                             for r in runs),
-               "tokens_equal_reference": None if want_BN is None
-               else bool(torch.equal(tokens_BN, want_BN)),
-               "first_mismatch": None if want_BN is None else first_mismatch(tokens_BN, want_BN),
-               **({} if want_BV is None else first_token_agreement(scores_BV, want_BV)),
-               "row_s": time.perf_counter() - begin}
-        print(f"{name:14s} {way:14s} B={batch:<3d} S={seq:<5d} prefill {prefill_ms:9.2f} ms  "
-              f"decode {row['decode_tok_s']:9.1f} tok/s  first call {first_call_s:6.1f} s  "
-              f"same as {REFERENCE_WAY}: {row['tokens_equal_reference']}"
-              + ("" if row["first_mismatch"] is None
-                 else f" (first mismatch at new token {row['first_mismatch']})"), flush=True)
-        results.append(row)
-    counted = {"shape": name, "way": way,
-               "graph_breaks": sum(counters["graph_break"].values()),
-               "break_reasons": sorted(counters["graph_break"]),
-               "graphs": counters["stats"]["unique_graphs"],
-               "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
-    print(f"{name:14s} {way:14s} forward compiled into {counted['graphs']} graphs, "
-          f"{counted['graph_breaks']} graph breaks, "
-          f"{counted['cudagraph_skips']} CUDA-graph skips", flush=True)
-    if not counted["graphs"]:
-        print(f"{name:14s} {way:14s} generate compiled nothing: its rows ran uncompiled "
-              f"(transformers' compile criteria not met)", flush=True)
-    for reason in counted["break_reasons"]:
-        print(f"    graph break: {reason}", flush=True)
-    del model
+        ids_BS = prompts(models[ways[0]].config, batch, seq, device)
+        runs = {way: [] for way in ways}
+        seconds = dict.fromkeys(ways, 0.0)
+        for _ in range(args.warmup + args.repeats):
+            for way in [w for w in ways if w in models]:
+                begin = time.perf_counter()
+                try:
+                    runs[way].append(counts[way].run(
+                        generate_once, models[way], ids_BS, args.new_tokens, clock,
+                        compiled[way], args.compiled_prefill))
+                except Exception as error:  # noqa: BLE001 (a failing way is a result)
+                    traceback.print_exc()
+                    failed.append({"shape": name, "way": way,
+                                   "error": f"{type(error).__name__}: {error}"[:2000]})
+                    del models[way]
+                seconds[way] += time.perf_counter() - begin
+        reference = runs[REFERENCE_WAY][-1] if REFERENCE_WAY in models else None
+        for way in [w for w in ways if w in models]:
+            results.append(row_of(name, way, batch, seq, runs[way], reference, seconds[way],
+                                  args))
+    counted = []
+    for way in ways:
+        count = counts[way]
+        counted.append({"shape": name, "way": way, "graph_breaks": count.graph_breaks,
+                        "break_reasons": sorted(count.break_reasons), "graphs": count.graphs,
+                        "cudagraph_skips": count.cudagraph_skips})
+        print(f"{name:14s} {way:14s} forward compiled into {count.graphs} graphs, "
+              f"{count.graph_breaks} graph breaks, {count.cudagraph_skips} CUDA-graph skips",
+              flush=True)
+        if not count.graphs:
+            print(f"{name:14s} {way:14s} generate compiled nothing: its rows ran uncompiled "
+                  f"(transformers' compile criteria not met)", flush=True)
+        for reason in count.break_reasons:
+            print(f"    graph break: {reason}", flush=True)
+    models.clear()
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return results, counted
+
+
+def row_of(name: str, way: str, batch: int, seq: int, runs: list[dict], reference: dict | None,
+           seconds: float, args) -> dict:
+    """One way's row from its calls (warm-up ones first) and the reference's last call."""
+    timed = runs[args.warmup:]
+    tokens_BN, scores_BV = timed[-1]["tokens"], timed[-1]["first_scores"]
+    want_BN, want_BV = (None, None) if reference is None else (reference["tokens"],
+                                                               reference["first_scores"])
+    prefill_ms = statistics.median(r["prefill_ms"] for r in timed)
+    decode_ms = statistics.median(r["decode_ms"] for r in timed)
+    first_call_s = (runs[0]["prefill_ms"] + runs[0]["decode_ms"]) / 1e3
+    row = {"shape": name, "way": way, "batch": batch, "prompt": seq,
+           "new_tokens": args.new_tokens, "prefill_ms": prefill_ms,
+           "decode_tok_s": batch * (args.new_tokens - 1) / (decode_ms / 1e3),
+           "first_call_s": first_call_s, "decode_experts": timed[-1]["decode_experts"],
+           "same_tokens_every_call": all(torch.equal(r["tokens"], tokens_BN) for r in runs),
+           "tokens_equal_reference": None if want_BN is None
+           else bool(torch.equal(tokens_BN, want_BN)),
+           "first_mismatch": None if want_BN is None else first_mismatch(tokens_BN, want_BN),
+           **({} if want_BV is None else first_token_agreement(scores_BV, want_BV)),
+           "row_s": seconds}
+    print(f"{name:14s} {way:14s} B={batch:<3d} S={seq:<5d} prefill {prefill_ms:9.2f} ms  "
+          f"decode {row['decode_tok_s']:9.1f} tok/s  first call {first_call_s:6.1f} s  "
+          f"same as {REFERENCE_WAY}: {row['tokens_equal_reference']}"
+          + ("" if row["first_mismatch"] is None
+             else f" (first mismatch at new token {row['first_mismatch']})"), flush=True)
+    return row
 
 
 def table(rows: list[dict], compiled: list[dict]) -> str:
@@ -373,30 +426,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    # A decode graph per row at most, and one more for GPT-OSS's cache.
+    # A decode graph per row and way at most, and one more per way for GPT-OSS's cache:
+    # the ways' models share their forward's code.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               len(args.rows) + 1)
+                                               (len(args.rows) + 1) * len(args.way_list))
     start = time.monotonic()
     rows, compiled, skipped, failed = [], [], [], []
     for name, shape in args.models.items():
         if time.monotonic() - start > args.budget_s:
             skipped.append(f"{name}: past --budget-s {args.budget_s:.0f}")
             continue
-        reference: dict = {}
-        for way in args.way_list:
-            try:
-                way_rows, way_compiled = bench_way(name, shape, way, args.rows, args, reference)
-            except Exception as error:  # noqa: BLE001 (a failing way is a result)
-                traceback.print_exc()
-                failed.append({"shape": name, "way": way,
-                               "error": f"{type(error).__name__}: {error}"[:2000]})
-                torch._dynamo.reset()
-                continue
-            rows += way_rows
-            compiled.append(way_compiled)
-            with open(os.path.join(args.out, "generate.json"), "w") as f:
-                json.dump({"meta": meta(args), "rows": rows, "compiled": compiled,
-                           "skipped": skipped, "failed": failed}, f, indent=1)
+        try:
+            model_rows, model_compiled = bench_model_ways(name, shape, args.way_list,
+                                                          args.rows, args, failed)
+        except Exception as error:  # noqa: BLE001 (building or compiling a model failed)
+            traceback.print_exc()
+            failed.append({"shape": name, "way": ",".join(args.way_list),
+                           "error": f"{type(error).__name__}: {error}"[:2000]})
+            torch._dynamo.reset()
+            continue
+        rows += model_rows
+        compiled += model_compiled
+        with open(os.path.join(args.out, "generate.json"), "w") as f:
+            json.dump({"meta": meta(args), "rows": rows, "compiled": compiled,
+                       "skipped": skipped, "failed": failed}, f, indent=1)
     info = meta(args)
     info["total_s"] = round(time.monotonic() - start, 1)
     with open(os.path.join(args.out, "generate.json"), "w") as f:
