@@ -15,7 +15,8 @@ the device (``num_padded_rows``) and the GEMM kernels skip blocks past it.
 
 Three Triton launches: count each tile's slots per expert, scan those counts
 (one program), then scatter each slot to its place and write the padding and
-``block_expert``. No float math and no atomics, so the result is exact and the
+``block_expert``; one launch of the three steps in one program for an eager call of
+few slots (`ONE_PROGRAM_MAX_TILES`). No float math and no atomics, so the result is exact and the
 same on every run.
 """
 
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import in_traced_body, launcher
 
 # Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
 # one-hot tile [SLOT_TILE, EXPERT_CHUNK] stays at 8K elements whatever E is.
@@ -34,6 +35,11 @@ EXPERT_CHUNK = 32
 # The scan program walks the [tiles, E] count table in [TILE_CHUNK, SCAN_EXPERT_CHUNK] pieces.
 TILE_CHUNK = 64
 SCAN_EXPERT_CHUNK = 64
+# An eager call (one not traced into a compiled graph) of up to this many tiles runs the
+# three steps in one program: each eager launch costs 30-50 us on the host (H200 hosts,
+# 2026-11-26), more than the one program's extra GPU time at these sizes. Compiled
+# graphs launch from Inductor's code and keep the three kernels, which run in parallel.
+ONE_PROGRAM_MAX_TILES = 16
 
 
 def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -44,9 +50,9 @@ def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def moe_align_count_kernel(ids_ptr, tile_counts_ptr, num_slots, num_experts,
-                           SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
-    tile = tl.program_id(0)
+def _count_tile(ids_ptr, tile_counts_ptr, tile, num_slots, num_experts,
+                SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    """Tile ``tile``'s slots per expert into row ``tile`` of the ``[tiles, E]`` table."""
     slots = tile * SLOT_TILE + tl.arange(0, SLOT_TILE)
     ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
     for first in range(0, num_experts, EXPERT_CHUNK):
@@ -57,10 +63,11 @@ def moe_align_count_kernel(ids_ptr, tile_counts_ptr, num_slots, num_experts,
 
 
 @triton.jit
-def moe_align_scan_kernel(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
-                          expert_start_ptr, num_padded_ptr, num_tiles, num_experts,
-                          BLOCK_M: tl.constexpr, TILE_CHUNK: tl.constexpr,
-                          EXPERT_CHUNK: tl.constexpr):
+def _scan(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr,
+          num_padded_ptr, num_tiles, num_experts, BLOCK_M: tl.constexpr,
+          TILE_CHUNK: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    """Each tile's offset among each expert's slots, each expert's count and padded start,
+    and the padded rows in use, from the count table."""
     total = 0
     for first in range(0, num_experts, EXPERT_CHUNK):
         experts = first + tl.arange(0, EXPERT_CHUNK)
@@ -85,6 +92,67 @@ def moe_align_scan_kernel(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
 
 
 @triton.jit
+def _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, tile,
+                num_slots, num_experts, SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    """Tile ``tile``'s routed slots to their rows."""
+    slots = tile * SLOT_TILE + tl.arange(0, SLOT_TILE)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
+    routed = (ids >= 0) & (ids < num_experts)
+    rank = tl.zeros((SLOT_TILE,), dtype=tl.int32)
+    for first in range(0, num_experts, EXPERT_CHUNK):
+        experts = first + tl.arange(0, EXPERT_CHUNK)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank += tl.sum((tl.cumsum(hits, axis=0) - hits) * hits, axis=1)
+    earlier = tl.load(tile_offsets_ptr + tile * num_experts + ids, mask=routed, other=0)
+    start = tl.load(expert_start_ptr + ids, mask=routed, other=0)
+    tl.store(sorted_row_ids_ptr + start + earlier + rank, slots, mask=routed)
+
+
+@triton.jit
+def _write_block(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                 block_expert_ptr, block, num_slots, num_experts, BLOCK_M: tl.constexpr,
+                 EXPERT_CHUNK: tl.constexpr):
+    """Block ``block``'s expert (-1 past the rows in use) and the sentinel in its padding."""
+    block_start = block * BLOCK_M
+    # The block's expert is the number of experts whose padded range ends at
+    # or before the block's first row.
+    expert = 0
+    for first in range(0, num_experts, EXPERT_CHUNK):
+        experts = first + tl.arange(0, EXPERT_CHUNK)
+        expert_ok = experts < num_experts
+        count = tl.load(expert_count_ptr + experts, mask=expert_ok, other=0)
+        end = (tl.load(expert_start_ptr + experts, mask=expert_ok, other=0)
+               + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+        expert += tl.sum(((end <= block_start) & expert_ok).to(tl.int32), axis=0)
+    num_padded = tl.load(num_padded_ptr)
+    in_use = block_start < num_padded
+    safe_expert = tl.where(in_use, expert, 0)
+    rows = block_start + tl.arange(0, BLOCK_M)
+    padding = ((rows >= num_padded)
+               | (rows - tl.load(expert_start_ptr + safe_expert)
+                  >= tl.load(expert_count_ptr + safe_expert)))
+    tl.store(sorted_row_ids_ptr + rows, tl.zeros((BLOCK_M,), dtype=tl.int32) + num_slots,
+             mask=padding)
+    tl.store(block_expert_ptr + block, tl.where(in_use, expert, -1))
+
+
+@triton.jit
+def moe_align_count_kernel(ids_ptr, tile_counts_ptr, num_slots, num_experts,
+                           SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    _count_tile(ids_ptr, tile_counts_ptr, tl.program_id(0), num_slots, num_experts, SLOT_TILE,
+                EXPERT_CHUNK)
+
+
+@triton.jit
+def moe_align_scan_kernel(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
+                          expert_start_ptr, num_padded_ptr, num_tiles, num_experts,
+                          BLOCK_M: tl.constexpr, TILE_CHUNK: tl.constexpr,
+                          EXPERT_CHUNK: tl.constexpr):
+    _scan(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr, num_padded_ptr,
+          num_tiles, num_experts, BLOCK_M, TILE_CHUNK, EXPERT_CHUNK)
+
+
+@triton.jit
 def moe_align_scatter_kernel(ids_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr,
                              num_padded_ptr, sorted_row_ids_ptr, block_expert_ptr, num_slots,
                              num_tiles, num_blocks, num_experts, BLOCK_M: tl.constexpr,
@@ -93,39 +161,35 @@ def moe_align_scatter_kernel(ids_ptr, tile_offsets_ptr, expert_count_ptr, expert
     # Programs [0, num_tiles) place slots and programs [0, num_blocks) write one
     # block's padding and expert; the two sets of rows written never overlap.
     if pid < num_tiles:
-        slots = pid * SLOT_TILE + tl.arange(0, SLOT_TILE)
-        ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
-        routed = (ids >= 0) & (ids < num_experts)
-        rank = tl.zeros((SLOT_TILE,), dtype=tl.int32)
-        for first in range(0, num_experts, EXPERT_CHUNK):
-            experts = first + tl.arange(0, EXPERT_CHUNK)
-            hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-            rank += tl.sum((tl.cumsum(hits, axis=0) - hits) * hits, axis=1)
-        earlier = tl.load(tile_offsets_ptr + pid * num_experts + ids, mask=routed, other=0)
-        start = tl.load(expert_start_ptr + ids, mask=routed, other=0)
-        tl.store(sorted_row_ids_ptr + start + earlier + rank, slots, mask=routed)
+        _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, pid,
+                    num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK)
     if pid < num_blocks:
-        block_start = pid * BLOCK_M
-        # The block's expert is the number of experts whose padded range ends at
-        # or before the block's first row.
-        expert = 0
-        for first in range(0, num_experts, EXPERT_CHUNK):
-            experts = first + tl.arange(0, EXPERT_CHUNK)
-            expert_ok = experts < num_experts
-            count = tl.load(expert_count_ptr + experts, mask=expert_ok, other=0)
-            end = (tl.load(expert_start_ptr + experts, mask=expert_ok, other=0)
-                   + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
-            expert += tl.sum(((end <= block_start) & expert_ok).to(tl.int32), axis=0)
-        num_padded = tl.load(num_padded_ptr)
-        in_use = block_start < num_padded
-        safe_expert = tl.where(in_use, expert, 0)
-        rows = block_start + tl.arange(0, BLOCK_M)
-        padding = ((rows >= num_padded)
-                   | (rows - tl.load(expert_start_ptr + safe_expert)
-                      >= tl.load(expert_count_ptr + safe_expert)))
-        tl.store(sorted_row_ids_ptr + rows, tl.zeros((BLOCK_M,), dtype=tl.int32) + num_slots,
-                 mask=padding)
-        tl.store(block_expert_ptr + pid, tl.where(in_use, expert, -1))
+        _write_block(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                     block_expert_ptr, pid, num_slots, num_experts, BLOCK_M, EXPERT_CHUNK)
+
+
+@triton.jit
+def moe_align_one_program_kernel(ids_ptr, tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
+                                  expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                                  block_expert_ptr, num_slots, num_tiles, num_blocks,
+                                  num_experts, BLOCK_M: tl.constexpr, SLOT_TILE: tl.constexpr,
+                                  EXPERT_CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr,
+                                  SCAN_EXPERT_CHUNK: tl.constexpr):
+    # The three kernels' work in one program; a barrier between the steps makes
+    # each step's stores visible to the program's other threads.
+    for tile in range(num_tiles):
+        _count_tile(ids_ptr, tile_counts_ptr, tile, num_slots, num_experts, SLOT_TILE,
+                    EXPERT_CHUNK)
+    tl.debug_barrier()
+    _scan(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr, num_padded_ptr,
+          num_tiles, num_experts, BLOCK_M, TILE_CHUNK, SCAN_EXPERT_CHUNK)
+    tl.debug_barrier()
+    for tile in range(num_tiles):
+        _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, tile,
+                    num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK)
+    for block in range(num_blocks):
+        _write_block(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                     block_expert_ptr, block, num_slots, num_experts, BLOCK_M, EXPERT_CHUNK)
 
 
 def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
@@ -175,6 +239,13 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     expert_count, expert_start = (torch.empty((num_experts,), dtype=torch.int32, device=device)
                                   for _ in range(2))
     ids_S = topk_ids_TK.reshape(-1)
+    if not in_traced_body() and num_tiles <= ONE_PROGRAM_MAX_TILES:
+        launcher(moe_align_one_program_kernel)[(1,)](
+            ids_S, tile_counts, tile_offsets, expert_count, expert_start, num_padded_rows_1,
+            sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
+            BLOCK_M=block_m, SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK,
+            TILE_CHUNK=TILE_CHUNK, SCAN_EXPERT_CHUNK=SCAN_EXPERT_CHUNK)
+        return sorted_row_ids_P, block_expert_B, num_padded_rows_1
     if num_tiles:
         launcher(moe_align_count_kernel)[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
                                              SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)
