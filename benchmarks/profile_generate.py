@@ -94,7 +94,7 @@ def prefill_profile(model, ids_BS, compiled, args) -> dict:
     args.sync()
     python.disable()
     text = io.StringIO()
-    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(args.top)
+    pstats.Stats(python, stream=text).strip_dirs().sort_stats("tottime").print_stats(args.top)
     return {"wall_ms": wall_ms,
             "busy_ms": busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3,
             "kernels": len(events),
