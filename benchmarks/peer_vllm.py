@@ -111,6 +111,13 @@ def source_root() -> str:
     return os.environ.get("TMO_VLLM_SRC") or os.path.join(REPO, ".peers", "vllm")
 
 
+def shown_source_root() -> str:
+    """`source_root` as results show it: relative to the checkout where it lies in it
+    (results name no machine's paths)."""
+    root = source_root()
+    return os.path.relpath(root, REPO) if root.startswith(REPO + os.sep) else root
+
+
 def kernel_file() -> str | None:
     """Path of vLLM's ``fused_moe.py`` under ``source_root()``, None when there is none."""
     path = os.path.join(source_root(), FUSED_MOE_DIR, "fused_moe.py")
@@ -135,9 +142,9 @@ def why_not(shape, spec: QuantSpec | None, device: torch.device) -> str | None:
     if isinstance(mode, str):
         return mode
     if kernel_file() is None:
-        return f"no vLLM source at {source_root()} (see benchmarks/peer_vllm.py)"
+        return f"no vLLM source at {shown_source_root()} (see benchmarks/peer_vllm.py)"
     if mode.fp8 and not os.path.isfile(os.path.join(source_root(), FP8_UTILS)):
-        return f"no {FP8_UTILS} under {source_root()}: its fp8 modes need it"
+        return f"no {FP8_UTILS} under {shown_source_root()}: its fp8 modes need it"
     if shape.activation != "silu" or shape.bias:
         # vLLM runs the other activations as CUDA ops: their torch spelling would time torch.
         return "vLLM's kernel is run here for silu without biases only"
