@@ -34,7 +34,7 @@ import bench_generate
 import bench_model
 import torch
 import transformers
-from profile_train_step import GPU_CATEGORIES, busy_us, family
+from profile_train_step import GPU_CATEGORIES, busy_us, family, profile_ways
 
 FIRST_TOKEN_MARK = "first_token_logits"
 
@@ -204,14 +204,8 @@ def main(argv=None) -> None:
         args.sync = torch.cuda.synchronize
         args.meta = (f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}, "
                      f"torch {torch.__version__}, transformers {transformers.__version__}")
-    results = []
-    for way in args.ways.split(","):
-        results.append(profile_way(shape, way, args))
-        text = report(results, args)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-    print(text)
+    print(profile_ways(args.ways.split(","), lambda way: profile_way(shape, way, args),
+                       lambda results: report(results, args), args.out))
 
 
 if __name__ == "__main__":

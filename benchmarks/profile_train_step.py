@@ -161,6 +161,20 @@ def report(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def profile_ways(ways: list[str], profile_one, report_of, out: str | None) -> str:
+    """``profile_one(way)`` for each way in turn and the report of those done so far,
+    ``report_of(results)``, written to ``out`` after every way (so that a way that fails
+    leaves the others' report); returns the last report."""
+    results = []
+    for way in ways:
+        results.append(profile_one(way))
+        text = report_of(results)
+        if out:
+            with open(out, "w") as f:
+                f.write(text + "\n")
+    return text
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="olmoe", help=", ".join(bench_train.SHAPES))
@@ -182,17 +196,12 @@ def main(argv=None) -> None:
             raise SystemExit("profile_train_step.py needs a CUDA GPU; --smoke runs on the CPU")
         shape = bench_train.SHAPES[args.shape]
     sizes = bench_train.moe_sizes(shape.config(1))
-    results = []
-    for way in args.ways.split(","):
-        results.append(profile_way(bench, shape, sizes, way, args))
-        print(f"{way}: {results[-1]['forward_ms'] + results[-1]['backward_ms']:.3f} ms/step",
-              flush=True)
-        # Written after every way, so a way that fails leaves the others' report.
-        text = report(results, args)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-    print(text)
+    def profile_one(way: str) -> dict:
+        result = profile_way(bench, shape, sizes, way, args)
+        print(f"{way}: {result['forward_ms'] + result['backward_ms']:.3f} ms/step", flush=True)
+        return result
+
+    print(profile_ways(args.ways.split(","), profile_one, lambda r: report(r, args), args.out))
 
 
 if __name__ == "__main__":
