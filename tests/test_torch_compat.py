@@ -190,6 +190,13 @@ def test_tensor_version_counts_in_place_writes():
     assert torch_compat.tensor_version(inference) is None
 
 
+def test_profiler_enabled_follows_the_profiler():
+    assert not torch_compat.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert torch_compat.profiler_enabled()
+    assert not torch_compat.profiler_enabled()
+
+
 def _entry_table() -> dict[str, tuple[tuple[str, ...], str]]:
     """The module docstring's first table: entry -> (torch versions, test name)."""
     lines = torch_compat.__doc__.splitlines()

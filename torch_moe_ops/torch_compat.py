@@ -24,6 +24,7 @@ has_scaled_grouped_mm    2.11, 2.13  test_scaled_grouped_mm_signature_and_output
 inductor_compiler        2.11, 2.13  test_inductor_compiler_applies_mode_and_options
 lookup_backend           2.11, 2.13  test_lookup_backend_runs_a_graph
 packet_name              2.11, 2.13  test_packet_name
+profiler_enabled         2.11, 2.13  test_profiler_enabled_follows_the_profiler
 register_ordered_effect  2.11, 2.13  test_ordered_effect_threads_a_token_through_the_traced_op
 resolve_process_group    2.11, 2.13  test_resolve_process_group
 scaled_grouped_mm        2.11, 2.13  test_scaled_grouped_mm_signature_and_output
@@ -71,8 +72,8 @@ TESTED_ON = ("2.11", "2.13")
 __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode", "OpOverload",
            "OpOverloadPacket", "below_autograd", "c10d_functional", "grouped_mm",
            "has_scaled_grouped_mm", "inductor_compiler", "lookup_backend", "packet_name",
-           "register_ordered_effect", "resolve_process_group", "scaled_grouped_mm", "schema",
-           "tensor_version"]
+           "profiler_enabled", "register_ordered_effect", "resolve_process_group",
+           "scaled_grouped_mm", "schema", "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
@@ -127,6 +128,11 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter, which every in-place write bumps; None for an
     inference tensor (made under ``torch.inference_mode``), which has none."""
     return None if tensor.is_inference() else tensor._version
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` (or autograd profiler) session is recording."""
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_moe_ops import torch_compat
+
 # Each backend registers itself on import.
 from torch_moe_ops.backends import (  # noqa: F401
     all_to_all,
@@ -126,7 +128,7 @@ def _forward_to_default(op_name: str):
         # and torch.library's autograd wrapper cost 50-70 us per eager call.
         # Under the profiler the op runs as itself, so a trace names the backend.
         backend_kernel = kernel_of(namespace, op_name)
-        if backend_kernel is None or torch.autograd.profiler._is_profiler_enabled:
+        if backend_kernel is None or torch_compat.profiler_enabled():
             return op_overload(namespace, op_name)(*args)
         return backend_kernel(*args)
 

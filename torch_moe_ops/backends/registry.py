@@ -393,7 +393,9 @@ class Registry:
                 ("a2a", sorted(self.a2a.values(), key=lambda b: b.name != default_a2a)),
                 ("route", sorted(self.route.values(), key=lambda b: -b.priority))):
             for backend in backends:
-                spec = BackendSpec() if kind == "experts" else BackendSpec(**{kind: backend.name})
+                # What "auto" sees (a Triton backend runs the interpreter by name only);
+                # an a2a backend is always named.
+                spec = BackendSpec() if kind != "a2a" else BackendSpec(a2a=backend.name)
                 problem = Problem(dtype)
                 reason = backend.supports(spec, problem, device)
                 backward = quantized = "-"
