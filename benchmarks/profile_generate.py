@@ -21,7 +21,6 @@ in for kernels.
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import json
@@ -34,7 +33,7 @@ import bench_generate
 import bench_model
 import torch
 import transformers
-from profile_train_step import GPU_CATEGORIES, busy_us, family, profile_ways
+from profile_train_step import GPU_CATEGORIES, busy_us, per_step, profile_ways
 
 FIRST_TOKEN_MARK = "first_token_logits"
 
@@ -115,19 +114,8 @@ def decode_profile(model, ids_BS, compiled, args) -> dict:
     decode = [e for e in device_events(events, args.smoke) if e["ts"] >= mark]
     host_end = max(e["ts"] + e.get("dur", 0) for e in events if e.get("cat") == "cpu_op")
     steps = args.new_tokens - 1
-    per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    per_family = collections.Counter()
-    for e in decode:
-        per_kernel[e["name"]][0] += e["dur"]
-        per_kernel[e["name"]][1] += 1
-        per_family[family(e["name"])] += e["dur"]
     end = max([host_end] + [e["ts"] + e["dur"] for e in decode])
-    return {"step_ms": (end - mark) / 1e3 / steps,
-            "busy_ms": busy_us([(e["ts"], e["ts"] + e["dur"]) for e in decode]) / 1e3 / steps,
-            "kernels": len(decode) / steps,
-            "families": {k: v / 1e3 / steps for k, v in per_family.items()},
-            "top": sorted(((total / 1e3 / steps, count / steps, kernel)
-                           for kernel, (total, count) in per_kernel.items()), reverse=True)}
+    return {"step_ms": (end - mark) / 1e3 / steps, **per_step(decode, steps)}
 
 
 def profile_way(shape, way: str, args) -> dict:

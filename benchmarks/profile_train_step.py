@@ -61,6 +61,23 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def per_step(events: list[dict], steps: int) -> dict:
+    """What ``steps`` steps' GPU events (trace events with ``ts``, ``dur``, ``name``)
+    come to per step: ``busy_ms`` (the union of their intervals), ``kernels``, ms per
+    kernel ``family`` and ``top``: (ms, calls, name) per kernel, most time first."""
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    per_family = collections.Counter()
+    for e in events:
+        per_kernel[e["name"]][0] += e["dur"]
+        per_kernel[e["name"]][1] += 1
+        per_family[family(e["name"])] += e["dur"]
+    return {"busy_ms": busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3 / steps,
+            "kernels": len(events) / steps,
+            "families": {k: v / 1e3 / steps for k, v in per_family.items()},
+            "top": sorted(((total / 1e3 / steps, count / steps, kernel)
+                           for kernel, (total, count) in per_kernel.items()), reverse=True)}
+
+
 def split_times(bench: bench_train.Bench, block, x, g, steps: int) -> tuple[float, float]:
     """Median forward and backward ms over ``steps`` back-to-back training steps."""
     marks = []
@@ -116,20 +133,10 @@ def profile_way(bench: bench_train.Bench, shape, sizes: dict, way: str, args) ->
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         events = gpu_events(path, bench.smoke)
-    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in events]
-    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
-    per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    per_family = collections.Counter()
-    for e in events:
-        per_kernel[e["name"]][0] += e["dur"]
-        per_kernel[e["name"]][1] += 1
-        per_family[family(e["name"])] += e["dur"]
+    starts, ends = ([e["ts"] for e in events], [e["ts"] + e["dur"] for e in events])
     result = {"way": way, "forward_ms": forward_ms, "backward_ms": backward_ms,
-              "busy_ms": busy_us(intervals) / 1e3 / args.steps,
-              "span_ms": span / 1e3 / args.steps, "kernels": len(events) / args.steps,
-              "families": {k: v / 1e3 / args.steps for k, v in per_family.items()},
-              "top": sorted(((total / 1e3 / args.steps, count / args.steps, kernel)
-                             for kernel, (total, count) in per_kernel.items()), reverse=True)}
+              "span_ms": (max(ends) - min(starts)) / 1e3 / args.steps,
+              **per_step(events, args.steps)}
     del block, step, prof
     bench.release()
     return result
