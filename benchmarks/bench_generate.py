@@ -155,17 +155,24 @@ def compile_config(way: str, args) -> transformers.CompileConfig:
     return config
 
 
+def greedy_generate(model, ids_BS: torch.Tensor, new_tokens: int,
+                    compiled: transformers.CompileConfig, processors=(),
+                    compiled_prefill: bool = False) -> torch.Tensor:
+    """Greedy static-cache ``generate`` of exactly ``new_tokens`` tokens: ``[B, S + N]``."""
+    return model.generate(
+        ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+        compile_config=compiled, pad_token_id=0,
+        prefill_chunk_size=ids_BS.shape[1] if compiled_prefill else None,
+        logits_processor=transformers.LogitsProcessorList(list(processors)))
+
+
 def generate_once(model, ids_BS: torch.Tensor, new_tokens: int, clock: Clock,
                   compiled: transformers.CompileConfig, compiled_prefill: bool) -> dict:
     """One greedy static-cache ``generate``: its new tokens ``[B, N]`` and times."""
     first = FirstToken(clock, model.config)
     start = clock.mark()
-    out_BT = model.generate(
-        ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-        compile_config=compiled, pad_token_id=0,
-        prefill_chunk_size=ids_BS.shape[1] if compiled_prefill else None,
-        logits_processor=transformers.LogitsProcessorList([first]))
+    out_BT = greedy_generate(model, ids_BS, new_tokens, compiled, [first], compiled_prefill)
     end = clock.mark()
     prefill_ms = clock.ms(start, first.marked)
     return {"tokens": out_BT[:, ids_BS.shape[1]:].cpu(), "prefill_ms": prefill_ms,
@@ -219,7 +226,7 @@ class CompileCounts:
                 counters["inductor"]["cudagraph_skips"])
 
     def run(self, fn, *args):
-        before = self._now()
+        before, reasons_before = self._now(), dict(counters["graph_break"])
         try:
             return fn(*args)
         finally:
@@ -227,7 +234,9 @@ class CompileCounts:
             self.graph_breaks += breaks
             self.graphs += graphs
             self.cudagraph_skips += skips
-            self.break_reasons.update(counters["graph_break"])
+            # Only the reasons this call counted: the counter holds every way's.
+            self.break_reasons.update(reason for reason, count in counters["graph_break"].items()
+                                      if count > reasons_before.get(reason, 0))
 
 
 def bench_model_ways(name: str, shape: bench_model.ModelShape, ways: list[str], rows, args,

@@ -54,14 +54,6 @@ class MarkFirstToken(transformers.LogitsProcessor):
         return scores
 
 
-def generate(model, ids_BS, new_tokens: int, compiled, processors=()) -> torch.Tensor:
-    return model.generate(
-        ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-        compile_config=compiled, pad_token_id=0,
-        logits_processor=transformers.LogitsProcessorList(list(processors)))
-
-
 def trace_events(prof) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
@@ -82,14 +74,14 @@ def prefill_profile(model, ids_BS, compiled, args) -> dict:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         begin = time.perf_counter()
-        generate(model, ids_BS, 1, compiled)
+        bench_generate.greedy_generate(model, ids_BS, 1, compiled)
         args.sync()
         wall_ms = (time.perf_counter() - begin) * 1e3
     events = device_events(trace_events(prof), args.smoke)
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]
     python = cProfile.Profile()
     python.enable()
-    generate(model, ids_BS, 1, compiled)
+    bench_generate.greedy_generate(model, ids_BS, 1, compiled)
     args.sync()
     python.disable()
     text = io.StringIO()
@@ -107,7 +99,7 @@ def decode_profile(model, ids_BS, compiled, args) -> dict:
     if not args.smoke:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        generate(model, ids_BS, args.new_tokens, compiled, [MarkFirstToken()])
+        bench_generate.greedy_generate(model, ids_BS, args.new_tokens, compiled, [MarkFirstToken()])
         args.sync()
     events = trace_events(prof)
     mark = next(e["ts"] + e.get("dur", 0) for e in events if e.get("name") == FIRST_TOKEN_MARK)
@@ -124,7 +116,7 @@ def profile_way(shape, way: str, args) -> dict:
     compiled = bench_generate.compile_config(way, args)
     ids_BS = bench_generate.prompts(model.config, 1, args.prompt, torch.device(args.device))
     for _ in range(2):  # compiles, then records the decode graph
-        generate(model, ids_BS, args.new_tokens, compiled)
+        bench_generate.greedy_generate(model, ids_BS, args.new_tokens, compiled)
     args.sync()
     result = {"way": way, "prefill": prefill_profile(model, ids_BS, compiled, args),
               "decode": decode_profile(model, ids_BS, compiled, args)}

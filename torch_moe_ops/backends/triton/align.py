@@ -16,8 +16,8 @@ the device (``num_padded_rows``) and the GEMM kernels skip blocks past it.
 Three Triton launches: count each tile's slots per expert, scan those counts
 (one program), then scatter each slot to its place and write the padding and
 ``block_expert``; one launch of the three steps in one program for an eager call of
-few slots (`ONE_PROGRAM_MAX_TILES`). No float math and no atomics, so the result is exact and the
-same on every run.
+few slots (`ONE_PROGRAM_MAX_TILES`). No float math and no atomics, so the result is
+exact and the same on every run.
 """
 
 from __future__ import annotations
