@@ -3,12 +3,12 @@
 
 from torch_moe_ops.backends import available_backends
 from torch_moe_ops.config import BackendSpec, MoEConfig
-from torch_moe_ops.layer import MoE, SharedExperts
+from torch_moe_ops.layer import MoE, SharedExperts, router_loss, update_correction_biases
 from torch_moe_ops.lowering import backend
 from torch_moe_ops.lowering.explain import explain
 
 __all__ = ["BackendSpec", "MoE", "MoEConfig", "SharedExperts", "available_backends", "backend",
-           "checkpoints", "explain", "hf"]
+           "checkpoints", "explain", "hf", "router_loss", "update_correction_biases"]
 __version__ = "0.1.0"
 
 

@@ -19,6 +19,9 @@ EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "fl
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
 ROUTE_BACKEND_NAMES = ("auto", "reference", "triton", "flashinfer")
 FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")
+# Load balancing: how the auxiliary loss groups tokens, and its coefficients (0 is off).
+AUX_LOSSES = ("none", "batch", "sequence")
+COEFF_FIELDS = ("aux_loss_coeff", "z_loss_coeff", "bias_update_speed")
 # What a layer may ask its tokens to travel in (`backends.dispatch_dtype` resolves
 # the choice per layer).
 DISPATCH_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -190,6 +193,24 @@ class MoEConfig:
 
     Quantized experts (``quant``, a `QuantSpec`): the block holds ``w13``/``w2``
     in that format with their scales, and runs inference only.
+
+    Load balancing (all off by default; `torch_moe_ops.load_balance` has the
+    formulas), with ``p`` the router's probabilities (``softmax(logits)``, for
+    ``"sigmoid"`` scoring ``s / sum(s)``) and ``f_e`` the fraction of routed slots
+    that chose expert ``e``:
+
+    - ``aux_loss``: ``"batch"`` is the Switch / GShard loss
+      ``aux_loss_coeff * E * sum_e f_e * mean_t p[t, e]`` over the call's tokens
+      (``f_e`` over every rank of the expert-parallel group); ``"sequence"`` is
+      DeepSeek-V3's sequence-wise loss, the same over each sequence, averaged over
+      sequences: the input is ``[..., S, H]``, one sequence of ``S`` tokens per row.
+    - ``z_loss_coeff``: ST-MoE's router z-loss, ``coeff * mean_t logsumexp(logits[t])^2``.
+    - ``bias_update_speed``: DeepSeek-V3's auxiliary-loss-free balancing (needs
+      ``correction_bias``): after each optimizer step
+      ``bias_e += speed * sign(mean(load) - load_e)``, ``load`` the tokens routed to
+      each expert since the last update (torchtitan's ``load_balance_coeff``).
+    - ``count_tokens_per_expert``: keep each call's tokens per expert (on with any
+      of the above).
     """
 
     hidden_size: int
@@ -213,6 +234,11 @@ class MoEConfig:
     max_tokens_per_rank: int | None = None
     ep_capacity: int | None = None
     quant: QuantSpec | None = None
+    aux_loss: str = "none"
+    aux_loss_coeff: float = 0.01
+    z_loss_coeff: float = 0.0
+    bias_update_speed: float = 0.0
+    count_tokens_per_expert: bool = False
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "intermediate_size", "num_experts", "top_k",
@@ -223,7 +249,7 @@ class MoEConfig:
         _check_choice("scoring", self.scoring, SCORINGS)
         _check_choice("activation", self.activation, ACTIVATIONS)
         for field in ("renormalize", "correction_bias", "router_bias", "expert_bias",
-                      "shared_expert_gate"):
+                      "shared_expert_gate", "count_tokens_per_expert"):
             if not isinstance(getattr(self, field), bool):
                 _fail(field, getattr(self, field), "a bool")
         if self.num_experts % self.num_expert_groups:
@@ -249,6 +275,7 @@ class MoEConfig:
                 _fail(field, value, "a positive float")
             if not math.isfinite(value):
                 _fail(field, value, "a finite float")
+        self._check_load_balancing()
         size = self.shared_expert_intermediate_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             _fail("shared_expert_intermediate_size", size, "an int >= 0 (0 means none)")
@@ -264,10 +291,11 @@ class MoEConfig:
             self.quant.check_sizes(self.hidden_size, self.intermediate_size)
         # Not a field: equality, hashing, repr and dataclasses.replace ignore it.
         object.__setattr__(self, "_float_text",
-                           {field: repr(float(getattr(self, field))) for field in FLOAT_FIELDS})
+                           {field: repr(float(getattr(self, field)))
+                            for field in FLOAT_FIELDS + COEFF_FIELDS})
 
     def static_float(self, field: str) -> float:
-        """The float field ``field`` (one of `FLOAT_FIELDS`), read so that
+        """The float field ``field`` (one of `FLOAT_FIELDS`, `COEFF_FIELDS`), read so that
         ``torch.compile`` keeps it a compile-time constant.
 
         Dynamo makes a float attribute that forward reads a graph input once shapes
@@ -278,6 +306,27 @@ class MoEConfig:
         as a literal, and equal configs share one graph.
         """
         return float(self._float_text[field])
+
+    def _check_load_balancing(self) -> None:
+        _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)
+        for field in COEFF_FIELDS:
+            value = getattr(self, field)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):
+                _fail(field, value, "a finite float >= 0 (0 is off)")
+        if self.aux_loss != "none" and self.aux_loss_coeff == 0:
+            _fail("aux_loss_coeff", self.aux_loss_coeff,
+                  f"> 0 with aux_loss={self.aux_loss!r} (or aux_loss='none')")
+        if self.bias_update_speed and not self.correction_bias:
+            _fail("bias_update_speed", self.bias_update_speed,
+                  "0.0 unless correction_bias=True (the bias it updates; scoring='sigmoid')")
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the block keeps each call's tokens per expert (`MoE.tokens_per_expert`):
+        asked for, or needed by a load-balancing loss or the bias update."""
+        return (self.count_tokens_per_expert or self.aux_loss != "none"
+                or self.z_loss_coeff > 0 or self.bias_update_speed > 0)
 
     def _check_ep_sizes(self) -> None:
         for field in ("max_tokens_per_rank", "ep_capacity"):

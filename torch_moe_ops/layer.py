@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the ops)
-from torch_moe_ops import checkpoints, quant
+from torch_moe_ops import checkpoints, load_balance, quant
 from torch_moe_ops.backends.common.kernels.activation import activation
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.routed_experts import (
@@ -126,6 +126,22 @@ class MoE(nn.Module):
     leaves the stored bits alone. `reset_parameters` quantizes random weights;
     checkpoints load with `load_state_dict`, DeepSeek-V3's and GPT-OSS's own with
     `load_quantized` (`torch_moe_ops.checkpoints`).
+
+    Load balancing (`MoEConfig`'s ``aux_loss``, ``z_loss_coeff``,
+    ``bias_update_speed``, ``count_tokens_per_expert``), read after each ``forward``,
+    compiled (``fullgraph=True``, CUDA graphs) or not:
+
+    - ``tokens_per_expert [E]`` int64 (a buffer, not saved): the slots of the last
+      call's tokens that chose each expert, summed over the expert-parallel group;
+    - ``aux_loss`` and ``z_loss``: 0-d fp32 tensors of the last call, already scaled
+      by their coefficients, differentiable in the router's weights (`router_loss`
+      sums them over a model); ``None`` where off. ``aux_loss="sequence"`` takes
+      ``x [..., S, H]`` as sequences of ``S`` tokens;
+    - ``expert_load [E]`` int64 (a buffer, with ``bias_update_speed``): the tokens of
+      every call since the last `update_bias`, which nudges
+      ``e_score_correction_bias`` towards balance and restarts it (call it after the
+      optimizer step: `update_correction_biases`). The bias is updated in its own
+      dtype: keep the module in fp32 to train (autocast for low precision).
     """
 
     def __init__(self, cfg: MoEConfig, device=None, dtype=None, ep_group=None):
@@ -144,6 +160,15 @@ class MoE(nn.Module):
                                  torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        for name, wanted in (("tokens_per_expert", cfg.counts_tokens),
+                             ("expert_load", cfg.bias_update_speed > 0)):
+            if wanted:
+                self.register_buffer(name, torch.zeros(num_experts, device=device,
+                                                       dtype=torch.int64), persistent=False)
+            else:
+                setattr(self, name, None)
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
         num_local = cfg.num_local_experts
         if cfg.quant is None:
             self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, **factory))
@@ -214,9 +239,10 @@ class MoE(nn.Module):
             with torch.no_grad():
                 stored.copy_(q)
                 getattr(self, name + "_scale").copy_(scale)
-        for bias in (self.b13, self.b2, self.e_score_correction_bias):
-            if bias is not None:
-                nn.init.zeros_(bias)
+        for zeroed in (self.b13, self.b2, self.e_score_correction_bias, self.tokens_per_expert,
+                       self.expert_load):
+            if zeroed is not None:
+                nn.init.zeros_(zeroed)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters()
 
@@ -259,11 +285,55 @@ class MoE(nn.Module):
                              f"cast the module (moe.to({x.dtype})) or the input "
                              f"(x.to({self.w13.dtype}))")
         x_TH = x.reshape(-1, self.cfg.hidden_size)
-        _, topk_weights_TK, topk_ids_TK = self.route(x_TH)
+        logits_TE, topk_weights_TK, topk_ids_TK = self.route(x_TH)
+        if self.tokens_per_expert is not None:
+            self._balance_load(x, logits_TE, topk_ids_TK)
         y_TH = self.experts(x_TH, topk_weights_TK, topk_ids_TK)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
         return y_TH.view(x.shape)
+
+    def _balance_load(self, x: torch.Tensor, logits_TE: torch.Tensor,
+                      topk_ids_TK: torch.Tensor) -> None:
+        """Count this call's tokens per expert (every rank's) and compute the losses the
+        config asks for. Runs on every rank, idle ones too: the count's all-reduce is a
+        collective."""
+        cfg = self.cfg
+        if cfg.aux_loss == "sequence":
+            if x.dim() < 3:
+                raise ValueError(f"x must be [..., S, H] (sequences of S tokens) with "
+                                 f"aux_loss='sequence', got shape {tuple(x.shape)}")
+            num_groups, group_size = x.shape[:-2].numel(), x.shape[-2]
+        else:
+            num_groups, group_size = 1, logits_TE.shape[0]
+        counts_BE = load_balance.tokens_per_expert(
+            topk_ids_TK.view(num_groups, group_size * cfg.top_k), cfg.num_experts)
+        counts_E = load_balance.sum_over_group(counts_BE.sum(dim=0), self.ep_group_name)
+        self.tokens_per_expert.copy_(counts_E)
+        if self.expert_load is not None:
+            self.expert_load.add_(counts_E)
+        if cfg.aux_loss != "none":
+            probs_BSE = load_balance.router_probs(logits_TE, cfg.scoring).view(
+                num_groups, group_size, cfg.num_experts)
+            # The batch's fractions are every rank's: the ranks' losses average to the
+            # loss of the group's whole batch (at equal token counts).
+            counts_for_loss = counts_BE if cfg.aux_loss == "sequence" else counts_E.view(1, -1)
+            self.aux_loss = cfg.static_float("aux_loss_coeff") * load_balance.balance_loss(
+                probs_BSE, counts_for_loss)
+        if cfg.static_float("z_loss_coeff") > 0:
+            self.z_loss = cfg.static_float("z_loss_coeff") * load_balance.z_loss(logits_TE)
+
+    def update_bias(self) -> None:
+        """DeepSeek-V3's auxiliary-loss-free update (``cfg.bias_update_speed > 0``), in
+        place and without a host sync: ``e_score_correction_bias[e] += speed *
+        sign(mean(expert_load) - expert_load[e])``, then ``expert_load`` restarts at 0.
+        ``expert_load`` is the same on every rank of the expert-parallel group, and so
+        stays the bias."""
+        if self.expert_load is None:
+            raise ValueError(f"update_bias needs cfg.bias_update_speed > 0, got "
+                             f"{self.cfg.bias_update_speed}")
+        load_balance.nudge_bias(self.e_score_correction_bias, self.expert_load,
+                                self.cfg.bias_update_speed)
 
     def extra_repr(self) -> str:
         cfg = self.cfg
@@ -282,4 +352,27 @@ class MoE(nn.Module):
             parts.append("expert_bias")
         if cfg.quant is not None:
             parts.append(f"quant={cfg.quant.name}")
+        if cfg.aux_loss != "none":
+            parts.append(f"aux_loss={cfg.aux_loss}")
+        if cfg.z_loss_coeff:
+            parts.append("z_loss")
+        if cfg.bias_update_speed:
+            parts.append(f"bias_update_speed={cfg.bias_update_speed}")
         return ", ".join(parts)
+
+
+def router_loss(model: nn.Module) -> torch.Tensor | int:
+    """The sum of every `MoE` block's ``aux_loss`` and ``z_loss`` in ``model`` (a 0-d fp32
+    tensor, each already scaled by its coefficient) from the blocks' last ``forward``: add
+    it to the training loss. ``0`` where no block has a loss on."""
+    return sum(loss for block in model.modules() if isinstance(block, MoE)
+               for loss in (block.aux_loss, block.z_loss) if loss is not None)
+
+
+def update_correction_biases(model: nn.Module) -> None:
+    """`MoE.update_bias` of every block of ``model`` with ``bias_update_speed > 0``: call
+    it after each optimizer step (or register it,
+    ``optimizer.register_step_post_hook(lambda *_: update_correction_biases(model))``)."""
+    for block in model.modules():
+        if isinstance(block, MoE) and block.expert_load is not None:
+            block.update_bias()
