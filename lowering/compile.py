@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -10,7 +12,7 @@ from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.kernels.tracing import for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec
-from torch_moe_ops.lowering.rewrite import expert_parallel, lower
+from torch_moe_ops.lowering.rewrite import expert_parallel, generic_op, lower
 
 INNER_COMPILERS = ("inductor", "eager", "aot_eager")
 # What `check_runs` tries, the device's usual dtype first (its error is the one raised).
@@ -63,6 +65,8 @@ class MoECompileBackend:
         self.inner = inner
         self.mode = mode
         self.options = dict(options or {})
+        # The settings `_warn_of_settings_unused` has warned of (once each).
+        self._warned: set[str] = set()
         if inner == "inductor":
             self._compile = torch_compat.inductor_compiler(mode, self.options)
             # Inductor's peak-memory reordering ignores the order of effectful ops
@@ -76,13 +80,41 @@ class MoECompileBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         across_ranks = expert_parallel(gm)
-        lowered = lower(gm, self.spec)
+        self._warn_of_settings_unused(gm, example_inputs, across_ranks)
+        try:
+            lowered = lower(gm, self.spec)
+        except ValueError as error:
+            # The backends asked for cannot run this model: the user's error, said as such
+            # (not as Dynamo's BackendCompilerFailed, which reads as a bug in torch).
+            raise torch_compat.BackendError(str(error), inspect.currentframe()) from None
         if self.inner == "inductor":
             compile_graph = self._compile_ep if across_ranks else self._compile
             # Some backend bodies only pay off fused (`backends.common.kernels.tracing`).
             with for_inductor():
                 return compile_graph(lowered, example_inputs)
         return self._compile(lowered, example_inputs)
+
+    def _warn_of_settings_unused(self, gm: torch.fx.GraphModule, example_inputs,
+                                 across_ranks: bool) -> None:
+        """Warn, once per setting, where a setting given to this backend does nothing for
+        the graph at hand: CUDA graphs for a graph with no CUDA tensor, a transport for MoE
+        layers on one device."""
+        unused = {}
+        if (self.mode == "reduce-overhead"
+                and not any(isinstance(value, torch.Tensor) and value.is_cuda
+                            for value in example_inputs)):
+            unused["mode"] = ("mode='reduce-overhead' does nothing here: it captures CUDA graphs, "
+                              "and this model runs on no CUDA device")
+        if (self.spec.a2a != BackendSpec().a2a and not across_ranks
+                and any(generic_op(node) for body in gm.modules()
+                        if isinstance(body, torch.fx.GraphModule) for node in body.graph.nodes)):
+            unused["a2a"] = (f"a2a={self.spec.a2a!r} does nothing here: it moves tokens between "
+                             "the ranks of MoE layers built with ep_size > 1, and this model's "
+                             "MoE layers have ep_size=1")
+        for setting, message in unused.items():
+            if setting not in self._warned:
+                self._warned.add(setting)
+                warnings.warn(message, UserWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         return (f"MoECompileBackend(experts={self.spec.experts!r}, a2a={self.spec.a2a!r}, "

@@ -431,10 +431,15 @@ def test_lower_rejects_unavailable_backend(dynamo_graph, unavailable_experts_bac
 def test_compile_rejects_unavailable_backend(fresh_dynamo, unavailable_experts_backend):
     compiled = torch.compile(tiny_moe(), fullgraph=True, backend=tmo.backend(
         experts=unavailable_experts_backend, inner="eager"))
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failure:
+    with pytest.raises(ValueError) as failure:
         compiled(torch.randn(T, H))
-    assert isinstance(failure.value.inner_exception, ValueError)
-    assert str(failure.value.inner_exception) == UNAVAILABLE_MESSAGE
+    # The user's error as itself, not inside Dynamo's BackendCompilerFailed (whose first
+    # line names the backend object and whose last asks for a bug report to PyTorch), its
+    # traceback from the user's call to the lowering's frame that raised it.
+    assert not isinstance(failure.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(failure.value).splitlines()[0] == UNAVAILABLE_MESSAGE
+    frames = [str(entry.path) for entry in failure.traceback]
+    assert frames[-1].endswith("compile.py") and len(frames) <= 6, frames
 
 
 def test_auto_skips_unavailable_backend(dynamo_graph, unavailable_experts_backend):
@@ -456,3 +461,36 @@ def test_auto_with_nothing_available(dynamo_graph, unavailable_experts_backend, 
             f"no experts backend runs on cpu with torch.float32: flashinfer: "
             f"{UNAVAILABLE_REASON}")):
         lower(dynamo_graph, BackendSpec(experts="auto"))
+
+
+# Settings that do nothing for the model compiled: a warning, once, naming the setting.
+
+
+def unused_settings(warned) -> list[str]:
+    return [str(w.message) for w in warned if "does nothing here" in str(w.message)]
+
+
+def test_cuda_graphs_on_the_cpu_warn_once(fresh_dynamo, monkeypatch, recwarn):
+    backend = tmo.backend(mode="reduce-overhead")
+    # What Inductor would make of the graph does not matter here: only what reaches it.
+    monkeypatch.setattr(backend, "_compile", lambda gm, example_inputs: gm.forward)
+    compiled = torch.compile(tiny_moe(), backend=backend)
+    compiled(torch.randn(T, H))
+    compiled(torch.randn(T + 2, H))  # a second graph: no second warning
+    assert unused_settings(recwarn) == [
+        ("mode='reduce-overhead' does nothing here: it captures CUDA graphs, and this model "
+         "runs on no CUDA device")]
+
+
+def test_a2a_on_one_device_warns_once(fresh_dynamo, recwarn):
+    compiled = torch.compile(tiny_moe(), backend=tmo.backend(a2a="allgather", inner="eager"))
+    compiled(torch.randn(T, H))
+    compiled(torch.randn(T + 2, H))
+    assert unused_settings(recwarn) == [
+        ("a2a='allgather' does nothing here: it moves tokens between the ranks of MoE layers "
+         "built with ep_size > 1, and this model's MoE layers have ep_size=1")]
+
+
+def test_settings_that_apply_do_not_warn(fresh_dynamo, recwarn):
+    torch.compile(tiny_moe(), backend=tmo.backend(inner="eager"))(torch.randn(T, H))
+    assert unused_settings(recwarn) == []

@@ -5,6 +5,7 @@ what the library relies on. Run on every torch in ``torch_compat.TESTED_ON``
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -195,6 +196,23 @@ def test_profiler_enabled_follows_the_profiler():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert torch_compat.profiler_enabled()
     assert not torch_compat.profiler_enabled()
+
+
+def test_backend_error_reaches_the_caller_unwrapped():
+    def refusing_backend(gm, example_inputs):
+        raise torch_compat.BackendError("experts backend 'x' is not available: a reason",
+                                        inspect.currentframe())
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.sin() + 1, backend=refusing_backend)
+    with pytest.raises(torch_compat.BackendError) as failure:
+        compiled(torch.ones(3))
+    torch._dynamo.reset()
+    assert isinstance(failure.value, ValueError)
+    assert str(failure.value).splitlines()[0] == "experts backend 'x' is not available: a reason"
+    # Dynamo's frames between the call and the backend are cut.
+    assert failure.traceback[-1].name == "refusing_backend"
+    assert not any("output_graph" in str(entry.path) for entry in failure.traceback)
 
 
 def _entry_table() -> dict[str, tuple[tuple[str, ...], str]]:
