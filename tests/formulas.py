@@ -164,3 +164,59 @@ def experts_backward_formula(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor,
     grads = iter(torch.autograd.grad(out_TH, present, _fp64(grad_out_TH), allow_unused=True,
                                      materialize_grads=True))
     return tuple(None if t is None else next(grads) for t in leaves)
+
+
+def _slot_fractions(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` fp64: the fraction of the slots ``topk_ids [T, K]`` that chose each expert."""
+    ids = topk_ids_TK.reshape(-1).tolist()
+    return torch.tensor([ids.count(e) / max(len(ids), 1) for e in range(num_experts)],
+                        dtype=torch.float64)
+
+
+def balance_probs_formula(logits_TE: torch.Tensor, scoring: str) -> torch.Tensor:
+    """fp64 ``[T, E]``: the distribution the auxiliary losses balance, ``exp(x) / sum exp(x)``
+    (softmax and GPT-OSS's scoring alike), for ``sigmoid`` DeepSeek-V3's
+    ``s'_{t,e} = s_{t,e} / sum_j s_{t,j}``."""
+    logits_TE = logits_TE.double().cpu()
+    scores_TE = sigmoid_formula(logits_TE) if scoring == "sigmoid" else logits_TE.exp()
+    return scores_TE / scores_TE.sum(-1, keepdim=True)
+
+
+def switch_loss_formula(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor,
+                        scoring: str) -> torch.Tensor:
+    """The Switch Transformer / GShard load-balancing loss, fp64 (Fedus et al. 2021, eq. 4,
+    with top-k routing: ``f_e`` counts slots)::
+
+        loss = E * sum_e f_e * P_e,  f_e = (1 / (T K)) sum_{t,k} [ids[t, k] == e],
+                                     P_e = (1 / T) sum_t p[t, e]
+    """
+    num_experts = logits_TE.shape[1]
+    p_TE = balance_probs_formula(logits_TE, scoring)
+    return num_experts * (_slot_fractions(topk_ids_TK, num_experts) * p_TE.mean(0)).sum()
+
+
+def sequence_loss_formula(logits_BSE: torch.Tensor, topk_ids_BSK: torch.Tensor,
+                          scoring: str) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (eqs. 17-20), fp64, averaged
+    over the B sequences of S tokens each::
+
+        f_i = E / (K S) * sum_t [i in topk(t)],  P_i = (1 / S) sum_t s'_{i,t},
+        loss_b = sum_i f_i P_i
+    """
+    num_sequences, seq_len, num_experts = logits_BSE.shape
+    top_k = topk_ids_BSK.shape[-1]
+    losses = []
+    for b in range(num_sequences):
+        ids = topk_ids_BSK[b].reshape(-1).tolist()
+        f_E = torch.tensor([num_experts / (top_k * seq_len) * ids.count(i)
+                            for i in range(num_experts)], dtype=torch.float64)
+        p_E = balance_probs_formula(logits_BSE[b], scoring).mean(0)
+        losses.append((f_E * p_E).sum())
+    return torch.stack(losses).mean()
+
+
+def z_loss_formula(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5), fp64:
+    ``(1 / T) sum_t (log sum_e exp(x[t, e]))^2``."""
+    logits_TE = logits_TE.double().cpu()
+    return (logits_TE.exp().sum(-1).log() ** 2).mean()
