@@ -354,3 +354,18 @@ def test_fused_experts_cuda_graph(kernel_path):
     torch.testing.assert_close(out_TH, fused.fused_experts(*args), atol=0, rtol=0)
     torch.testing.assert_close(out_TH.double().cpu(),
                                formula(*args[:7], "swiglu_oai"), **TOLERANCE[torch.bfloat16])
+
+
+def test_tuning_without_cuda_says_it_needs_a_gpu(monkeypatch, capsys):
+    from torch_moe_ops.backends.triton import tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["tune", "--experts", "8", "--inter", "32", "--hidden",
+                                     "64", "--top-k", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        tune.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m torch_moe_ops.tune: error: needs a CUDA GPU: it times the Triton kernels on "
+        "the GPU at hand and writes their configs for it (this torch sees no CUDA device); run "
+        "it on the machine that will run the model")

@@ -181,7 +181,8 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_moe_ops.tune",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, required=True)
     parser.add_argument("--inter", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True)
@@ -196,6 +197,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, nargs=2, help="QuantSpec.block_size of "
                         "fp8_block (128 128 without)")
     a = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: it times the Triton kernels on the GPU at hand and "
+                     "writes their configs for it (this torch sees no CUDA device); run it "
+                     "on the machine that will run the model")
     spec = None
     if a.quant is not None:
         spec = QuantSpec(a.quant, a.quant_activations,
