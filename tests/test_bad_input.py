@@ -139,6 +139,20 @@ CONFIG_CASES = {
         lambda: tmo.MoE(config())(torch.randn(2, 3, H, dtype=torch.bfloat16)),
         ("x must have the module's dtype (torch.float32), got torch.bfloat16: cast the module "
          "(moe.to(torch.bfloat16)) or the input (x.to(torch.float32))")),
+    # A module cast to an integer dtype could not compute: only the input's cast is offered.
+    "module_input_integer_dtype": (
+        lambda: tmo.MoE(config())(torch.ones(5, H, dtype=torch.long)),
+        ("x must have the module's dtype (torch.float32), got torch.int64: cast the input "
+         "(x.to(torch.float32))")),
+    # Said at the user's call, naming x and the module (not the op's w13, from deep inside).
+    "module_input_on_meta": (
+        lambda: tmo.MoE(config())(torch.randn(5, H, device="meta")),
+        "x must be on the module's device (cpu), got meta: move the input (x.to('cpu'))"),
+    "module_on_meta": (
+        lambda: tmo.MoE(config(), device="meta")(torch.randn(5, H)),
+        ("x must be on the module's device (meta), got cpu: the module holds no weights (built "
+         "on the meta device): give it memory (moe.to_empty(device=...)), then load its "
+         "weights")),
 }
 
 BACKEND_CASES = {

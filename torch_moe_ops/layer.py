@@ -17,6 +17,7 @@ import torch_moe_ops.backends  # noqa: F401  (installs the eager kernels of the 
 from torch_moe_ops import checkpoints, load_balance, quant
 from torch_moe_ops.backends.common.kernels.activation import activation
 from torch_moe_ops.config import MoEConfig
+from torch_moe_ops.ops.checks import OP_FLOAT_DTYPES
 from torch_moe_ops.routed_experts import (
     EXPERT_TENSORS,
     SCALE_TENSORS,
@@ -279,11 +280,25 @@ class MoE(nn.Module):
         if x.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"x.shape[-1] must equal hidden_size ({self.cfg.hidden_size}), "
                              f"got shape {tuple(x.shape)}")
+        # Said here in the module's terms, at the user's call: the ops would name their
+        # w13 argument, from deep inside.
+        device = self.gate.weight.device
+        if x.device != device:
+            if device.type == "meta":
+                fix = ("the module holds no weights (built on the meta device): give it memory "
+                       "(moe.to_empty(device=...)), then load its weights")
+            else:
+                fix = f"move the input (x.to({str(device)!r}))" + (
+                    "" if x.device.type == "meta" else
+                    f" or the module (moe.to({str(x.device)!r}))")
+            raise ValueError(f"x must be on the module's device ({device}), got {x.device}: "
+                             f"{fix}")
         if self.cfg.quant is None and x.dtype != self.w13.dtype:
-            # Said here in the module's terms: the op would name its w13 argument.
+            # A module in a non-float dtype cannot compute: only the input's cast makes sense.
+            fix = (f"cast the module (moe.to({x.dtype})) or the input (x.to({self.w13.dtype}))"
+                   if x.dtype in OP_FLOAT_DTYPES else f"cast the input (x.to({self.w13.dtype}))")
             raise ValueError(f"x must have the module's dtype ({self.w13.dtype}), got {x.dtype}: "
-                             f"cast the module (moe.to({x.dtype})) or the input "
-                             f"(x.to({self.w13.dtype}))")
+                             f"{fix}")
         x_TH = x.reshape(-1, self.cfg.hidden_size)
         logits_TE, topk_weights_TK, topk_ids_TK = self.route(x_TH)
         if self.tokens_per_expert is not None:
