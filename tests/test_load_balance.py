@@ -119,6 +119,39 @@ def test_one_compile_over_token_counts(aux_loss):
     assert counter.frame_count == 1
 
 
+@pytest.mark.gpu
+def test_cuda_graphs_keep_counts_and_losses():
+    """Compiled with ``mode="reduce-overhead"`` (CUDA graphs), trained for a few steps
+    beside the eager module: the same counts, losses, router gradients and biases."""
+    moe = _balanced_moe("sigmoid_sequence_bias").cuda()
+    eager = copy.deepcopy(moe)
+    compiled = torch.compile(moe, backend=tmo.backend(mode="reduce-overhead"), fullgraph=True)
+    for step in range(3):
+        x_BSH = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(step)).cuda()
+        torch.testing.assert_close(compiled(x_BSH), eager(x_BSH), rtol=1e-4, atol=1e-4)
+        for name in ("tokens_per_expert", "expert_load"):
+            torch.testing.assert_close(getattr(moe, name), getattr(eager, name))
+        for name in ("aux_loss", "z_loss"):
+            torch.testing.assert_close(getattr(moe, name), getattr(eager, name), **TOL)
+        for block in (moe, eager):
+            tmo.router_loss(block).backward()
+            tmo.update_correction_biases(block)
+        torch.testing.assert_close(moe.gate.weight.grad, eager.gate.weight.grad, **TOL)
+        torch.testing.assert_close(moe.e_score_correction_bias, eager.e_score_correction_bias)
+
+
+def test_reset_parameters_zeroes_the_counts():
+    """Deferred initialisation (meta, ``to_empty``, ``reset_parameters``) leaves no count
+    holding uninitialised memory."""
+    with torch.device("meta"):
+        moe = tmo.MoE(BALANCED["sigmoid_sequence_bias"])
+    moe.to_empty(device="cpu")
+    moe.tokens_per_expert.fill_(-1)
+    moe.expert_load.fill_(-1)
+    moe.reset_parameters()
+    assert not moe.tokens_per_expert.any() and not moe.expert_load.any()
+
+
 def test_off_traces_nothing_new():
     """Load balancing off: no buffer, no loss, and a graph without the counting; counting on
     alone adds the count and nothing else."""
