@@ -80,13 +80,15 @@ class MoECompileBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         across_ranks = expert_parallel(gm)
-        self._warn_of_settings_unused(gm, example_inputs, across_ranks)
+        moe_layers = any(generic_op(node) for body in gm.modules()
+                         if isinstance(body, torch.fx.GraphModule) for node in body.graph.nodes)
         try:
             lowered = lower(gm, self.spec)
         except ValueError as error:
             # The backends asked for cannot run this model: the user's error, said as such
             # (not as Dynamo's BackendCompilerFailed, which reads as a bug in torch).
             raise torch_compat.BackendError(str(error), inspect.currentframe()) from None
+        self._warn_of_settings_unused(example_inputs, moe_layers and not across_ranks)
         if self.inner == "inductor":
             compile_graph = self._compile_ep if across_ranks else self._compile
             # Some backend bodies only pay off fused (`backends.common.kernels.tracing`).
@@ -94,20 +96,17 @@ class MoECompileBackend:
                 return compile_graph(lowered, example_inputs)
         return self._compile(lowered, example_inputs)
 
-    def _warn_of_settings_unused(self, gm: torch.fx.GraphModule, example_inputs,
-                                 across_ranks: bool) -> None:
+    def _warn_of_settings_unused(self, example_inputs, one_device_layers: bool) -> None:
         """Warn, once per setting, where a setting given to this backend does nothing for
-        the graph at hand: CUDA graphs for a graph with no CUDA tensor, a transport for MoE
-        layers on one device."""
+        the graph at hand: CUDA graphs for a graph with no CUDA tensor, a transport for
+        MoE layers on one device (``one_device_layers``)."""
         unused = {}
         if (self.mode == "reduce-overhead"
                 and not any(isinstance(value, torch.Tensor) and value.is_cuda
                             for value in example_inputs)):
             unused["mode"] = ("mode='reduce-overhead' does nothing here: it captures CUDA graphs, "
                               "and this model runs on no CUDA device")
-        if (self.spec.a2a != BackendSpec().a2a and not across_ranks
-                and any(generic_op(node) for body in gm.modules()
-                        if isinstance(body, torch.fx.GraphModule) for node in body.graph.nodes)):
+        if self.spec.a2a != BackendSpec().a2a and one_device_layers:
             unused["a2a"] = (f"a2a={self.spec.a2a!r} does nothing here: it moves tokens between "
                              "the ranks of MoE layers built with ep_size > 1, and this model's "
                              "MoE layers have ep_size=1")

@@ -59,3 +59,14 @@ def test_install_notes(capsys):
     assert "pip install --no-build-isolation" in capsys.readouterr().out
     assert install.main(["nccl"]) == 2
     assert capsys.readouterr().err == "backend must be one of deepep, flashinfer, got nccl\n"
+
+
+def test_flashinfer_install_note_gives_the_trimmed_module_build_time(capsys):
+    from torch_moe_ops.backends.flashinfer import cutlass_module
+
+    assert install.main(["flashinfer"]) == 0
+    note = capsys.readouterr().out
+    # The time of the module this package builds (as the README gives it), not of
+    # FlashInfer's full one, which is never built.
+    assert cutlass_module.BUILD_TIME in note
+    assert cutlass_module.BUILD_COMMAND in note

@@ -23,6 +23,7 @@ from torch_moe_ops.backends import namespace_for
 from torch_moe_ops.backends.flashinfer import route as fi_route
 from torch_moe_ops.backends.registry import REGISTRY, Problem, Registry
 from torch_moe_ops.lowering import lower, moe_op_sequence
+from torch_moe_ops.lowering.plan import plan_layer
 
 CPU = torch.device("cpu")
 # (E, K, G, topk_groups, routed_scaling_factor)
@@ -66,8 +67,6 @@ LIMIT_CASES = {
 def test_limits_name_what_the_kernel_cannot_do(case):
     fields, reason = LIMIT_CASES[case]
     assert fi_route.limits(routing_problem(**fields)) == reason
-    # The routing's limits come first: they are seen without a GPU or flashinfer.
-    assert fi_route.supports(None, routing_problem(**fields), CPU) == reason
 
 
 @pytest.mark.parametrize("routing", [
@@ -79,6 +78,17 @@ def test_limits_let_through_what_the_kernel_runs(routing):
 
 def test_unknown_fields_rule_nothing_out():
     assert fi_route.limits(Problem(torch.bfloat16)) is None
+
+
+def test_without_cuda_plan_and_table_agree():
+    """Where the kernel cannot run at all, that is why it is not taken, whatever the layer's
+    routing: the plan (what `tmo.explain` prints) gives `available_backends`' reason."""
+    softmax = routing_problem(scoring="softmax", groups=1, topk_groups=1)
+    refused = {name: reason for _, name, reason in
+               plan_layer(tmo.BackendSpec(), softmax, CPU, routing=True).refused}
+    statuses = {(s.kind, s.name): s for s in tmo.available_backends("cpu")}
+    assert refused["flashinfer"] == statuses[("route", "flashinfer")].reason == (
+        "needs a CUDA device, got cpu")
 
 
 def test_without_cuda_says_why():

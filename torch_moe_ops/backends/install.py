@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from torch_moe_ops.backends.flashinfer.cutlass_module import BUILD_COMMAND, BUILD_TIME
+
 # Backend name -> (the module its library installs, the steps).
 LIBRARIES = {
     "deepep": ("deep_ep", """\
@@ -29,15 +31,16 @@ With CUDA 13, put libcu++'s headers on the include path first:
     export CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl
     export NVCC_APPEND_FLAGS=-I/usr/local/cuda/include/cccl
 """),
-    "flashinfer": ("flashinfer", """\
+    "flashinfer": ("flashinfer", f"""\
 FlashInfer, for the experts, a2a and route backends 'flashinfer' (CUDA sm90; routing sm89):
 
     pip install flashinfer-python
 
 Its kernels compile on first use, in seconds, except the CUTLASS fused MoE of
-experts='flashinfer' (about 45 minutes on 16 cores), which is built only on request:
+experts='flashinfer', which is built only on request (a trimmed copy of
+FlashInfer's module; its build takes {BUILD_TIME}):
 
-    python -m torch_moe_ops.backends.flashinfer build
+    {BUILD_COMMAND}
 """),
 }
 

@@ -22,15 +22,16 @@ from torch_moe_ops.ops.dispatch_quant import FP8_ACTIVATION_FORMATS
 def supports(spec, problem, device) -> str | None:
     """None where DeepEP runs ``problem`` on ``device`` in a format it could take, else why
     not (`shape_reason`)."""
+    # The device first: where DeepEP cannot run at all, installing it would not help.
+    if device.type != "cuda":
+        return f"needs CUDA GPUs (DeepEP's NVLink/RDMA kernels), got device {device}"
+    if not torch.cuda.is_available():
+        return "needs CUDA GPUs (DeepEP's NVLink/RDMA kernels): this torch sees none"
     if not dist.is_available():
         return "this torch has no torch.distributed"
     deep_ep, reason = import_deep_ep()
     if reason is not None:
         return reason
-    if device.type != "cuda":
-        return f"needs CUDA GPUs (DeepEP's NVLink/RDMA kernels), got device {device}"
-    if not torch.cuda.is_available():
-        return "needs CUDA GPUs (DeepEP's NVLink/RDMA kernels): this torch sees none"
     if problem.ep_size is not None and problem.ep_size < 2:
         return "needs expert parallelism (ep_size > 1); a2a 'none' runs one device"
     if problem.dtype != DTYPE:

@@ -100,8 +100,9 @@ def _device_reason(device: torch.device) -> str | None:
 
 
 def supports(spec, problem: Problem, device: torch.device) -> str | None:
-    """The routing's limits first: they need neither a GPU nor flashinfer."""
-    return limits(problem) or _device_reason(device)
+    """The device first, then the routing's limits: where the kernel cannot run at all,
+    that is its reason for every layer, as `available_backends` gives it."""
+    return _device_reason(device) or limits(problem)
 
 
 def route(router_logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | None,

@@ -80,9 +80,11 @@ def _device_reason(device, kind: str, named: bool) -> str | None:
 
 
 def route_supports(spec, problem, device) -> str | None:
-    """The route backend's `supports`: the routing's limits first (they need no GPU)."""
-    return (route_limits.limits(problem)
-            or _device_reason(device, "route", spec is not None and spec.route == "triton"))
+    """The route backend's `supports`: the device first, then the routing's limits (where
+    the kernels cannot run at all, that is the reason for every layer, as
+    `available_backends` gives it)."""
+    return (_device_reason(device, "route", spec is not None and spec.route == "triton")
+            or route_limits.limits(problem))
 
 
 def supports(spec, problem, device) -> str | None:
