@@ -343,8 +343,9 @@ class MoE(nn.Module):
         place and without a host sync: ``e_score_correction_bias[e] += speed *
         sign(mean(expert_load) - expert_load[e])``, then ``expert_load`` restarts at 0.
         ``expert_load`` is the same on every rank of the expert-parallel group, and so
-        stays the bias; replicas outside that group (data parallelism) keep theirs alike
-        by summing ``expert_load`` over themselves first (``dist.all_reduce``). Under
+        the bias stays the same; replicas outside that group (data parallelism) keep
+        theirs alike by summing ``expert_load`` over themselves first
+        (``dist.all_reduce``). Under
         activation checkpointing the recomputed forward counts its tokens again: every
         load doubles, and the signs stay."""
         if self.expert_load is None:
