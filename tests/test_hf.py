@@ -406,6 +406,29 @@ def test_from_pretrained_experts_implementation(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, **FP32_TOL)
 
 
+def test_renamed_parameters_map_transformers_names_to_the_patched_ones():
+    model = make_model("gpt_oss")
+    source_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    hf.patch(model)
+    renamed = hf.renamed_parameters(model)
+    block = "model.layers.0.mlp.experts"
+    assert {k: v for k, v in renamed.items() if k.startswith(block + ".")} == {
+        f"{block}.gate_up_proj": f"{block}.w13", f"{block}.gate_up_proj_bias": f"{block}.b13",
+        f"{block}.down_proj": f"{block}.w2"}
+    assert len(renamed) == 3 * EXPECTED["gpt_oss"][0]
+    parameters = dict(model.named_parameters())
+    for theirs, ours in renamed.items():
+        # Our name, our layout; transformers' name only in the state dict.
+        assert ours in parameters and theirs not in parameters
+        assert theirs in model.state_dict()
+        assert model.state_dict()[theirs].shape == source_shapes[theirs]
+    # Every other parameter keeps transformers' name.
+    assert set(parameters) - set(renamed.values()) == set(source_shapes) - set(renamed)
+    olmoe = make_model("olmoe")
+    hf.patch(olmoe)
+    assert hf.renamed_parameters(olmoe) == {}
+
+
 def test_experts_implementation_rejects_other_layouts():
     model = make_model("gpt_oss")
     model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)

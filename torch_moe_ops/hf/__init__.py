@@ -18,7 +18,7 @@ The parts, one job each:
   our layout (GPT-OSS);
 - `block`: `HFMoEBlock`, and the state-dict hooks that keep transformers' layout
   in checkpoints;
-- `patching`: `patch`, `PatchReport`, and what is not supported;
+- `patching`: `patch`, `PatchReport`, `renamed_parameters`, and what is not supported;
 - `quantized`: `load_into`, a quantized checkpoint's experts into the patched blocks;
 - `experts_interface`: the ``"torch_moe_ops"`` experts implementation.
 """
@@ -33,13 +33,14 @@ from torch_moe_ops.hf.experts_interface import (
     register_experts_implementation,
 )
 from torch_moe_ops.hf.families import ACTIVATIONS, FAMILIES, Family, family_of
-from torch_moe_ops.hf.patching import PatchedBlock, PatchReport, patch
+from torch_moe_ops.hf.patching import PatchedBlock, PatchReport, patch, renamed_parameters
 from torch_moe_ops.hf.quantized import load_into
 from torch_moe_ops.hf.router import RoutedRouter
 from torch_moe_ops.hf.weights import ExpertWeights
 
 __all__ = ["ACTIVATIONS", "EXPERTS_IMPLEMENTATION", "FAMILIES", "ExpertWeights", "Family",
            "HFMoEBlock", "PatchReport", "PatchedBlock", "RoutedRouter", "experts_forward",
-           "family_of", "load_into", "patch", "register_experts_implementation"]
+           "family_of", "load_into", "patch", "register_experts_implementation",
+           "renamed_parameters"]
 
 register_experts_implementation()

@@ -35,7 +35,9 @@ GPT-OSS's experts are held in our layout from `patch` on: its ``gate_up_proj``,
 ``gate_up_proj_bias`` and ``down_proj`` parameters are replaced by parameters
 ``w13``, ``b13``, ``w2`` of the same experts module, converted once, while
 ``state_dict`` and ``load_state_dict`` keep transformers' keys and layout
-(`torch_moe_ops.hf.block`). Build optimizers after `patch`.
+(`torch_moe_ops.hf.block`). Build optimizers after `patch`; `renamed_parameters`
+maps transformers' parameter names to the new ones (for optimizer groups, LoRA
+targets or wrap policies written with transformers' names).
 """
 
 from __future__ import annotations
@@ -269,3 +271,21 @@ def patch(model: nn.Module, ep_group=None, max_tokens_per_rank: int | None = Non
                                    converted=tuple(c.source for c in weights.converted.values()),
                                    local_experts=local))
     return PatchReport(blocks=tuple(blocks), skipped=skipped)
+
+
+def renamed_parameters(model: nn.Module) -> dict[str, str]:
+    """transformers' name -> the name in ``model.named_parameters()`` of each expert
+    parameter that `patch` converted into our layout (GPT-OSS's), e.g.
+    ``"model.layers.0.mlp.experts.gate_up_proj"`` -> ``"model.layers.0.mlp.experts.w13"``.
+
+    The parameter under the new name holds our layout, not transformers' (``w13
+    [E, 2I, H]``: gate rows, then up rows; ``b13 [E, 2I]``; ``w2 [E, H, I]``, where
+    transformers holds ``gate_up_proj [E, H, 2I]`` with gate and up columns interleaved
+    and ``down_proj [E, I, H]``); only `state_dict` and ``save_pretrained`` write
+    transformers' names and layout. Names of expert tensors used in place (every other
+    family's) do not change and are not listed. For optimizer groups, LoRA targets or
+    FSDP wrap policies that name transformers' parameters: look each name up here.
+    """
+    return {f"{block_name}.experts.{conversion.source}": f"{block_name}.experts.{name}"
+            for block_name, block in model.named_modules() if isinstance(block, HFMoEBlock)
+            for name, conversion in block.conversions.items()}
