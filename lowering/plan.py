@@ -28,7 +28,7 @@ from torch_moe_ops.backends.registry import (
     Problem,
     RouteBackend,
 )
-from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.config import BackendSpec, worst_case_capacity
 from torch_moe_ops.ops.experts import backward_namespace
 from torch_moe_ops.ops.library import defines
 
@@ -101,6 +101,20 @@ def experts_op(fmt: str, quantized: bool) -> str:
     return QUANT_FORMAT_OPS[fmt][1] if fmt in QUANT_FORMAT_OPS else "experts_quant"
 
 
+def _capacity_reason(problem: Problem) -> str | None:
+    """Why a format other than rows cannot keep the layer's ``ep_capacity``: the tokens
+    and masked formats size their buffers by ``max_tokens_per_rank``, in which no smaller
+    capacity of rows per rank can be honoured; rows move at most ``ep_capacity`` a peer."""
+    if problem.capacity is None or problem.max_tokens_per_rank is None or problem.top_k is None:
+        return None
+    worst = worst_case_capacity(problem.max_tokens_per_rank, problem.top_k)
+    if problem.capacity >= worst:
+        return None
+    return (f"cannot keep ep_capacity={problem.capacity} (below the worst case "
+            f"max_tokens_per_rank * top_k = {worst}): only rows move at most ep_capacity "
+            "rows a peer")
+
+
 def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
                   ) -> tuple[str, str]:
     """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; the
@@ -111,7 +125,9 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
     skipped = []
     # Formats the transport does not produce are not listed: they were never candidates.
     for fmt in (f for f in FORMATS if f in a2a.formats):
-        if (quantized and fmt == "tokens" and "rows" in a2a.formats
+        if fmt != "rows" and (why := _capacity_reason(problem)):
+            skipped.append(f"{fmt} {why}")
+        elif (quantized and fmt == "tokens" and "rows" in a2a.formats
                 and rows_travel_quantized(a2a, experts, problem)):
             skipped.append("rows travel in fp8 with their scales, tokens in the activations' "
                            "dtype")

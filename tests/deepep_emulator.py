@@ -33,7 +33,9 @@ tests/test_deepep_gpu.py runs the real one.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
+import sys
 
 import torch
 import torch.distributed as dist
@@ -304,3 +306,18 @@ class Buffer:
                     out_TH[t] += weight * received[(expert, t)].float()
         self.calls["low_latency_combine"] += 1
         return out_TH.to(torch.bfloat16), None, None
+
+
+def install():
+    """In this process: ``deep_ep`` is this emulator for the ``deepep`` a2a backend, which
+    lets CPU tensors through and runs here (its `supports` says yes). Returns the backend's
+    package."""
+    sys.modules["deep_ep"] = sys.modules[__name__]
+    from torch_moe_ops.backends import deepep
+    from torch_moe_ops.backends.deepep import buffer
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    buffer.DEVICE_TYPE = "cpu"
+    REGISTRY.a2a["deepep"] = dataclasses.replace(REGISTRY.a2a["deepep"],
+                                                 supports=lambda *_: None)
+    return deepep

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import sys
 
 import pytest
 import torch
@@ -72,18 +71,6 @@ STATIC = ("silu", 1.702, 7.0)
 # torch.library.opcheck's checks that call combine_tokens once, each run on its own (its
 # AOT-dispatch check calls it twice for one dispatch; the compiled layers below trace it).
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
-
-
-def _use_emulator():
-    """In this worker: DeepEP is the emulator, and CPU tensors are let through."""
-    sys.modules["deep_ep"] = deepep_emulator
-    from torch_moe_ops.backends import deepep
-    from torch_moe_ops.backends.deepep import buffer
-
-    buffer.DEVICE_TYPE = "cpu"
-    REGISTRY.a2a["deepep"] = dataclasses.replace(REGISTRY.a2a["deepep"],
-                                                 supports=lambda *_: None)
-    return deepep
 
 
 def _my_tokens(rank, world_size):
@@ -134,7 +121,7 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
 
 
 def _ops_cases(rank, world_size):
-    deepep = _use_emulator()
+    deepep = deepep_emulator.install()
     for mode in ("normal", "low_latency"):
         for top_k, num_local in SHAPES:
             for route, drop in (("random", 0), ("one_rank", 0), ("random", 1)):
@@ -183,7 +170,7 @@ def _compiled_cases(rank, world_size, inner):
     """Two `MoE` layers sharded over the group, compiled with ``a2a="deepep"``, against
     the same layers in one process: outputs and input gradients. Under Inductor the
     idle rank's collectives must survive though their outputs are empty."""
-    deepep = _use_emulator()
+    deepep = deepep_emulator.install()
     group = dist.group.WORLD
     for mode, max_tokens in (("normal", M_NORMAL), ("low_latency", M_LOW_LATENCY)):
         torch._dynamo.reset()
@@ -298,7 +285,7 @@ def _check_tokens_compiled(rank, world_size, deepep, max_tokens):
 
 
 def _tokens_cases(rank, world_size):
-    deepep = _use_emulator()
+    deepep = deepep_emulator.install()
     for max_tokens in (M_NORMAL, M_LOW_LATENCY):
         for top_k, num_local in SHAPES:
             for route in TOKENS_ROUTINGS:
@@ -394,7 +381,7 @@ def _check_masked_compiled(rank, world_size, deepep):
 
 
 def _masked_cases(rank, world_size):
-    deepep = _use_emulator()
+    deepep = deepep_emulator.install()
     for top_k, num_local in SHAPES:
         for route in MASKED_ROUTINGS:
             _check_masked(rank, world_size, top_k, num_local, route)
@@ -423,7 +410,7 @@ def test_masked_chain_matches_single_process(world_size):
 def _masked_inductor_cases(rank, world_size):
     """The masked chain compiled by Inductor, serving: the idle rank's dispatch and
     combine survive though their outputs are empty (ordered effects)."""
-    deepep = _use_emulator()
+    deepep = deepep_emulator.install()
     torch._dynamo.reset()
     single, sharded = _single_and_sharded(world_size, M_MASKED)
     sequences = []
@@ -567,7 +554,7 @@ def _check_dispatch_masked_quant(rank, world_size):
 
 
 def _quantized_cases(rank, world_size):
-    deepep = _use_emulator()
+    deepep = deepep_emulator.install()
     for mode, max_tokens in MODES.items():
         deepep.communicator(dist.group.WORLD.group_name, H, 4 * world_size, 2, max_tokens,
                             torch.bfloat16, mode=mode, device="cpu")

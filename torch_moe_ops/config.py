@@ -343,7 +343,7 @@ class MoEConfig:
                   "largest token count one rank sends, which sizes the static buffers")
         if self.ep_capacity is not None and self.ep_capacity > self.worst_case_capacity:
             _fail("ep_capacity", self.ep_capacity,
-                  f"<= the worst case max_tokens_per_rank * min(top_k, experts per rank) "
+                  "<= the worst case max_tokens_per_rank * top_k "
                   f"({self.worst_case_capacity}), or None for it")
 
     @property

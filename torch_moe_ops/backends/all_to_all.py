@@ -38,8 +38,8 @@ weights the rows, puts each back at its receive position and sends the blocks
 back the same way; the sender sums each token's K returned rows in slot order
 (``slot_map_TK``: each slot's send position).
 
-``C`` defaults to the worst case, ``max_tokens_per_rank * min(K, E_l)``, which
-cannot overflow. A smaller ``ep_capacity`` moves fewer bytes; then dispatch
+``C`` defaults to the worst case, ``max_tokens_per_rank * K`` (a token may choose one
+expert in several slots), which cannot overflow. A smaller ``ep_capacity`` moves fewer bytes; then dispatch
 checks on every rank, with one all-reduce and a host read, that no rank sends
 another more than ``C`` rows, and raises on all of them if one does.
 

@@ -12,6 +12,12 @@ ordered effect: Inductor fuses the packing around it, but can neither drop it
 another collective, so every rank runs the same collectives in the same order.
 Eagerly the functional collective is called directly.
 
+Whether an a2a op is traced depends on nothing a rank's own tokens decide: under
+``dynamic=True`` Dynamo compiles a rank of 0 or 1 tokens with fixed sizes and its peers
+with a symbolic count, and an op left whole on some ranks only would run its eager
+kernel's cross-rank check (`ops.group_checks`, one all-reduce) there alone: the ranks'
+collectives would no longer match, and they would wait on each other until the timeout.
+
 The ``start_*`` variants issue the same collectives and return the tensor still in flight:
 a tensor nothing may read until `wait` (the functional collectives' own ``wait_tensor``, a
 node of the graph) has returned it; between the two, the caller's graph places compute that
@@ -29,7 +35,6 @@ import torch.distributed as dist
 
 from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.kernels.launch import in_traced_body, traced
-from torch_moe_ops.backends.common.kernels.tracing import fixed_sizes
 from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.ops import decompose_backend_ops
 from torch_moe_ops.ops.library import OpContract, define, implement, op_overload
@@ -193,44 +198,31 @@ _DISPATCHES = ("dispatch", "dispatch_quant")
 def _dispatch_traceable(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, *args) -> bool:
     """For ``dispatch`` and ``dispatch_quant``: both end with the same four arguments."""
     _, _, max_tokens_per_rank, capacity = args[-4:]
-    # Below the worst case, dispatch reads the overflow check on the host: it
-    # stays one op, run eagerly inside the compiled graph.
-    return fixed_sizes(hidden_TH) and capacity >= worst_case_capacity(
-        max_tokens_per_rank, topk_ids_TK.shape[1])
+    # Below the worst case, dispatch reads the overflow check on the host: it stays one op,
+    # run eagerly inside the compiled graph, on every rank (the capacity is the layer's).
+    return capacity >= worst_case_capacity(max_tokens_per_rank, topk_ids_TK.shape[1])
 
 
-def _sizes_fixed(first: torch.Tensor, *_) -> bool:
-    return fixed_sizes(first)
-
-
-def _all_sizes_fixed(*args) -> bool:
-    return all(fixed_sizes(a) for a in args if isinstance(a, torch.Tensor))
+def _always(*_) -> bool:
+    return True
 
 
 def trace_into_graphs(namespace: str, kernels: dict) -> None:
-    """Under ``torch.compile`` with fixed sizes, trace an a2a backend's kernels
-    (its ``dispatch``, ``combine``, their gradients and ``dispatch_quant``) into
-    the graph, where Inductor fuses the packing and unpacking around the ordered
-    collectives."""
+    """Under ``torch.compile``, trace an a2a backend's kernels (its ``dispatch``,
+    ``combine``, their gradients and ``dispatch_quant``) into the graph, where Inductor
+    fuses the packing and unpacking around the ordered collectives: with fixed and with
+    symbolic token counts alike (see the module docstring)."""
     dispatches = {name: traced(kernel) for name, kernel in kernels.items()
                   if name in _DISPATCHES}
     decompose_backend_ops(namespace, dispatches, _dispatch_traceable)
     decompose_backend_ops(namespace, {name: traced(kernel) for name, kernel in kernels.items()
-                                      if name not in _DISPATCHES}, _sizes_fixed)
-
-
-# The chunked ops that cut their chunk's window out of the layer's tokens.
-_WINDOWED = ("dispatch_tokens_start", "combine_tokens_finish")
+                                      if name not in _DISPATCHES}, _always)
 
 
 def trace_in_flight_into_graphs(namespace: str, kernels: dict, contracts: dict) -> None:
     """`trace_into_graphs` for an a2a backend's chunked ops (`ops.tokens_in_flight`, their
-    ``contracts`` by name). One that cuts a window out of the tokens is traced where every
-    size is fixed (a window of a symbolic token count would specialize it: that call stays
-    one node, its transfer's send buffer its own); the others where their first input's are
-    (``combine_tokens_start``'s rows, whose buffer Inductor then keeps until the wait)."""
-    for windowed in (True, False):
-        decompose_backend_ops(
-            namespace, {name: traced(kernel) for name, kernel in kernels.items()
-                        if (name in _WINDOWED) == windowed},
-            _all_sizes_fixed if windowed else _sizes_fixed, contracts)
+    ``contracts`` by name), every call: a window of a symbolic token count guards the
+    count against the window's bounds (a recompile, which runs no collective), where a call
+    left whole on one rank would run a collective its peers do not."""
+    decompose_backend_ops(namespace, {name: traced(kernel) for name, kernel in kernels.items()},
+                          _always, contracts)
