@@ -39,9 +39,9 @@ back the same way; the sender sums each token's K returned rows in slot order
 (``slot_map_TK``: each slot's send position).
 
 ``C`` defaults to the worst case, ``max_tokens_per_rank * K`` (a token may choose one
-expert in several slots), which cannot overflow. A smaller ``ep_capacity`` moves fewer bytes; then dispatch
-checks on every rank, with one all-reduce and a host read, that no rank sends
-another more than ``C`` rows, and raises on all of them if one does.
+expert in several slots), which cannot overflow. A smaller ``ep_capacity`` moves fewer
+bytes; then dispatch checks on every rank, with one all-reduce and a host read, that no
+rank sends another more than ``C`` rows, and raises on all of them if one does.
 
 fp8 dispatch (``dispatch_quant``, where the dispatch dtype rule picks fp8):
 each token is quantized once on its own rank and its fp8 values and fp32
