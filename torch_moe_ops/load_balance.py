@@ -2,7 +2,8 @@
 and DeepSeek-V3's auxiliary-loss-free bias update, as `MoE` computes them.
 
 Legend: B sequences (1 where the loss takes the call's tokens as one batch),
-T tokens, E experts, K experts per token.
+S tokens per sequence, T tokens, E experts, K experts per token, X = S * K slots
+of one sequence.
 
 Everything here has static sizes and no host sync, so that it traces into a
 compiled graph (``fullgraph=True``) and captures in CUDA graphs. The losses are
