@@ -12,7 +12,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_moe_ops as tmo
 from graph_tests.toy_model import CONFIGS, make_model
-from torch_moe_ops import torch_compat
 from torch_moe_ops.lowering import lower, moe_op_sequence
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -210,9 +209,8 @@ def test_supports_sees_the_layer_problem(monkeypatch):
     cfg = model.blocks[0].moe.cfg
     compiled = torch.compile(model, backend=tmo.backend(experts="reference", inner="aot_eager"),
                              fullgraph=True)
-    with pytest.raises(torch_compat.BackendError,
-                       match=f"experts backend 'reference' is not available: refused "
-                             f"H={cfg.hidden_size}"):
+    with pytest.raises(ValueError, match=f"^experts backend 'reference' is not available: "
+                                         f"refused H={cfg.hidden_size}"):
         compiled(_ids(5))
     problem = seen[0]
     assert (problem.num_local_experts, problem.hidden_size, problem.intermediate_size,

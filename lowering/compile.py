@@ -87,7 +87,7 @@ class MoECompileBackend:
         except ValueError as error:
             # The backends asked for cannot run this model: the user's error, said as such
             # (not as Dynamo's BackendCompilerFailed, which reads as a bug in torch).
-            raise torch_compat.BackendError(str(error), inspect.currentframe()) from None
+            raise torch_compat.backend_error(str(error), inspect.currentframe()) from None
         self._warn_of_settings_unused(example_inputs, moe_layers and not across_ranks)
         if self.inner == "inductor":
             compile_graph = self._compile_ep if across_ranks else self._compile

@@ -12,12 +12,12 @@ that this table names every entry of ``__all__``, and only tests that exist:
 =======================  ==========  =========================================================
 entry                    tested on   test (tests/test_torch_compat.py)
 =======================  ==========  =========================================================
-BackendError             2.11, 2.13  test_backend_error_reaches_the_caller_unwrapped
 FakeTensor               2.11, 2.13  test_fake_and_functional_tensor_classes
 FunctionalTensor         2.11, 2.13  test_fake_and_functional_tensor_classes
 FunctionalTensorMode     2.11, 2.13  test_fake_and_functional_tensor_classes
 OpOverload               2.11, 2.13  test_op_overload_and_packet_classes
 OpOverloadPacket         2.11, 2.13  test_op_overload_and_packet_classes
+backend_error            2.11, 2.13  test_backend_error_reaches_the_caller_unwrapped
 below_autograd           2.11, 2.13  test_below_autograd_skips_the_autograd_kernels
 c10d_functional          2.11, 2.13  test_functional_collectives_take_the_group_by_name
 grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
@@ -53,7 +53,7 @@ runs them, tests/test_torch_compat.py and the import tests included):
 - backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
   version" tests of tests/test_flashinfer_experts.py.
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
-  lowering/compile.py (inductor_compiler, lookup_backend, BackendError):
+  lowering/compile.py (inductor_compiler, lookup_backend, backend_error):
   graph_tests/test_compile.py.
 
 Tested on means: torch 2.13.0+cpu, and torch 2.11.0 (the PyPI wheel, +cu130, the
@@ -71,8 +71,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 TESTED_ON = ("2.11", "2.13")
 
-__all__ = ["TESTED_ON", "BackendError", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode",
-           "OpOverload", "OpOverloadPacket", "below_autograd", "c10d_functional", "grouped_mm",
+__all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode", "OpOverload",
+           "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional", "grouped_mm",
            "has_scaled_grouped_mm", "inductor_compiler", "lookup_backend", "packet_name",
            "profiler_enabled", "register_ordered_effect", "resolve_process_group",
            "scaled_grouped_mm", "schema", "tensor_version"]
@@ -83,18 +83,23 @@ __all__ = ["TESTED_ON", "BackendError", "FakeTensor", "FunctionalTensor", "Funct
 c10d_functional = torch.ops._c10d_functional
 
 
-class BackendError(ValueError, torch._dynamo.exc.ShortenTraceback):
-    """A ValueError that a ``torch.compile`` backend raises and its caller gets as it is.
+def backend_error(message: str, frame) -> ValueError:
+    """A ValueError for a ``torch.compile`` backend to raise that its caller gets as it is.
 
     Dynamo wraps any other exception of a backend in ``BackendCompilerFailed``, whose
     first line names the backend object and whose last asks for a PyTorch bug report;
     its own ``ShortenTraceback`` it lets through, with the traceback cut to begin at
     ``frame`` (the backend's frame that raises it: Dynamo's frames above say nothing of
-    the cause; ``TORCHDYNAMO_VERBOSE=1`` keeps them)."""
+    the cause; ``TORCHDYNAMO_VERBOSE=1`` keeps them). Built when raised: importing
+    ``torch._dynamo`` imports triton, which ``import torch_moe_ops`` does not."""
+    from torch._dynamo.exc import ShortenTraceback
 
-    def __init__(self, message: str, frame):
-        super().__init__(message)
-        self.first_useful_frame = frame
+    class BackendError(ValueError, ShortenTraceback):
+        __qualname__ = "BackendError"
+
+    error = BackendError(message)
+    error.first_useful_frame = frame
+    return error
 
 
 def schema(op: OpOverload) -> torch.FunctionSchema:
