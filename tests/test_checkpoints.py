@@ -274,6 +274,8 @@ def _bad_loads(generator, tmp_path):
     save(gpt_oss, tmp_path / "gpt_oss.safetensors")
     bf16 = {k: v.bfloat16() if k.endswith("proj.weight") else v for k, v in deepseek.items()}
     save(bf16, tmp_path / "bf16.safetensors")
+    no_down = {k: v for k, v in gpt_oss.items() if not k.endswith("down_proj_blocks")}
+    save(no_down, tmp_path / "no_down.safetensors")
     path = str(tmp_path / "deepseek.safetensors")
     return {
         "no_quant": (deepseek_v3_config(None), "deepseek", PREFIX,
@@ -299,6 +301,11 @@ def _bad_loads(generator, tmp_path):
                           PREFIX,
                           (f"{PREFIX}.experts.0.gate_proj.weight must have dtype in "
                            "(float8_e4m3fn) (DeepSeek-V3-style fp8 weights), got bfloat16")),
+        "missing_tensor": (gpt_oss_config(QuantSpec("mxfp4")), "no_down", PREFIX,
+                           (f"checkpoint file {str(tmp_path / 'no_down.safetensors')!r} has no "
+                            f"tensor '{PREFIX}.experts.down_proj_blocks': expected GPT-OSS's "
+                            f"MXFP4 experts under '{PREFIX}' (layout 'gpt_oss', as its "
+                            "'experts.gate_up_proj_blocks' says), which hold it")),
         "no_file": (gpt_oss_config(QuantSpec("mxfp4")), "missing", PREFIX,
                     ("path must be a .safetensors file or a folder holding them, got "
                      f"{str(tmp_path / 'missing.safetensors')!r}")),
@@ -306,7 +313,7 @@ def _bad_loads(generator, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no_quant", "wrong_format", "wrong_block", "wrong_prefix",
-                                  "float_experts", "no_file"])
+                                  "float_experts", "missing_tensor", "no_file"])
 def test_bad_loads_name_what_is_wrong(case, generator, tmp_path):
     config, file, prefix, message = _bad_loads(generator, tmp_path)[case]
     moe = tmo.MoE(config)

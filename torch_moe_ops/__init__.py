@@ -1,6 +1,7 @@
 """torch-moe-ops: a Mixture-of-Experts block as ``torch.library`` custom ops that
 ``torch.compile`` and CUDA graphs capture whole, with the kernels chosen at compile time."""
 
+from torch_moe_ops import checkpoints
 from torch_moe_ops.backends import available_backends
 from torch_moe_ops.config import BackendSpec, MoEConfig
 from torch_moe_ops.layer import MoE, SharedExperts, router_loss, update_correction_biases
@@ -14,7 +15,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # `tmo.hf` imports transformers (about 1.5 s): only when it is asked for.
-    # (`tmo.checkpoints` is imported with `MoE`; it reads safetensors only when used.)
     if name == "hf":
         import importlib
 

@@ -31,6 +31,11 @@ Layouts, as keys under one block's prefix (e.g. ``model.layers.3.mlp``):
 A checkpoint is a ``.safetensors`` file or a folder of them (with or without the
 ``*.safetensors.index.json`` transformers writes beside its shards). Only the
 tensors asked for are read; with expert parallelism, only this rank's experts.
+A tensor the block's layout needs and the checkpoint lacks is a ValueError naming
+the checkpoint, the key, and the layout its other keys told.
+
+This module reads checkpoints in their own terms and knows no model: `MoE.load_quantized`
+and `torch_moe_ops.hf.load_into` put what it reads where their modules keep it.
 """
 
 from __future__ import annotations
@@ -39,20 +44,19 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
 
-if TYPE_CHECKING:
-    from torch_moe_ops.layer import MoE
-
 LAYOUTS = ("deepseek_v3", "gpt_oss")
 # Per layout, the key (under a block's prefix) whose presence tells it.
 LAYOUT_KEYS = {"deepseek_v3": "experts.0.gate_proj.weight",
                "gpt_oss": "experts.gate_up_proj_blocks"}
+# Per layout, what its checkpoints hold (said where one lacks a tensor), and its router's name.
+LAYOUT_NAMES = {"deepseek_v3": "DeepSeek-V3's fp8 experts", "gpt_oss": "GPT-OSS's MXFP4 experts"}
+ROUTERS = {"deepseek_v3": "gate", "gpt_oss": "router"}
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -82,6 +86,8 @@ class Checkpoint:
             if indexes:
                 weight_map = json.loads(indexes[0].read_text())["weight_map"]
                 self._file_of = {key: path / name for key, name in weight_map.items()}
+                # Where a missing tensor was looked for.
+                self._source = f"checkpoint {str(path)!r} (its index {indexes[0].name})"
                 return
             files = sorted(path.glob("*.safetensors"))
         else:
@@ -89,6 +95,8 @@ class Checkpoint:
         if not files:
             raise ValueError(f"path must be a .safetensors file or a folder holding them, "
                              f"got {str(path)!r}")
+        self._source = (f"checkpoint file {str(path)!r}" if path.is_file() else
+                        f"checkpoint {str(path)!r} (its {len(files)} .safetensors files)")
         self._file_of = {}
         for file in files:
             with self._safe_open(file, framework="pt") as opened:
@@ -97,10 +105,13 @@ class Checkpoint:
     def __contains__(self, key: str) -> bool:
         return key in self._file_of
 
-    def get(self, key: str, experts: range | None = None) -> torch.Tensor:
-        """The tensor ``key``; with ``experts``, only those rows of its first dimension."""
+    def get(self, key: str, experts: range | None = None, expected: str = "") -> torch.Tensor:
+        """The tensor ``key``; with ``experts``, only those rows of its first dimension.
+        Where there is none, a ValueError naming the checkpoint and ``key``, and
+        ``expected`` (what the checkpoint was taken to be) where given."""
         if key not in self._file_of:
-            raise KeyError(f"{str(self.path)!r} has no tensor {key!r}")
+            raise ValueError(f"{self._source} has no tensor {key!r}"
+                             + (f": {expected}" if expected else ""))
         with self._safe_open(self._file_of[key], framework="pt") as opened:
             if experts is None:
                 return opened.get_tensor(key)
@@ -115,6 +126,30 @@ def layout_of(checkpoint: Checkpoint, prefix: str) -> str:
     looked = ", ".join(repr(f"{prefix}.{key}") for key in LAYOUT_KEYS.values())
     raise ValueError(f"prefix must name an MoE block of a quantized checkpoint (one of "
                      f"{looked} in {str(checkpoint.path)!r}), got {prefix!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One MoE block of ``checkpoint``: the tensors under ``prefix``, stored in ``layout``
+    (`layout_of`). A key it lacks is an error that says which layout was expected."""
+
+    checkpoint: Checkpoint
+    prefix: str
+    layout: str
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, prefix: str) -> Block:
+        return cls(checkpoint, prefix, layout_of(checkpoint, prefix))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.checkpoint
+
+    def get(self, key: str, experts: range | None = None) -> torch.Tensor:
+        """`Checkpoint.get` of ``key`` (a whole key, prefix included)."""
+        return self.checkpoint.get(
+            key, experts, expected=(f"expected {LAYOUT_NAMES[self.layout]} under "
+                                    f"{self.prefix!r} (layout {self.layout!r}, as its "
+                                    f"{LAYOUT_KEYS[self.layout]!r} says), which hold it"))
 
 
 @dataclasses.dataclass
@@ -146,11 +181,11 @@ def _check_dtype(key: str, tensor: torch.Tensor, dtypes, what: str) -> None:
                          f"{str(tensor.dtype).removeprefix('torch.')}")
 
 
-def _fp8_projection(checkpoint: Checkpoint, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_projection(block: Block, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q fp8 [N, K], scale fp32 [N / bn, K / bk])`` of the projection ``key``."""
-    q = checkpoint.get(f"{key}.weight")
+    q = block.get(f"{key}.weight")
     _check_dtype(f"{key}.weight", q, (quant.FP8_DTYPE,), "DeepSeek-V3-style fp8 weights")
-    scale = checkpoint.get(f"{key}.weight_scale_inv")
+    scale = block.get(f"{key}.weight_scale_inv")
     _check_dtype(f"{key}.weight_scale_inv", scale, FLOAT_SCALE_DTYPES, "block scales")
     return q, scale.float()
 
@@ -172,15 +207,15 @@ def _check_block(key: str, scale: torch.Tensor, expected: tuple[int, ...],
                          f"{block[0]} x {block[1]}), got {list(scale.shape)}")
 
 
-def _read_deepseek_v3(checkpoint: Checkpoint, prefix: str, experts: range) -> ExpertTensors:
-    key = f"{prefix}.experts.{experts.start}.gate_proj"
-    block_size = _fp8_block_size(key, *_fp8_projection(checkpoint, key))
+def _read_deepseek_v3(block: Block, experts: range) -> ExpertTensors:
+    key = f"{block.prefix}.experts.{experts.start}.gate_proj"
+    block_size = _fp8_block_size(key, *_fp8_projection(block, key))
     bn, bk = block_size
     w13_q, w13_s, w2_q, w2_s = [], [], [], []
     for e in experts:
-        key = f"{prefix}.experts.{e}"
+        key = f"{block.prefix}.experts.{e}"
         (gate, gate_s), (up, up_s), (down, down_s) = (
-            _fp8_projection(checkpoint, f"{key}.{proj}")
+            _fp8_projection(block, f"{key}.{proj}")
             for proj in ("gate_proj", "up_proj", "down_proj"))
         inter, hidden = gate.shape
         for proj, q, scale, (rows, cols) in (("gate_proj", gate, gate_s, (inter, hidden)),
@@ -207,11 +242,11 @@ def _gate_then_up(interleaved: torch.Tensor) -> torch.Tensor:
     return torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1)
 
 
-def _mxfp4_projection(checkpoint: Checkpoint, key: str, experts: range
+def _mxfp4_projection(block: Block, key: str, experts: range
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed uint8 [E_l, N, K / 2], scales uint8 [E_l, N, K / 32])`` of ``key``."""
-    blocks = checkpoint.get(f"{key}_blocks", experts)
-    scales = checkpoint.get(f"{key}_scales", experts)
+    blocks = block.get(f"{key}_blocks", experts)
+    scales = block.get(f"{key}_scales", experts)
     _check_dtype(f"{key}_blocks", blocks, (torch.uint8,), "MXFP4 values, two a byte")
     _check_dtype(f"{key}_scales", scales, (torch.uint8,), "e8m0 scales")
     if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
@@ -223,12 +258,12 @@ def _mxfp4_projection(checkpoint: Checkpoint, key: str, experts: range
     return blocks.reshape(*blocks.shape[:2], -1), scales
 
 
-def _read_gpt_oss(checkpoint: Checkpoint, prefix: str, experts: range) -> ExpertTensors:
-    key = f"{prefix}.experts"
-    w13, w13_scale = _mxfp4_projection(checkpoint, f"{key}.gate_up_proj", experts)
-    w2, w2_scale = _mxfp4_projection(checkpoint, f"{key}.down_proj", experts)
-    b13 = checkpoint.get(f"{key}.gate_up_proj_bias", experts)
-    b2 = checkpoint.get(f"{key}.down_proj_bias", experts)
+def _read_gpt_oss(block: Block, experts: range) -> ExpertTensors:
+    key = f"{block.prefix}.experts"
+    w13, w13_scale = _mxfp4_projection(block, f"{key}.gate_up_proj", experts)
+    w2, w2_scale = _mxfp4_projection(block, f"{key}.down_proj", experts)
+    b13 = block.get(f"{key}.gate_up_proj_bias", experts)
+    b2 = block.get(f"{key}.down_proj_bias", experts)
     return ExpertTensors(QuantSpec("mxfp4"), _gate_then_up(w13), w2, _gate_then_up(w13_scale),
                          w2_scale, _gate_then_up(b13), b2)
 
@@ -236,59 +271,53 @@ def _read_gpt_oss(checkpoint: Checkpoint, prefix: str, experts: range) -> Expert
 def read_experts(checkpoint: Checkpoint, prefix: str, experts: range) -> ExpertTensors:
     """The experts ``experts`` (global ids) of the block under ``prefix``, in our
     quantized layout (see the module's docstring)."""
-    layout = layout_of(checkpoint, prefix)
-    if layout == "deepseek_v3":
-        return _read_deepseek_v3(checkpoint, prefix, experts)
-    return _read_gpt_oss(checkpoint, prefix, experts)
+    block = Block.of(checkpoint, prefix)
+    if block.layout == "deepseek_v3":
+        return _read_deepseek_v3(block, experts)
+    return _read_gpt_oss(block, experts)
 
 
-def _dense(checkpoint: Checkpoint, key: str, block_size: tuple[int, int]) -> torch.Tensor:
+def _dense(block: Block, key: str, block_size: tuple[int, int]) -> torch.Tensor:
     """A dense projection's weight ``[N, K]`` in fp32, dequantized if stored in fp8."""
-    q = checkpoint.get(f"{key}.weight")
+    q = block.get(f"{key}.weight")
     if q.dtype != quant.FP8_DTYPE:
         return q.float()
-    q, scale = _fp8_projection(checkpoint, key)
+    q, scale = _fp8_projection(block, key)
     spec = QuantSpec("fp8_block", block_size=block_size)
     _check_block(key, scale, quant.scale_shape(spec, 1, *q.shape)[1:], block_size)
     return quant.dequantize_weights(q[None], scale[None], spec)[0]
 
 
-def _router_and_shared(checkpoint: Checkpoint, prefix: str, layout: str,
-                       spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """The block's other tensors by `MoE` name: router, and shared experts (fp32)."""
-    router = f"{prefix}.gate" if layout == "deepseek_v3" else f"{prefix}.router"
-    state = {"gate.weight": checkpoint.get(f"{router}.weight")}
-    for ours, theirs in (("gate.bias", f"{router}.bias"),
-                         ("e_score_correction_bias", f"{router}.e_score_correction_bias")):
-        if theirs in checkpoint:
-            state[ours] = checkpoint.get(theirs)
+@dataclasses.dataclass
+class DenseTensors:
+    """One block's tensors besides its experts, as read: the router's ``router_weight
+    [E, H]`` and optional ``router_bias [E]`` and ``correction_bias [E]`` (DeepSeek-V3's
+    ``e_score_correction_bias``), and the shared experts' ``shared_gate``, ``shared_up``
+    ``[S, H]`` and ``shared_down [H, S]`` in fp32 (dequantized where stored in fp8), None
+    where the block has none."""
+
+    router_weight: torch.Tensor
+    router_bias: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
+    shared_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+
+
+def read_dense(checkpoint: Checkpoint, prefix: str,
+               block_size: tuple[int, int] | None) -> DenseTensors:
+    """The router and shared experts of the block under ``prefix``; fp8 shared experts are
+    dequantized with ``block_size`` (the experts', `read_experts`' ``spec.block_size``)."""
+    block = Block.of(checkpoint, prefix)
+    router = f"{prefix}.{ROUTERS[block.layout]}"
+    dense = DenseTensors(block.get(f"{router}.weight"))
+    for field, key in (("router_bias", f"{router}.bias"),
+                       ("correction_bias", f"{router}.e_score_correction_bias")):
+        if key in block:
+            setattr(dense, field, block.get(key))
     shared = f"{prefix}.shared_experts"
-    if f"{shared}.gate_proj.weight" in checkpoint:
-        gate, up, down = (_dense(checkpoint, f"{shared}.{proj}", spec.block_size)
-                          for proj in ("gate_proj", "up_proj", "down_proj"))
-        state["shared_experts.w13"] = torch.cat([gate, up])
-        state["shared_experts.w2"] = down
-    return state
-
-
-def load_moe(moe: MoE, path: str | os.PathLike, prefix: str) -> None:
-    """Fill ``moe`` (built with ``cfg.quant``) from the block under ``prefix`` in
-    the checkpoint at ``path``: its experts as stored (this rank's only, with
-    expert parallelism), the router, and the shared experts (dequantized to the
-    block's float dtype). `MoE.load_quantized` calls it; see there."""
-    cfg = moe.cfg
-    if cfg.quant is None:
-        raise ValueError("moe.cfg.quant must be a QuantSpec to load a quantized checkpoint "
-                         "(QuantSpec('fp8_block') for DeepSeek-V3's, QuantSpec('mxfp4') for "
-                         "GPT-OSS's), got None")
-    checkpoint = Checkpoint(path)
-    layout = layout_of(checkpoint, prefix)
-    read = read_experts(checkpoint, prefix, moe.local_experts)
-    if (read.spec.weights, read.spec.block_size) != (cfg.quant.weights, cfg.quant.block_size):
-        raise ValueError(f"moe.cfg.quant must have weights={read.spec.weights!r}"
-                         + ("" if read.spec.block_size is None
-                            else f" and block_size={read.spec.block_size}")
-                         + f" for the {layout} checkpoint {str(checkpoint.path)!r} (activations "
-                         f"as you choose), got {cfg.quant}")
-    state = {**read.tensors(), **_router_and_shared(checkpoint, prefix, layout, read.spec)}
-    moe.load_state_dict(state)
+    if f"{shared}.gate_proj.weight" in block:
+        dense.shared_gate, dense.shared_up, dense.shared_down = (
+            _dense(block, f"{shared}.{proj}", block_size)
+            for proj in ("gate_proj", "up_proj", "down_proj"))
+    return dense

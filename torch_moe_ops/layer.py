@@ -217,7 +217,30 @@ class MoE(nn.Module):
 
         A block too large to build in float first can be built on the meta device,
         given memory with ``to_empty(device=...)``, then loaded."""
-        checkpoints.load_moe(self, path, prefix)
+        cfg = self.cfg
+        if cfg.quant is None:
+            raise ValueError("moe.cfg.quant must be a QuantSpec to load a quantized checkpoint "
+                             "(QuantSpec('fp8_block') for DeepSeek-V3's, QuantSpec('mxfp4') for "
+                             "GPT-OSS's), got None")
+        checkpoint = checkpoints.Checkpoint(path)
+        read = checkpoints.read_experts(checkpoint, prefix, self.local_experts)
+        if (read.spec.weights, read.spec.block_size) != (cfg.quant.weights, cfg.quant.block_size):
+            raise ValueError(f"moe.cfg.quant must have weights={read.spec.weights!r}"
+                             + ("" if read.spec.block_size is None
+                                else f" and block_size={read.spec.block_size}")
+                             + f" for the {checkpoints.layout_of(checkpoint, prefix)} checkpoint "
+                             f"{str(checkpoint.path)!r} (activations as you choose), got "
+                             f"{cfg.quant}")
+        dense = checkpoints.read_dense(checkpoint, prefix, read.spec.block_size)
+        state = {**read.tensors(), "gate.weight": dense.router_weight}
+        for name, tensor in (("gate.bias", dense.router_bias),
+                             ("e_score_correction_bias", dense.correction_bias)):
+            if tensor is not None:
+                state[name] = tensor
+        if dense.shared_gate is not None:
+            state["shared_experts.w13"] = torch.cat([dense.shared_gate, dense.shared_up])
+            state["shared_experts.w2"] = dense.shared_down
+        self.load_state_dict(state)
 
     def reset_parameters(self) -> None:
         """Initialise everything the block holds, submodules included: after
