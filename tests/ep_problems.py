@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 import torch_moe_ops as tmo
 from torch_moe_ops import quant
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering import moe_op_sequence
 
 ROUTES = ("random", "one_rank")
@@ -187,6 +189,18 @@ def single_and_sharded(moe_config, seed: int):
                       ep_group=dist.group.WORLD)
     sharded.load_full_weights(single.state_dict())
     return single, sharded
+
+
+def route_op(moe: tmo.MoE) -> str:
+    """The route op ``route="auto"`` lowers ``moe``'s routing to on its device (the
+    reference, or a faster one that computes the layer's routing)."""
+    cfg = moe.cfg
+    problem = Problem(dtype=torch.float32, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                      scoring=cfg.scoring, renormalize=cfg.renormalize,
+                      num_expert_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
+                      correction_bias=moe.e_score_correction_bias is not None)
+    route = REGISTRY.choose_route(BackendSpec(), problem, moe.gate.weight.device)
+    return f"{route.namespace}::route"
 
 
 def recording_backend(sequences: list, **options):

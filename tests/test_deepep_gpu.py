@@ -50,6 +50,7 @@ from ep_problems import (
     leaves,
     on_current_gpu,
     recording_backend,
+    route_op,
     single_and_sharded,
     token_slice,
 )
@@ -65,9 +66,9 @@ TOKENS_PER_RANK = {2: (5, 0), 4: (5, 0, 2, 4)}
 # H: one of the sizes DeepEP's low-latency kernels are compiled for.
 H, I, E, K = 2048, 64, 8, 2
 M_NORMAL, M_LOW_LATENCY = 8, 6
-# Low-latency mode does not run 2 * 7 positions (a multiple of 4): a layer of this size
-# serves through the tokens format on normal mode.
-M_NOT_LOW_LATENCY = 7
+# Above the low-latency kernels' decode sizes: a layer of this size serves through the
+# tokens format on normal mode, at every world size.
+M_NOT_LOW_LATENCY = deepep.LOW_LATENCY_MAX_TOKENS + 1
 STATIC = ("silu", 1.702, 7.0)
 TOKENS_OPS = ("moe_deepep::dispatch_tokens", "moe_deepep::combine_tokens")
 MASKED_OPS = ("moe_deepep::dispatch_masked", "moe_deepep::combine_masked")
@@ -414,7 +415,7 @@ def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
             and deepep.fp8_transport_reason("low_latency", QUANT_SPECS[name], H) is None):
         expected = ("moe_deepep::dispatch_masked_quant", f"moe_{experts}::experts_masked_quant",
                     "moe_deepep::combine_masked")
-    assert moe_op_sequence(graphs[0]) == "\n".join(("moe_reference::route", *expected))
+    assert moe_op_sequence(graphs[0]) == "\n".join((route_op(sharded), *expected))
     if compile_mode == "reduce-overhead":
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()

@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_moe_ops as tmo
 from distributed import run_on_ranks, skip_without_gpus
-from ep_problems import assert_close_scaled, token_slice
+from ep_problems import assert_close_scaled, route_op, token_slice
 from torch_moe_ops import quant
 from torch_moe_ops.backends.dispatch_dtype import DEFAULT_RULE, DispatchDtype
 from torch_moe_ops.backends.registry import REGISTRY
@@ -312,7 +312,7 @@ def _check_layer(rank, world_size, spec, dtype, inner):
     chain = (_tokens_sequence("moe_all_to_all") if spec.activations == "none" else
              "moe_all_to_all::dispatch_quant\nmoe_reference::experts_rows_quant\n"
              "moe_all_to_all::combine")
-    assert moe_op_sequence(gm) == f"moe_reference::route\n{chain}"
+    assert moe_op_sequence(gm) == f"{route_op(sharded)}\n{chain}"
 
 
 def _run_cases(rank, world_size):
@@ -400,7 +400,7 @@ def _gpu_cases(rank, world_size, a2a):
                 namespace = A2A_NAMESPACES[a2a]
                 (gm,) = recording.graphs
                 assert moe_op_sequence(gm) == (
-                    f"moe_reference::route\n{namespace}::dispatch_quant\n"
+                    f"{route_op(sharded)}\n{namespace}::dispatch_quant\n"
                     f"moe_reference::experts_rows_quant\n{namespace}::combine")
     torch._dynamo.reset()
 
