@@ -2,7 +2,7 @@
 
 A static check of the source: every import of one of our modules counts,
 those inside functions too (a cycle hidden behind a deferred import is still a
-cycle between the layers of DESIGN.md), except under ``if TYPE_CHECKING:``,
+cycle between the layers of docs/architecture.md), except under ``if TYPE_CHECKING:``,
 which never runs. Importing a submodule also runs its package's ``__init__``;
 that edge is left out, or every package would import itself.
 """

@@ -22,13 +22,16 @@ reference backend; the ``backward`` column of `available_backends()` says which.
 backend ``none`` (`local`) sorts and combines rows on one device; with expert
 parallelism ``all_to_all`` (`all_to_all`) and ``allgather`` (`allgather`) move
 them over torch.distributed, ``deepep`` (`deepep`) over DeepEP and ``flashinfer``
-(`flashinfer.a2a`) over FlashInfer's MoE all-to-all (eagerly ``all_to_all`` runs); the
-compiled layer takes the tokens format wherever its a2a backend produces it (every experts
-backend reads it through ``experts``), with gradients where the transport carries them
-(`registry.FORMATS`). Routing runs
-on the highest-priority route backend that runs the layer's routing: ``flashinfer``
-(`flashinfer.route`, FlashInfer's fused DeepSeek-V3 kernel) where its ``supports``
-allows, else ``reference``. What several
+(`flashinfer.a2a`) over FlashInfer's MoE all-to-all (eagerly ``all_to_all`` runs). The
+compiled layer takes the first format of `registry.FORMATS` both its backends run: the
+masked format (`ops.masked`: a block per local expert, read where it arrived) where the
+transport's engine has it as its own decode layout (``deepep``'s low-latency mode, layers
+without gradients), else the tokens format wherever the a2a backend produces it (every
+experts backend reads it through ``experts``) and the layer's gradients can cross, else
+rows. Routing runs on the highest-priority route backend that runs the layer's routing:
+``flashinfer`` (`flashinfer.route`, FlashInfer's fused DeepSeek-V3 kernel) where its
+``supports`` allows, else ``triton`` (`triton.route`, one Triton kernel, CUDA) where its
+does, else ``reference``. What several
 backends run (the sort by expert, activations, Triton epilogues, the grouped-GEMM
 path) lives in `common`; backends never import each other.
 """

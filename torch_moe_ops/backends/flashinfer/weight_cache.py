@@ -1,7 +1,7 @@
 """Prepared copies of a layer's weights, kept by their source tensors: by (tensor,
-version), as DESIGN asks of a backend whose kernels read another layout. The
-``flashinfer`` experts backend keeps its one cache here (`WeightCache`), and makes what
-outlives a call inside `outside_graph_pools`."""
+version), as docs/architecture.md ("State") asks of a backend whose kernels read another
+layout. The ``flashinfer`` experts backend keeps its one cache here (`WeightCache`), and
+makes what outlives a call inside `outside_graph_pools`."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
 
 
 class WeightCache:
-    """Prepared weights by their source tensors, as DESIGN asks: by (tensor, version).
+    """Prepared weights by their source tensors: by (tensor, version), as
+    docs/architecture.md ("State") asks.
 
     An entry serves a call whose sources have the storage, offset, shape, strides,
     dtype and version counter the entry was prepared from, and is dropped when

@@ -1,6 +1,7 @@
 """Where a transport backend keeps its state: one communicator per key (process
-group and layer shape), the one keyed cache a backend may keep (docs/architecture.md,
-"Transport state"). Closing is collective, so every rank closes in the same (key) order."""
+group and layer shape), the one keyed cache of transport state a backend may keep
+(docs/architecture.md, "State"). Closing is collective, so every rank closes in the same
+(key) order."""
 
 from __future__ import annotations
 
