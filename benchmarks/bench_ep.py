@@ -8,7 +8,7 @@
 
 Legend: P ranks, T tokens per rank (M = max_tokens_per_rank = T here), H hidden
 size, I expert intermediate size, K experts per token, E experts, E_l = E / P,
-C rows one rank sends each rank (the capacity; worst case M * min(K, E_l)),
+C rows one rank sends each rank (the capacity; worst case M * K),
 b bytes per element (2, bf16).
 
 Three phases, each in the same run, every time the slower rank's (max over ranks):
@@ -94,6 +94,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import unittest.mock
 import warnings
@@ -162,6 +163,65 @@ SMOKE = Sizes(hidden=64, inter=32, top_k=2, experts=(8,), tokens=(4, 16), layer_
               layer_tokens=(4, 16), replays=5)
 
 
+class EveryRank:
+    """Runs a piece of a benchmark on every rank of the default group, failing on all where
+    it fails on one (`run`)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank = rank
+        self.world = world
+        # Why the group was aborted, None while it lives.
+        self.aborted: str | None = None
+        self._attempts = 0
+
+    def run(self, what: str, fn: Callable[[], object]) -> object:
+        """``fn()``, raising on every rank where it raises on one, without the wait for the
+        group's timeout: a peer that raises (torchtitan's compiled layer checks splits that
+        only one rank may get wrong) would leave the others inside a collective it never
+        joins. The failing rank posts ``what`` in the group's store (out of band: no
+        collective can answer a collective) and aborts its communicators; a watcher thread
+        on every other rank aborts its own on the post, which ends the collective it waits
+        in; a rank whose ``fn`` returned meets the post before it goes on. After a failure
+        the group is gone: `aborted` says why, and nothing more runs across ranks."""
+        store = dist.distributed_c10d._get_default_store()
+        key = f"every_rank/{self._attempts}"
+        self._attempts += 1
+        finished = threading.Event()
+
+        def abort() -> None:
+            if self.aborted is None:
+                self.aborted = f"{what} failed on {store.get(key + '/failed').decode()}"
+                dist.distributed_c10d._abort_process_group()
+
+        def watch() -> None:
+            while not finished.wait(0.5):
+                if store.check([key + "/failed"]):
+                    abort()
+                    return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            result = fn()
+        except Exception as error:
+            # The first failure's rank and reason stay posted; a peer's abort makes others.
+            store.compare_set(key + "/failed", "",
+                              f"rank {self.rank} ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:120] if str(error) else ''})")
+            abort()
+            raise
+        finally:
+            finished.set()
+            watcher.join()
+        store.add(key + "/returned", 1)
+        while store.add(key + "/returned", 0) < self.world:
+            if store.check([key + "/failed"]):
+                abort()
+                raise RuntimeError(self.aborted)
+            time.sleep(0.01)
+        return result
+
+
 class Run:
     """This process's place in the run: rank, device, group, the clock of the budget."""
 
@@ -184,6 +244,7 @@ class Run:
         self.dtype = torch.bfloat16
         self.start = time.monotonic()
         self.skipped: list[str] = []
+        self.every_rank = EveryRank(self.rank, self.world)
 
     def log(self, text: str) -> None:
         if self.rank == 0:

@@ -1,6 +1,7 @@
 """benchmarks/bench_ep_train.py end to end on two CPU processes over gloo (``--smoke``):
 our rows (flashinfer's listed as skipped: it needs GPUs), and torchtitan's compiled row
-where torchtitan imports (in CI it does not: its absence is listed with the reason).
+where torchtitan imports (in CI it does not: its absence is listed with the reason); a
+row that fails on one rank fails on every rank, at once.
 """
 
 from __future__ import annotations
@@ -9,7 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_on_ranks
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # bf16 rounding of a compiled graph against the same layer eager, at the smoke widths.
@@ -54,3 +61,29 @@ def test_smoke_runs_ours_and_the_peer(tmp_path):
     assert lines[-1].startswith("vs titan:")
     assert lines[-2 - len(rows)].startswith("case ")
     assert (tmp_path / "ep_train.md").is_file() and (tmp_path / "summary.txt").is_file()
+
+
+def _fail_on_rank_0_inside_a_collective(rank, world_size):
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_ep
+
+    every_rank = bench_ep.EveryRank(rank, world_size)
+    assert every_rank.run("a row that runs", lambda: rank) == rank
+    started = time.monotonic()
+
+    def peer_row():
+        if rank == 0:
+            raise RuntimeError("Eq(u0 + u1, 32768)")
+        # Rank 1 waits for a collective that rank 0 never joins.
+        torch.distributed.all_reduce(torch.ones(1))
+
+    with pytest.raises(RuntimeError):
+        every_rank.run("torchtitan compiled", peer_row)
+    # Long before the group's timeout.
+    assert time.monotonic() - started < 30
+    assert every_rank.aborted == ("torchtitan compiled failed on rank 0 (RuntimeError: "
+                                  "Eq(u0 + u1, 32768))")
+
+
+def test_a_row_that_fails_on_one_rank_fails_on_all():
+    run_on_ranks(2, _fail_on_rank_0_inside_a_collective)
