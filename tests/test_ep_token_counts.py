@@ -23,8 +23,10 @@ import torch.distributed as dist
 import deepep_emulator
 import flashinfer_a2a_emulator
 import torch_moe_ops as tmo
-from distributed import run_on_ranks
+from distributed import run_on_ranks, skip_without_gpus
 from ep_problems import check_bf16_out, cpu_single_and_sharded, token_slice
+from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.config import BackendSpec
 
 H, I, K, M = 16, 8, 2, 8
 # A hidden size DeepEP's low-latency kernels are built for (the emulator checks it).
@@ -139,3 +141,48 @@ def test_engine_transports_never_hang(monkeypatch):
     # The FlashInfer inference ops mark received ids with a Triton kernel: the interpreter.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_on_ranks(2, _engine_cases, timeout=TIMEOUT)
+
+
+# On GPUs (NCCL, Inductor, bf16): a hidden size DeepEP's low-latency kernels take, and the
+# steps of 2 or 4 ranks.
+GPU_A2A = ("all_to_all", "allgather", "deepep", "flashinfer")
+
+
+def _gpu_reason(a2a: str, world_size: int) -> str | None:
+    problem = Problem(torch.bfloat16, ep_size=world_size, hidden_size=DEEPEP_H, top_k=K,
+                      num_experts=2 * world_size, num_local_experts=2, max_tokens_per_rank=M)
+    return REGISTRY.a2a[a2a].why_not(BackendSpec(a2a=a2a), problem, torch.device("cuda"))
+
+
+def _gpu_cases(rank, world_size, a2a):
+    device = torch.device("cuda", rank)
+    single, sharded = cpu_single_and_sharded(DEEPEP_H, I, K, M)
+    single = single.to(device, torch.bfloat16)
+    sharded = sharded.to(device, torch.bfloat16)
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        compiled = torch.compile(sharded, backend=tmo.backend(a2a=a2a), fullgraph=True,
+                                 dynamic=dynamic)
+        for step, counts in enumerate(STEPS[world_size]):
+            x_NH = torch.randn(sum(counts), DEEPEP_H,
+                               generator=torch.Generator().manual_seed(step))
+            x_NH = x_NH.to(device, torch.bfloat16)
+            mine = token_slice(counts, rank)
+            with torch.no_grad():
+                check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
+    torch._dynamo.reset()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world_size", (2, 4), ids="P{}".format)
+@pytest.mark.parametrize("a2a", GPU_A2A)
+def test_gpu_transports_never_hang(a2a, world_size, monkeypatch):
+    """Every transport over NCCL with the cross-rank argument checks on (the setting under
+    which a rank compiled for 0 or 1 tokens hung its peers)."""
+    skip_without_gpus(world_size)
+    reason = _gpu_reason(a2a, world_size)
+    if reason is not None:
+        pytest.skip(f"a2a {a2a!r}: {reason}")
+    monkeypatch.setenv("TORCH_MOE_OPS_CHECK_VALUES", "1")
+    run_on_ranks(world_size, _gpu_cases, a2a, backend="nccl", timeout=TIMEOUT,
+                 deadline_s=400)

@@ -139,3 +139,14 @@ def test_transports_that_wait_inside_their_ops_move_whole(deepep_runs_here):
 def test_a_chunk_count_must_be_a_positive_int(chunks):
     with pytest.raises(ValueError, match="chunks"):
         BackendSpec(a2a="all_to_all", chunks=chunks)
+
+
+def test_deepep_refuses_normal_mode_over_hosts(deepep_runs_here):
+    # 16 ranks: hosts of 8 GPUs. Normal mode's static receive size is intranode-only in
+    # DeepEP; a decode layer still runs on low-latency mode over hosts.
+    prefill = _problem(ep_size=16, num_experts=256, max_tokens_per_rank=4096)
+    with pytest.raises(ValueError, match="num_worst_tokens, is intranode-only"):
+        plan_layer(BackendSpec(a2a="deepep", experts="reference"), prefill, CPU)
+    decode = plan_layer(BackendSpec(a2a="deepep", experts="reference"),
+                        dataclasses.replace(prefill, max_tokens_per_rank=64), CPU)
+    assert decode.format == "masked", decode

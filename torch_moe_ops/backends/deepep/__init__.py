@@ -16,9 +16,12 @@ the first eager call or by `communicator` (which also fixes a layer's rows mode 
 call it on every rank before the layer's first call), closed by `close_all` (collective).
 Every op carries an ordered effect: ``torch.compile`` neither drops one whose outputs are
 empty (an idle rank's ``[0, H]``) nor moves it past another, so every rank runs them in
-the same order. Over several hosts (P > 8, 8 GPUs per host, as DeepEP's internode
-kernels assume) the same calls run DeepEP's internode kernels (RDMA through NVSHMEM/IBGDA);
-that path is written against DeepEP's API but has not been run here.
+the same order. Normal mode runs on the ranks of one host only (2, 4 or 8): its dispatch
+takes a static receive size (``num_worst_tokens``, what makes it traceable and capturable),
+which DeepEP's internode dispatch does not; a group over several hosts is refused
+(`modes.normal_mode_reason`, and a check of the ranks' hosts when its communicator is
+created). Low-latency mode over several hosts (P > 8, 8 GPUs per host) calls DeepEP's RDMA
+kernels through NVSHMEM; that path is written against DeepEP's API but has not been run here.
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import socket
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.communicators import Communicators
@@ -31,6 +33,7 @@ from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
     GPUS_PER_HOST,
     LOW_LATENCY,
+    LOW_LATENCY_MAX_TOKENS,
     MODES,
     NORMAL,
     choose_mode,
@@ -93,6 +96,19 @@ def _forget(handles: dict, address: int, entry: _Dispatched) -> None:
         del handles[address]
 
 
+def _check_one_host(group: dist.ProcessGroup, group_name: str) -> None:
+    """Raise on every rank where the group's ranks are not all on this host: normal mode
+    runs intranode only (`modes.normal_mode_reason`), its buffers shared over NVLink."""
+    hosts: list[str | None] = [None] * group.size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        raise ValueError(f"a2a backend 'deepep' runs normal mode on the ranks of one host "
+                         f"(DeepEP's static receive size, num_worst_tokens, is intranode-only), "
+                         f"but group {group_name!r} spans hosts {sorted(set(hosts))}: use "
+                         f"low-latency mode (max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}) "
+                         "or a2a='all_to_all'")
+
+
 class DeepEPCommunicator:
     """DeepEP's state for one layer shape and mode on one process group: the
     ``deep_ep.Buffer`` (sized for ``mode`` from DeepEP's hints, allocated once), its
@@ -128,13 +144,13 @@ class DeepEPCommunicator:
                 # DeepEP: one queue pair per local expert.
                 num_qps = self.num_local_experts
             else:
+                _check_one_host(group, group_name)
                 hidden_bytes = hidden_size * max(dtype.itemsize, 2)
                 configs = (self.dispatch_config, self.combine_config)
                 num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, self.ep_size)
                                     for c in configs)
-                num_rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, self.ep_size)
-                                     for c in configs)
-                num_qps = buffer_cls.num_sms if num_rdma_bytes > 0 else 1
+                # Intranode (`modes.normal_mode_reason`): NVLink buffers only.
+                num_rdma_bytes, num_qps = 0, 1
             self.uses_nvshmem = num_rdma_bytes > 0
             self.buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes,
                                      low_latency_mode=mode == LOW_LATENCY,

@@ -24,7 +24,6 @@ LOW_LATENCY_MAX_TOKENS = 128
 # internode.cu, internode_ll.cu at the measured commit).
 GPUS_PER_HOST = 8
 INTRANODE_RANKS = (2, 4, 8)
-INTERNODE_RANKS = (16, 24, 32, 48, 64, 96, 128, 144, 160)
 NORMAL_MAX_TOP_K = 32
 NORMAL_MAX_LOCAL_EXPERTS = 1024
 # Intranode dispatch stages half a bf16 token (H bytes) and an 8-byte mbarrier in 8 KiB
@@ -45,17 +44,16 @@ def normal_mode_reason(ep_size: int | None, hidden_size: int | None, top_k: int 
                        num_local_experts: int | None) -> str | None:
     """Why DeepEP's normal kernels cannot run this shape (None: they can; None
     arguments are unknown and pass)."""
-    if ep_size is not None and ep_size not in INTRANODE_RANKS + INTERNODE_RANKS:
-        return (f"DeepEP's normal mode runs on {INTRANODE_RANKS} ranks of one host or "
-                f"{INTERNODE_RANKS} ranks over hosts of {GPUS_PER_HOST} GPUs, got "
-                f"ep_size={ep_size}")
-    if hidden_size is not None:
-        if hidden_size % 16 or hidden_size > NORMAL_MAX_HIDDEN:
-            return (f"DeepEP's normal mode needs a hidden size that is a multiple of 16 and "
-                    f"<= {NORMAL_MAX_HIDDEN}, got {hidden_size}")
-        if ep_size is not None and ep_size > GPUS_PER_HOST and hidden_size % 256:
-            return (f"DeepEP's internode combine needs a hidden size that is a multiple of "
-                    f"256, got {hidden_size}")
+    if ep_size is not None and ep_size not in INTRANODE_RANKS:
+        # Its dispatch runs with num_worst_tokens (a static receive size: it traces and
+        # captures), which DeepEP's internode dispatch does not take.
+        return (f"DeepEP's normal mode runs here on {INTRANODE_RANKS} ranks of one host only "
+                f"(its static receive size, num_worst_tokens, is intranode-only in DeepEP), "
+                f"got ep_size={ep_size}; over hosts, low-latency mode (max_tokens_per_rank <= "
+                f"{LOW_LATENCY_MAX_TOKENS}) or a2a='all_to_all' runs")
+    if hidden_size is not None and (hidden_size % 16 or hidden_size > NORMAL_MAX_HIDDEN):
+        return (f"DeepEP's normal mode needs a hidden size that is a multiple of 16 and "
+                f"<= {NORMAL_MAX_HIDDEN}, got {hidden_size}")
     if top_k is not None and top_k > NORMAL_MAX_TOP_K:
         return f"DeepEP's normal mode takes top_k <= {NORMAL_MAX_TOP_K}, got {top_k}"
     if num_local_experts is not None and num_local_experts > NORMAL_MAX_LOCAL_EXPERTS:
