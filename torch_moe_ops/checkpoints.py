@@ -95,7 +95,7 @@ class Checkpoint:
         if not files:
             raise ValueError(f"path must be a .safetensors file or a folder holding them, "
                              f"got {str(path)!r}")
-        self._source = (f"checkpoint file {str(path)!r}" if path.is_file() else
+        self._source = (f"checkpoint file {str(files[0])!r}" if len(files) == 1 else
                         f"checkpoint {str(path)!r} (its {len(files)} .safetensors files)")
         self._file_of = {}
         for file in files:
