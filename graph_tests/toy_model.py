@@ -13,7 +13,8 @@ import torch_moe_ops as tmo
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: tmo.MoEConfig, num_heads: int, device=None, dtype=None):
+    def __init__(self, cfg: tmo.MoEConfig, num_heads: int, device=None, dtype=None,
+                 ep_group=None):
         super().__init__()
         hidden = cfg.hidden_size
         self.num_heads = num_heads
@@ -21,7 +22,7 @@ class Block(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, device=device, dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, bias=False, device=device, dtype=dtype)
         self.norm2 = nn.RMSNorm(hidden, device=device, dtype=dtype)
-        self.moe = tmo.MoE(cfg, device=device, dtype=dtype)
+        self.moe = tmo.MoE(cfg, device=device, dtype=dtype, ep_group=ep_group)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x_BSH.shape
@@ -34,13 +35,13 @@ class Block(nn.Module):
 
 class ToyMoEModel(nn.Module):
     """Embedding, ``num_layers`` attention + MoE blocks, tied LM head:
-    ``ids [B, S] -> logits [B, S, V]``."""
+    ``ids [B, S] -> logits [B, S, V]``. ``ep_group``: the blocks' expert-parallel group."""
 
     def __init__(self, cfg: tmo.MoEConfig, vocab_size: int = 64, num_layers: int = 2,
-                 num_heads: int = 2, device=None, dtype=None):
+                 num_heads: int = 2, device=None, dtype=None, ep_group=None):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(cfg, num_heads, device, dtype)
+        self.blocks = nn.ModuleList(Block(cfg, num_heads, device, dtype, ep_group)
                                     for _ in range(num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, device=device, dtype=dtype)
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 # Each collective gives up after this: a rank that never comes fails its peers.
 # Generous: on a loaded 2-core machine one rank may still be compiling (Dynamo,
@@ -65,6 +66,20 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str,
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
+                timeout: datetime.timedelta = COLLECTIVE_TIMEOUT):
+    """``init_device_mesh`` whose every sub-group waits at most ``timeout`` per collective
+    (a mesh's groups otherwise take the backend's default, 10 or 30 minutes, not the
+    world group's)."""
+    if dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override=dict.fromkeys(names, options))
 
 
 def skip_without_gpus(world_size: int) -> None:

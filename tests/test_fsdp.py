@@ -71,13 +71,13 @@ def _check_expert_weights_sharded(model, world_size: int) -> None:
         assert param.to_local().shape[0] == param.shape[0] // world_size
 
 
-def _check_training(rank, world_size, name, device, backend) -> None:
-    torch._dynamo.reset()
+def assert_trains_like(model, single, rank: int, world_size: int, device: torch.device,
+                       label: str) -> None:
+    """``STEPS`` SGD steps of the sharded ``model`` on this rank's equal share of each batch
+    against ``single`` on the whole batch: every step's loss, the last step's gradients
+    and the parameters after the steps (gathered with ``full_tensor()``). ``label`` names
+    the case in a failure."""
     tolerance = TOLERANCES[device.type]
-    single = make_model(name, device=device)
-    model = make_model(name, device=device)  # the same seed: the same weights
-    counter = _shard(model, init_device_mesh(device.type, (world_size,)), backend)
-    _check_expert_weights_sharded(model, world_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     single_optimizer = torch.optim.SGD(single.parameters(), lr=LR)
     per_rank = BATCH // world_size
@@ -90,24 +90,34 @@ def _check_training(rank, world_size, name, device, backend) -> None:
         loss.backward()
         single_loss = _loss(single, ids_BS, targets_BS)
         single_loss.backward()
-        # Each rank's loss is the mean over its half of the batch, and FSDP averages
-        # the gradients over the ranks: the mean of equal halves' means is the
+        # Each rank's loss is the mean over its share of the batch, and FSDP averages
+        # the gradients over the ranks: the mean of equal shares' means is the
         # whole batch's mean, the single process's loss.
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        torch.testing.assert_close(mean_loss / world_size, single_loss.detach(), **tolerance)
+        torch.testing.assert_close(mean_loss / world_size, single_loss.detach(), **tolerance,
+                                   msg=lambda m, s=step: f"{label} step {s} loss: {m}")
         if step == STEPS - 1:
             for (param_name, param), expected in zip(model.named_parameters(),
                                                      single.parameters(), strict=True):
                 torch.testing.assert_close(
                     param.grad.full_tensor(), expected.grad, **tolerance,
-                    msg=lambda m, n=param_name: f"{name} {n}.grad: {m}")
+                    msg=lambda m, n=param_name: f"{label} {n}.grad: {m}")
         optimizer.step()
         single_optimizer.step()
     for (param_name, param), expected in zip(model.named_parameters(), single.parameters(),
                                              strict=True):
         torch.testing.assert_close(param.full_tensor().detach(), expected.detach(), **tolerance,
-                                   msg=lambda m, n=param_name: f"{name} {n}: {m}")
+                                   msg=lambda m, n=param_name: f"{label} {n}: {m}")
+
+
+def _check_training(rank, world_size, name, device, backend) -> None:
+    torch._dynamo.reset()
+    single = make_model(name, device=device)
+    model = make_model(name, device=device)  # the same seed: the same weights
+    counter = _shard(model, init_device_mesh(device.type, (world_size,)), backend)
+    _check_expert_weights_sharded(model, world_size)
+    assert_trains_like(model, single, rank, world_size, device, name)
     if counter is not None:
         assert counter.frame_count > 0
 

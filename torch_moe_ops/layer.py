@@ -23,6 +23,7 @@ from torch_moe_ops.routed_experts import (
     SCALE_TENSORS,
     experts_of_rank,
     keep_local_slice,
+    local_part,
     run_experts,
 )
 
@@ -296,8 +297,9 @@ class MoE(nn.Module):
         """The routed experts alone: ``[T, H]`` from tokens and their routing
         (global expert ids); across the expert-parallel group with ``ep_size > 1``."""
         scales = (None, None) if self.cfg.quant is None else (self.w13_scale, self.w2_scale)
+        weights = tuple(local_part(w) for w in (self.w13, self.w2, self.b13, self.b2))
         return run_experts(self.cfg, self.ep_group_name, x_TH, topk_weights_TK, topk_ids_TK,
-                           (self.w13, self.w2, self.b13, self.b2), scales)
+                           weights, scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.cfg.hidden_size:

@@ -6,6 +6,8 @@ Legend: T tokens, H hidden size, K experts per token, R received rows, E experts
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from torch_moe_ops.config import MoEConfig
@@ -23,14 +25,31 @@ def experts_of_rank(cfg: MoEConfig, ep_rank: int) -> range:
     return range(ep_rank * num_local, (ep_rank + 1) * num_local)
 
 
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (expert weights under
+    `torch_moe_ops.parallel.parallelize_moe`). One exists only once
+    ``torch.distributed.tensor`` is imported, which this does not do: that import
+    costs every user of the package half a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_part(tensor):
+    """This rank's part of ``tensor`` where it is a ``DTensor``, else ``tensor``: the
+    ops take plain tensors."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
 def keep_local_slice(state_dict: dict, keys, cfg: MoEConfig, local: range) -> None:
     """In ``state_dict``, each tensor under ``keys`` that holds every expert
     (``[E, ...]``) becomes a copy of its ``local`` experts: a full checkpoint then
     loads on every rank. A copy, so that loading with ``assign=True`` does not
-    keep the full tensor alive."""
+    keep the full tensor alive. A ``DTensor`` (a resharded checkpoint) is left as it
+    is: its placements say which part is this rank's."""
     for key in keys:
         tensor = state_dict.get(key)
-        if tensor is not None and tensor.shape[:1] == (cfg.num_experts,):
+        if (tensor is not None and tensor.shape[:1] == (cfg.num_experts,)
+                and not is_dtensor(tensor)):
             state_dict[key] = tensor[local.start:local.stop].clone()
 
 

@@ -1,0 +1,167 @@
+"""FSDP2 with expert parallelism on one 2-D ``DeviceMesh`` ``(dp_shard, ep)``, torchtitan's
+layout: each `MoE` block's experts split over ``ep`` and every rank's share of them
+FSDP-sharded over ``dp_shard``; every other parameter FSDP-sharded over all ranks.
+
+Legend: E experts, E_l = E / ep experts of one rank, P = dp_shard * ep ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from torch_moe_ops.layer import MoE
+from torch_moe_ops.routed_experts import EXPERT_TENSORS
+
+MESH_DIMS = ("dp_shard", "ep")
+
+
+def _fsdp_mesh_info(mesh: DeviceMesh):
+    """FSDP2's description of a 1-D shard mesh, for parameters of a group that shard over
+    another mesh than the group's (torch >= 2.13)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+    except ImportError as error:
+        raise RuntimeError(f"parallelize_moe needs torch >= 2.13 (FSDP2 shards a group's "
+                           f"parameters over several meshes there), got {torch.__version__}"
+                           ) from error
+    return ShardPlacementResult, FSDPMeshInfo(mesh, shard_mesh_dim=0)
+
+
+def _check_moe(name: str, moe: MoE, ep_mesh: DeviceMesh) -> None:
+    cfg = moe.cfg
+    if cfg.quant is not None:
+        raise ValueError(f"{name}: parallelize_moe trains, and quantized experts do not: "
+                         f"cfg.quant must be None, got {cfg.quant}")
+    if cfg.ep_size != ep_mesh.size():
+        raise ValueError(f"{name}: cfg.ep_size must equal mesh['ep'].size() ({ep_mesh.size()}), "
+                         f"got {cfg.ep_size}")
+    if cfg.ep_size > 1 and (dist.get_process_group_ranks(moe.ep_group)
+                            != dist.get_process_group_ranks(ep_mesh.get_group())):
+        raise ValueError(f"{name} must be built with ep_group=mesh['ep'] (ranks "
+                         f"{dist.get_process_group_ranks(ep_mesh.get_group())}), got a group of "
+                         f"ranks {dist.get_process_group_ranks(moe.ep_group)}")
+
+
+def _experts_as_dtensors(moe: MoE, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Turn the block's expert parameters (``w13 [E_l, 2I, H]``, ...) into ``DTensor`` s of
+    every expert (``[E, 2I, H]``) sharded over ``ep_mesh``, and return them: FSDP2 then
+    shards them further, and a state dict holds them at their global offsets (so that
+    ``torch.distributed.checkpoint`` reshards them across meshes)."""
+    params = []
+    for name in EXPERT_TENSORS:
+        local = getattr(moe, name)
+        if local is None:
+            continue
+        param = nn.Parameter(DTensor.from_local(local.detach(), ep_mesh, [Shard(0)],
+                                                run_check=False),
+                             requires_grad=local.requires_grad)
+        setattr(moe, name, param)
+        params.append(param)
+    return params
+
+
+def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, blocks=None,
+                    activation_checkpoint: bool = False, compile_backend=None,
+                    **fsdp_options) -> nn.Module:
+    """Shard ``model`` in place for training with FSDP2 (``fully_shard``) and expert
+    parallelism on ``mesh``, a 2-D ``DeviceMesh`` with ``mesh_dim_names=("dp_shard",
+    "ep")``, and return it. Call it on every rank, after building the model with each
+    `MoE` given ``ep_group=mesh["ep"]`` and ``MoEConfig(ep_size=mesh["ep"].size(),
+    max_tokens_per_rank=M)`` (each rank then holds its ``E_l`` experts; a full checkpoint
+    loads with ``load_state_dict`` before this call), as torchtitan lays a model out::
+
+        for block in blocks:              # default: the parent module of each MoE
+            block = torch.compile(block, backend=compile_backend, fullgraph=True)
+            block = checkpoint_wrapper(block)                   # activation_checkpoint
+            fully_shard(block, mesh=<all P ranks>)    # one group a block, hooks outside
+                # each MoE's w13, w2, b13, b2: DTensors [E, ...] Shard(0) over "ep",
+                # sharded by FSDP over "dp_shard" (dim 1 where dp_shard > E_l)
+        fully_shard(model, mesh=<all P ranks>)        # what no block holds
+
+    ``fsdp_options`` (``mp_policy``, ``reshard_after_forward``, ...) go to every
+    ``fully_shard``. With ``mesh["ep"].size() == 1`` the experts are parameters like the
+    others: plain FSDP over all ranks. Activation checkpointing and compiling together
+    need ``mesh["ep"].size() == 1`` (with expert parallelism, either one alone).
+
+    Gradients: each rank's loss is taken as the mean over its own tokens. FSDP averages
+    every gradient over all P ranks, the experts' too (their reduce-scatter runs over
+    ``dp_shard`` only, but each rank's expert gradients already hold every ``ep`` rank's
+    tokens): the gradients are those of the mean loss over all ranks' tokens, the
+    gradients of one process on the whole batch when every rank holds as many tokens.
+
+    Checkpoints: the expert weights are ``DTensor`` s of their global shape, so
+    ``torch.distributed.checkpoint`` (with ``get_model_state_dict`` /
+    ``set_model_state_dict`` of ``torch.distributed.checkpoint.state_dict``, which drop
+    the compile and checkpoint wrappers' prefixes) saves on one mesh and loads on
+    another, or into an unsharded model (``ep_size=1``) in one process."""
+    if mesh.ndim != 2 or mesh.mesh_dim_names != MESH_DIMS:
+        raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names={MESH_DIMS}, got "
+                         f"{mesh.ndim}-D with mesh_dim_names={mesh.mesh_dim_names}")
+    dp_mesh, ep_mesh = mesh["dp_shard"], mesh["ep"]
+    if activation_checkpoint and compile_backend is not None and ep_mesh.size() > 1:
+        # torch 2.13: traced inside the compiled block, the checkpoint takes the experts'
+        # DeviceMesh for a saved tensor; around it, its recomputation saves fewer tensors
+        # than the forward did.
+        raise ValueError("activation_checkpoint and compile_backend do not go together "
+                         "with mesh['ep'].size() > 1 yet: choose one")
+    # Everything but the experts shards over every rank of the mesh.
+    all_ranks = mesh._flatten()
+    names = {module: name for name, module in model.named_modules()}
+    moes = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+    if not moes:
+        raise ValueError("model must hold at least one torch_moe_ops.MoE block, got none")
+    for name, moe in moes:
+        _check_moe(name, moe, ep_mesh)
+    if blocks is None:
+        blocks = list(dict.fromkeys(model.get_submodule(name.rpartition(".")[0])
+                                    for name, _ in moes))
+    for block in blocks:
+        if block is model or block not in names:
+            raise ValueError(f"blocks must be submodules of model (not model itself), got "
+                             f"{type(block).__name__}")
+    experts_of_block = {block: [] for block in blocks}
+    for name, moe in moes:
+        owners = [block for block in blocks if any(m is moe for m in block.modules())]
+        if len(owners) != 1:
+            raise ValueError(f"{name} must lie in exactly one of blocks, got {len(owners)}")
+        if ep_mesh.size() > 1:
+            experts_of_block[owners[0]].extend(_experts_as_dtensors(moe, ep_mesh))
+    if ep_mesh.size() > 1:
+        placement_result, experts_mesh_info = _fsdp_mesh_info(dp_mesh)
+    for block in blocks:
+        sharded = block
+        if compile_backend is not None:
+            sharded = torch.compile(sharded, backend=compile_backend, fullgraph=True)
+        if activation_checkpoint:
+            # Around the compiled block, as torchtitan checkpoints its MoE blocks.
+            sharded = checkpoint_wrapper(sharded)
+        model.set_submodule(names[block], sharded)
+        experts = set(experts_of_block[block])
+        placement = None
+        if experts:
+            def placement(param, experts=experts):
+                if param not in experts:
+                    return None
+                # FSDP pads dim 0 where it has fewer rows than shards: torchtitan's choice.
+                dim = 1 if dp_mesh.size() > param.to_local().shape[0] else 0
+                return placement_result(Shard(dim), experts_mesh_info)
+        fsdp_block = fully_shard(sharded, mesh=all_ranks, shard_placement_fn=placement,
+                                 **fsdp_options)
+        # The experts' reduce-scatter runs over dp_shard, and would divide by its size.
+        fsdp_block.set_gradient_divide_factor(all_ranks.size())
+        if dp_mesh.size() > 1 and dist.get_backend(dp_mesh.get_group()) == "gloo":
+            # Another factor than the group's size takes NCCL's PREMUL_SUM, which gloo
+            # lacks: sum, then divide. (A group of one rank reduces nothing, and divides
+            # by the factor once more after the sum's own division: not there.)
+            fsdp_block.set_force_sum_reduction_for_comms(True)
+    fully_shard(model, mesh=all_ranks, **fsdp_options)
+    return model
