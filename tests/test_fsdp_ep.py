@@ -108,4 +108,7 @@ def test_fsdp2_with_expert_parallelism_on_cpu(tmp_path):
 @pytest.mark.multigpu
 def test_fsdp2_with_expert_parallelism_on_gpus(tmp_path):
     skip_without_gpus(WORLD_SIZE)
+    common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    if not hasattr(common, "ShardPlacementResult"):
+        pytest.skip(f"parallelize_moe needs torch >= 2.13, got {torch.__version__}")
     run_on_ranks(WORLD_SIZE, _run_cases, "cuda", "inductor", str(tmp_path), backend="nccl")
