@@ -131,8 +131,8 @@ CONFIG_CASES = {
                               "max_tokens_per_rank must be None when ep_size == 1, got 4"),
     "ep_capacity_above_worst_case": (
         lambda: config(ep_size=2, max_tokens_per_rank=4, ep_capacity=100),
-        ("ep_capacity must be <= the worst case max_tokens_per_rank * min(top_k, experts per "
-        "rank) (8), or None for it, got 100")),
+        ("ep_capacity must be <= the worst case max_tokens_per_rank * top_k (8), or None "
+         "for it, got 100")),
     "module_input_H_mismatch": (lambda: tmo.MoE(config())(torch.randn(2, 3, H + 1)),
                                 "x.shape[-1] must equal hidden_size (8), got shape (2, 3, 9)"),
     "module_input_dtype_mismatch": (
