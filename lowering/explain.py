@@ -4,20 +4,24 @@ layer of ``model``, and why.
 It compiles ``model`` with a backend that records each graph's layer plans
 (`plan.layer_plans`) and the dispatch dtype the lowering resolves, then runs the graph
 eagerly: one forward of ``model`` on ``example_inputs`` (with expert parallelism every
-rank calls it, as every rank runs each forward).
+rank calls it, as every rank runs each forward). A ``torch.compile``d model is planned
+with its own backend's spec, and traced as the module it wraps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch import fx
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.lowering.compile import MoECompileBackend, moe_backend
 from torch_moe_ops.lowering.plan import LayerPlan
-from torch_moe_ops.lowering.rewrite import generic_op, layer_plans, lower
+from torch_moe_ops.lowering.rewrite import expert_parallel, generic_op, layer_plans, lower
 
 
 def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype,
@@ -60,9 +64,9 @@ class LayerReport:
                  + (f" ({p.num_local_experts} per rank), ep_size={p.ep_size}"
                     if (p.ep_size or 1) > 1 else "")
                  + f", H={p.hidden_size}, I={p.intermediate_size}, K={p.top_k}")
-        lines = [f"MoE layer on {plan.device}, {p.dtype}, {shape}, "
-                 f"{'training' if p.training else 'inference'}"
-                 + (f", quantized {p.quant.name}" if p.quant is not None else "")]
+        lines = [f"MoE layer on {plan.device}, {p.dtype}, {shape}"
+                 + (f", quantized {p.quant.name}" if p.quant is not None else ""),
+                 _GRADIENTS[bool(p.training)]]
         if self.route is not None:
             lines.append(f"  route:   {self.route.route.name}" + _refused(self.route))
         lines.append(f"  experts: {plan.experts.name}" + _refused(plan))
@@ -76,18 +80,33 @@ class LayerReport:
         return "\n".join(lines)
 
 
+# Whether a layer plans for training is whether autograd records its gradients, which
+# `eval()` does not change: it says so, and how to plan for inference.
+_GRADIENTS = {
+    True: ("  gradients: recorded (grad mode is on, and eval() leaves it on), so it plans for "
+           "training; under torch.no_grad() or torch.inference_mode() it plans for inference"),
+    False: ("  gradients: not recorded (torch.no_grad(), torch.inference_mode(), or no weight "
+            "or input requires grad), so it plans for inference"),
+}
+
+
 def _refused(plan: LayerPlan) -> str:
     refused = [f"{name}: {reason}" for kind, name, reason in plan.refused]
     return f"   (not taken: {'; '.join(refused)})" if refused else ""
 
 
 class Explanation(list):
-    """`explain`'s answer: a list of `LayerReport` that prints one block per layer."""
+    """`explain`'s answer: a list of `LayerReport` that prints what the plans are of
+    (``source``: the backend asked for, or the compiled model's own), then one block per
+    layer."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
 
     def __str__(self) -> str:
-        if not self:
-            return "no MoE layer was traced"
-        return "\n".join(str(report) for report in self)
+        layers = [str(report) for report in self] or ["no MoE layer was traced"]
+        return "\n".join([self.source, *layers])
 
 
 # The op each layer emits once: its experts on one device, its dispatch across ranks.
@@ -115,24 +134,96 @@ def _reports(gm: fx.GraphModule, spec: BackendSpec) -> list[LayerReport]:
     return found
 
 
-def explain(model: torch.nn.Module, *example_inputs, experts: str = "auto", a2a: str = "none",
-            route: str = "auto", dispatch_dtype: torch.dtype | None = None,
-            chunks: int | None = None, **kwargs) -> Explanation:
+def _spec_arguments(spec: BackendSpec) -> str:
+    """``spec`` as the keyword arguments of ``tmo.backend`` that give it."""
+    return ", ".join(f"{field.name}={getattr(spec, field.name)!r}"
+                     for field in dataclasses.fields(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What `explain` traces (``module``) and plans with (``spec``), and the words for it
+    (``says``); ``eager_backend``: the name of the model's backend where it leaves the MoE
+    ops to their eager kernels, which ``spec`` gives for layers on one device alone."""
+
+    module: torch.nn.Module
+    spec: BackendSpec
+    says: str
+    eager_backend: str | None = None
+
+
+def _source(model: torch.nn.Module, asked: dict) -> _Source:
+    """The plans' source for ``model`` and the keywords given to `explain` (``asked``): the
+    backend they ask for, or a compiled model's own, which they must agree with."""
+    compiled = torch_compat.compiled_module(model)
+    if compiled is None:
+        spec = BackendSpec(**asked)
+        return _Source(model, spec, f"planned for tmo.backend({_spec_arguments(spec)})")
+    module, backend, name = compiled
+    defaults = BackendSpec()
+    if isinstance(backend, MoECompileBackend):
+        source = _Source(module, backend.spec, f"compiled with tmo.backend("
+                                               f"{_spec_arguments(backend.spec)}): what it runs")
+    elif backend is moe_backend:
+        source = _Source(module, defaults,
+                         f"compiled with backend='moe', tmo.backend()'s automatic choice "
+                         f"({_spec_arguments(defaults)}): what it runs")
+    else:
+        source = _Source(module, defaults,
+                         f"compiled with {name}, which leaves the MoE ops to their eager "
+                         "kernels: they run tmo.backend()'s defaults "
+                         f"({_spec_arguments(defaults)})", eager_backend=name)
+    disagree = {key: value for key, value in asked.items()
+                if value != getattr(source.spec, key)}
+    if disagree:
+        given = ", ".join(f"{key}={value!r}" for key, value in disagree.items())
+        own = ", ".join(f"{key}={getattr(source.spec, key)!r}" for key in disagree)
+        raise ValueError(f"model is compiled with {name}, which runs {own}; explain got {given}: "
+                         "a compiled model is explained as it runs. Leave those keywords out, "
+                         "or pass the uncompiled module to plan other backends")
+    return source
+
+
+def explain(model: torch.nn.Module, *example_inputs, experts: str | None = None,
+            a2a: str | None = None, route: str | None = None,
+            dispatch_dtype: torch.dtype | None = None, chunks: int | None = None,
+            **kwargs) -> Explanation:
     """Per MoE layer of ``model`` called on ``example_inputs``: the plan the compile backend
     ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=..., chunks=...)`` makes
     (backends, the ``auto`` candidates it refused and why, the format between dispatch and
     combine, the chunks its tokens move in and why, the dispatch dtype and the bytes each
-    rank sends per call). Runs one forward (every
-    rank of an expert-parallel model must call it); prints as one block per layer.
-    ``kwargs`` go to ``model`` too. Raises ValueError where the compile backend would.
+    rank sends per call). A keyword left out (None) takes ``tmo.backend``'s default.
+
+    A ``torch.compile``d ``model`` is explained as it runs: with its backend's spec where
+    that is ``tmo.backend(...)`` or ``"moe"``; with another backend (Inductor, ``eager``)
+    the MoE ops run their eager kernels, whose defaults it plans (one device only: an
+    expert-parallel layer's eager kernels are not a plan, and raise ValueError). Keywords
+    given with a compiled model must agree with its backend (ValueError naming both).
+
+    A layer plans for training where autograd records its gradients (grad mode on, which
+    ``eval()`` does not change), and takes backends and formats with a backward; under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` it plans for inference.
+
+    Runs one forward (every rank of an expert-parallel model must call it); prints what the
+    plans are of, then one block per layer. ``kwargs`` go to ``model`` too. Raises
+    ValueError where the compile backend would.
     """
-    spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route,
-                       chunks=chunks)
-    found = Explanation()
+    asked = {key: value for key, value in (("experts", experts), ("a2a", a2a), ("route", route),
+                                           ("dispatch_dtype", dispatch_dtype),
+                                           ("chunks", chunks)) if value is not None}
+    source = _source(model, asked)
+    found = Explanation(source.says)
 
     def recording(gm: fx.GraphModule, _example_inputs):
-        found.extend(_reports(gm, spec))
+        if source.eager_backend is not None and expert_parallel(gm):
+            raise torch_compat.backend_error(
+                f"model is compiled with {source.eager_backend}, which leaves an "
+                "expert-parallel layer to its eager kernels: they move its tokens on "
+                "a2a='all_to_all' in the rows format, whole, which explain does not plan. "
+                "Explain the uncompiled module with a2a=..., or compile the model with "
+                "tmo.backend(a2a=...)", inspect.currentframe())
+        found.extend(_reports(gm, source.spec))
         return gm.forward
 
-    torch.compile(model, backend=recording, fullgraph=False)(*example_inputs, **kwargs)
+    torch.compile(source.module, backend=recording, fullgraph=False)(*example_inputs, **kwargs)
     return found

@@ -181,6 +181,29 @@ def test_lookup_backend_runs_a_graph(name):
     assert torch.equal(y, x * 2 + 1)
 
 
+def test_compiled_module_gives_the_module_and_its_backend():
+    module = torch.nn.Linear(2, 2)
+
+    def my_backend(gm, example_inputs):
+        return gm.forward
+
+    assert torch_compat.compiled_module(module) is None
+    original, backend, name = torch_compat.compiled_module(
+        torch.compile(module, backend=my_backend))
+    assert (original, backend, name) == (module, my_backend, "my_backend")
+    # Mode and options stay with torch.compile's wrapper; the backend is as given.
+    _, backend, _ = torch_compat.compiled_module(
+        torch.compile(module, backend=my_backend, options={"an option": 1}))
+    assert backend is my_backend
+    _, backend, name = torch_compat.compiled_module(torch.compile(module, backend="eager"))
+    assert (backend, name) == (torch_compat.lookup_backend("eager"), "eager")
+    _, backend, name = torch_compat.compiled_module(torch.compile(module))
+    assert name == "inductor" and callable(backend)
+    # A backend handed to Dynamo directly, with no torch.compile wrapper around it.
+    _, backend, _ = torch_compat.compiled_module(torch._dynamo.optimize(my_backend)(module))
+    assert backend is my_backend
+
+
 def test_tensor_version_counts_in_place_writes():
     t = torch.zeros(2)
     before = torch_compat.tensor_version(t)

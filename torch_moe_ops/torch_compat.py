@@ -20,6 +20,7 @@ OpOverloadPacket         2.11, 2.13  test_op_overload_and_packet_classes
 backend_error            2.11, 2.13  test_backend_error_reaches_the_caller_unwrapped
 below_autograd           2.11, 2.13  test_below_autograd_skips_the_autograd_kernels
 c10d_functional          2.11, 2.13  test_functional_collectives_take_the_group_by_name
+compiled_module          2.11, 2.13  test_compiled_module_gives_the_module_and_its_backend
 grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
 has_scaled_grouped_mm    2.11, 2.13  test_scaled_grouped_mm_signature_and_output
 inductor_compiler        2.11, 2.13  test_inductor_compiler_applies_mode_and_options
@@ -52,6 +53,7 @@ runs them, tests/test_torch_compat.py and the import tests included):
   sm90 alone, so on the CPU a stand-in checked by torch's meta kernel takes its place.
 - backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
   version" tests of tests/test_flashinfer_experts.py.
+- lowering/explain.py (compiled_module): tests/test_explain.py.
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
   lowering/compile.py (inductor_compiler, lookup_backend, backend_error):
   graph_tests/test_compile.py.
@@ -72,10 +74,10 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 TESTED_ON = ("2.11", "2.13")
 
 __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode", "OpOverload",
-           "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional", "grouped_mm",
-           "has_scaled_grouped_mm", "inductor_compiler", "lookup_backend", "packet_name",
-           "profiler_enabled", "register_ordered_effect", "resolve_process_group",
-           "scaled_grouped_mm", "schema", "tensor_version"]
+           "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional",
+           "compiled_module", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
+           "lookup_backend", "packet_name", "profiler_enabled", "register_ordered_effect",
+           "resolve_process_group", "scaled_grouped_mm", "schema", "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
@@ -138,6 +140,32 @@ def inductor_compiler(mode: str | None, options: dict):
     runs it: a ``(graph_module, example_inputs) -> callable`` that applies ``mode``
     (``"reduce-overhead"``: CUDA graphs) as well as ``options``."""
     return torch._TorchCompileInductorWrapper(mode, options, None)
+
+
+def compiled_module(module: torch.nn.Module):
+    """``(original, backend, name)`` for a module ``torch.compile`` returned (an
+    ``OptimizedModule``): the module it wraps, the backend its graphs are compiled with, as
+    ``torch.compile`` was given it (the object or function passed; for a name, the function
+    registered under it; Inductor's compiler for the default), and that backend's name (as
+    ``torch.compile`` names it: the string passed, else a function's name or an object's
+    repr). None for any other module.
+
+    The backend sits at the end of a chain of Dynamo's wrappers around the module's frame
+    callback, each holding the next in ``_torchdynamo_orig_backend``; ``torch.compile``
+    wraps every backend but Inductor in a ``_TorchCompileWrapper`` of its ``mode`` and
+    ``options``. Imported when called: importing ``torch._dynamo`` imports triton."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(module, OptimizedModule):
+        return None
+    backend = module.dynamo_ctx.callback
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    if isinstance(backend, torch._TorchCompileWrapper):
+        return module._orig_mod, backend.compiler_fn, backend.compiler_name
+    if isinstance(backend, torch._TorchCompileInductorWrapper):
+        return module._orig_mod, backend, "inductor"
+    return module._orig_mod, backend, getattr(backend, "__name__", repr(backend))
 
 
 def lookup_backend(name: str):
