@@ -8,10 +8,15 @@ then takes its namespace from that plan. `torch_moe_ops.explain` prints the same
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
-from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
+from torch_moe_ops.backends.dispatch_dtype import (
+    DispatchDtype,
+    DispatchSides,
+    resolve_dispatch_dtype,
+)
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     CONSUMER_OPS,
@@ -40,7 +45,8 @@ class LayerPlan:
     ``route`` is set for a routing op's plan, ``experts`` and ``a2a`` for the ops that carry
     activations; ``format`` is the format between dispatch and combine (`registry.FORMATS`,
     None on one device) and ``format_reason`` why it was taken; ``chunks`` the chunks its
-    tokens move in (`choose_chunks`) and ``chunks_reason`` why; ``refused`` lists each
+    tokens move in (`choose_chunks`) and ``chunks_reason`` why; ``dispatch`` the dtype its
+    tokens travel in and the rule that chose it (None for routing); ``refused`` lists each
     ``(kind, name, reason)`` of the ``"auto"`` candidates that could not run the layer.
     """
 
@@ -54,6 +60,7 @@ class LayerPlan:
     refused: tuple[tuple[str, str, str], ...] = ()
     chunks: int = 1
     chunks_reason: str = ""
+    dispatch: DispatchDtype | None = None
 
     def namespace_for(self, op_name: str) -> str:
         """The namespace whose op runs ``moe::<op_name>`` in this layer."""
@@ -84,13 +91,33 @@ _MERITS = {"masked": "the transport's decode layout, read where it arrives (no c
            "tokens": "the format that moves the fewest bytes"}
 
 
-def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem) -> bool:
+def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem,
+                          dispatch_dtype: torch.dtype | None = None) -> bool:
     """Whether a quantized layer's rows would cross in fp8 between these backends (the
-    dispatch dtype rule with no explicit choice): the a2a sends fp8 rows, the experts read
-    them. Else its tokens cross in the activations' dtype whatever the format."""
-    chosen = resolve_dispatch_dtype(problem.dtype, None, problem.quant,
-                                    DispatchSides.of(a2a, experts))
+    dispatch dtype rule, ``dispatch_dtype`` its explicit choice): the a2a sends fp8 rows, the
+    experts read them. Else its tokens cross in the activations' dtype whatever the format.
+    A probe: an explicit choice that cannot be met warns once, when the plan resolves it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = resolve_dispatch_dtype(problem.dtype, dispatch_dtype, problem.quant,
+                                        DispatchSides.of(a2a, experts))
     return chosen.dtype != problem.dtype
+
+
+def dispatch_sides(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem, fmt: str
+                   ) -> DispatchSides:
+    """What a layer's two ends can do in ``fmt``: rows travel in fp8 where the a2a sends
+    quantized rows (`DispatchSides.of`); the masked format where its namespace sends quantized
+    blocks (`QUANT_FORMAT_OPS`); tokens never (they cross in the activations' dtype)."""
+    sides = DispatchSides.of(a2a, experts)
+    if fmt == "rows":
+        return sides
+    quant_dispatch = QUANT_FORMAT_OPS.get(fmt, (None,))[0]
+    namespace = a2a.namespace_of(fmt, bool(problem.training))
+    return dataclasses.replace(
+        sides, a2a_name=f"a2a backend {a2a.name!r} in the {fmt} format",
+        sends_quantized=(problem.quant is not None and quant_dispatch is not None
+                         and defines(namespace, quant_dispatch)))
 
 
 def experts_op(fmt: str, quantized: bool) -> str:
@@ -115,12 +142,13 @@ def _capacity_reason(problem: Problem) -> str | None:
             "rows a peer")
 
 
-def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
-                  ) -> tuple[str, str]:
+def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem,
+                  dispatch_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; the
     formats passed over, and why, are in ``why``. A quantized layer takes the format's
     quantized experts op (`experts_op`), and rows before tokens where its rows cross in
-    fp8 (half the bytes of tokens in the activations' dtype)."""
+    fp8 (half the bytes of tokens in the activations' dtype; ``dispatch_dtype``, the spec's
+    explicit choice, may say they do not)."""
     quantized = problem.quant is not None
     skipped = []
     # Formats the transport does not produce are not listed: they were never candidates.
@@ -128,7 +156,7 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem
         if fmt != "rows" and (why := _capacity_reason(problem)):
             skipped.append(f"{fmt} {why}")
         elif (quantized and fmt == "tokens" and "rows" in a2a.formats
-                and rows_travel_quantized(a2a, experts, problem)):
+                and rows_travel_quantized(a2a, experts, problem, dispatch_dtype)):
             skipped.append("rows travel in fp8 with their scales, tokens in the activations' "
                            "dtype")
         elif not defines(experts.namespace, experts_op(fmt, quantized)):
@@ -207,12 +235,24 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
     refused = _refusals("experts", REGISTRY.experts, spec, problem, device, experts.name)
     a2a = REGISTRY.choose_a2a(spec, problem, device)
     if (problem.ep_size or 1) < 2:
-        return LayerPlan(device, problem, experts=experts, a2a=a2a, refused=tuple(refused))
-    fmt, why = choose_format(a2a, experts, problem)
+        # Rows sorted on one device (a2a 'none'), where a graph has a dispatch at all: most
+        # one-device layers have none, so an explicit choice that cannot be met goes unsaid.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dispatch = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype,
+                                              problem.quant, DispatchSides.of(a2a, experts))
+        return LayerPlan(device, problem, experts=experts, a2a=a2a, refused=tuple(refused),
+                         dispatch=dispatch)
+    fmt, why = choose_format(a2a, experts, problem, spec.dispatch_dtype)
     trainer = a2a.namespace_of(fmt, bool(problem.training))
     if trainer != a2a.namespace:
         why += (f"; it trains through {trainer}'s ops, which copy the receive buffers out of "
                 f"the transport's memory for the gradient")
     chunks, chunks_reason = choose_chunks(spec, a2a, problem, fmt)
+    # Once per layer, here: the rewrite and `explain` read it (an impossible explicit choice
+    # warns once, naming both).
+    dispatch = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, problem.quant,
+                                      dispatch_sides(a2a, experts, problem, fmt))
     return LayerPlan(device, problem, experts=experts, a2a=a2a, format=fmt, format_reason=why,
-                     refused=tuple(refused), chunks=chunks, chunks_reason=chunks_reason)
+                     refused=tuple(refused), chunks=chunks, chunks_reason=chunks_reason,
+                     dispatch=dispatch)

@@ -1,8 +1,8 @@
 """Rewrite generic ``moe::*`` nodes of an FX graph to concrete backend ops.
 
 Each generic op becomes the chosen backend's op of the same name, with one
-exception, decided per layer by the dispatch dtype rule
-(`torch_moe_ops.backends.dispatch_dtype`): where a quantized layer's rows
+exception, decided per layer by its plan's dispatch dtype (`plan.LayerPlan.dispatch`, the
+rule of `torch_moe_ops.backends.dispatch_dtype`): where a quantized layer's rows
 travel in fp8, ``moe::dispatch -> moe::experts_rows_quant(x_rows, None, ...)``
 becomes the a2a backend's ``dispatch_quant`` (quantize each token, send fp8
 rows and their scales) feeding ``experts_rows_quant(x_rows, x_scale, ...,
@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from torch_moe_ops import torch_compat
-from torch_moe_ops.backends.dispatch_dtype import DispatchSides, resolve_dispatch_dtype
+from torch_moe_ops.backends.dispatch_dtype import DispatchDtype
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
@@ -49,7 +49,7 @@ from torch_moe_ops.lowering.graph_values import fake_value, meta_key
 from torch_moe_ops.lowering.overlap import lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, experts_op, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
-from torch_moe_ops.ops.library import defines, full_args, op_overload
+from torch_moe_ops.ops.library import full_args, op_overload
 
 # The ops that carry a layer's activations: they decide (and must agree on) its backends.
 ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
@@ -160,7 +160,7 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
             plan.a2a.prepare(plan.format, *_example_args(node)[:7])
-    chains = _lower_chains(gm, plans, spec)
+    chains = _lower_chains(gm, plans)
     changed = bool(chains)
     for node, plan in plans.items():
         if node in chains:
@@ -169,17 +169,16 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
         namespace = plan.namespace_for(name)
         changed = True
         if name == "dispatch":
-            readers = _quantized_readers(node)
-            sides = DispatchSides.of(plan.a2a, plan.experts)
-            if readers is None:
-                sides = dataclasses.replace(sides, experts_quantized_rows=())
             # Per layer, in the node: no process state, so models may differ.
-            chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype,
-                                            plan.problem.quant, sides)
-            node.meta["moe_dispatch_dtype"] = chosen
-            if chosen.dtype != plan.problem.dtype:
-                _send_quantized(gm, node, readers, namespace, plan.problem)
-                continue
+            node.meta["moe_dispatch_dtype"] = plan.dispatch
+            if plan.dispatch.dtype != plan.problem.dtype:
+                readers = _quantized_readers(node)
+                if readers is not None:
+                    _send_quantized(gm, node, readers, namespace, plan.problem)
+                    continue
+                # A graph of the user's own, not the plan: its fp8 rows would reach ops
+                # that read the activation dtype.
+                node.meta["moe_dispatch_dtype"] = DispatchDtype(plan.problem.dtype, _ROWS_READ)
         packet = getattr(getattr(torch.ops, namespace), name)
         node.target = packet.default if isinstance(node.target, torch_compat.OpOverload) else packet
     if changed:
@@ -223,8 +222,7 @@ def _retarget(node: fx.Node, op: torch_compat.OpOverload, args: tuple) -> None:
         node.meta[meta_key(node)] = op(*values)
 
 
-def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
-                  spec: BackendSpec) -> set[fx.Node]:
+def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx.Node]:
     """Lower each layer whose plan takes the tokens or the masked format as that format's
     chain; returns the generic nodes that took the chain's ops."""
     lowered: set[fx.Node] = set()
@@ -244,18 +242,11 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan],
         # The namespace that moves this layer (a layer that trains may take another).
         namespace = plan.namespace_for(dispatch_op)
         # A format with a quantized dispatch of its own (`QUANT_FORMAT_OPS`: masked) sends its
-        # blocks in fp8 where that dispatch and its experts meet (`dispatch_dtype`); tokens
-        # travel in the activations' dtype, and the rule says so where fp8 was asked for.
-        quant_dispatch = (QUANT_FORMAT_OPS[plan.format][0]
-                          if quant is not None and plan.format in QUANT_FORMAT_OPS else None)
-        sides = DispatchSides.of(plan.a2a, plan.experts)
-        if quant_dispatch is not None:
-            sides = dataclasses.replace(
-                sides, sends_quantized=defines(namespace, quant_dispatch))
-        chosen = resolve_dispatch_dtype(plan.problem.dtype, spec.dispatch_dtype, quant, sides)
-        fp8 = chosen.dtype != plan.problem.dtype
+        # blocks in fp8 where the plan says so (`plan.dispatch_sides`); tokens never do.
+        fp8 = plan.dispatch.dtype != plan.problem.dtype
+        quant_dispatch = QUANT_FORMAT_OPS[plan.format][0] if fp8 else None
         quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()
-        dispatch.meta["moe_dispatch_dtype"] = chosen
+        dispatch.meta["moe_dispatch_dtype"] = plan.dispatch
         lowered |= {dispatch, experts, combine}
         # The experts' arguments after the format's inputs: the weights, the activation.
         weight_args = tuple(_schema_args(experts)[3:] if quant is None
@@ -330,6 +321,11 @@ def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:
                 return None
             readers.append(reader)
     return readers or None
+
+
+# Why a dispatch whose plan sends fp8 rows sends them unquantized after all.
+_ROWS_READ = ("x_rows reach ops besides moe::experts_rows_quant, which read the activation "
+              "dtype: unquantized")
 
 
 def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node],

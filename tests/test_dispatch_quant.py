@@ -211,19 +211,27 @@ def test_explicit_fp8_for_experts_that_quantize_inside_warns_once(experts_quanti
     assert len(caught) == 1
     message = str(caught[0].message)
     assert "torch.float8_e4m3fn (dispatch_dtype argument)" in message
-    assert "experts backend 'reference' quantizes its rows itself" in message
+    # The plan took tokens (the experts read no fp8 rows), which cross unquantized.
+    assert "a2a backend 'all_to_all' in the tokens format cannot send fp8 rows" in message
     assert chosen == DispatchDtype(torch.bfloat16, DEFAULT_RULE)
     assert moe_op_sequence(gm) == _tokens_sequence("moe_all_to_all")
 
 
-@pytest.mark.parametrize("spec, graph", [
-    ({"dispatch_dtype": torch.bfloat16}, {}),
-    ({}, {"read_rows_elsewhere": True}),
-], ids=["explicit_bf16", "rows_read_elsewhere"])
-def test_lowering_keeps_unquantized_rows(spec, graph):
-    gm, chosen = _lowered(_layer_graph(W8A8_TOKEN, **graph), a2a="all_to_all", **spec)
-    assert chosen.dtype == torch.bfloat16
+def test_lowering_keeps_unquantized_rows_read_elsewhere():
+    gm, chosen = _lowered(_layer_graph(W8A8_TOKEN, read_rows_elsewhere=True), a2a="all_to_all")
+    assert chosen.dtype == torch.bfloat16 and "x_rows reach ops besides" in chosen.rule
     assert moe_op_sequence(gm) == _unquantized_sequence("moe_all_to_all")
+
+
+def test_explicit_bf16_takes_the_format_that_then_runs():
+    # Unquantized, a quantized layer's tokens move fewer bytes than its rows: the plan
+    # takes tokens once the explicit dtype says nothing crosses in fp8.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm, chosen = _lowered(_layer_graph(W8A8_TOKEN), a2a="all_to_all",
+                              dispatch_dtype=torch.bfloat16)
+    assert chosen == DispatchDtype(torch.bfloat16, "dispatch_dtype argument")
+    assert moe_op_sequence(gm) == _tokens_sequence("moe_all_to_all")
 
 
 def test_weight_only_layer_dispatches_unquantized_tokens():

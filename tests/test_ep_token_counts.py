@@ -104,8 +104,9 @@ def _torch_distributed_cases(rank, world_size):
     for a2a in ("all_to_all", "allgather"):
         for dynamic in DYNAMIC:
             _run_steps(rank, single, sharded, H, a2a, dynamic, torch.float32, train=True)
-    # Chunked transfers cut windows out of the tokens: their ops too, under every mode.
-    for dynamic in DYNAMIC:
+    # Chunked transfers cut windows out of the tokens: their ops too, under every mode (on
+    # 2 ranks: the windows are each rank's own).
+    for dynamic in DYNAMIC if world_size == 2 else ():
         _run_steps(rank, single, sharded, H, "all_to_all", dynamic, torch.float32,
                    train=False, chunks=2)
 

@@ -53,7 +53,6 @@ activation dtype, as without quantization.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from torch_moe_ops.backends.common.kernels.rows import (
     block_of,
@@ -211,15 +210,17 @@ def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, grou
 def dispatch_tokens_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
                           group_name, max_tokens_per_rank, chunk, num_chunks):
     collectives.rank_in(group_name, ep_size)
-    tokens = tokens_in_flight.window(chunk, max_tokens_per_rank)
-    ids_WK = topk_ids_TK[tokens]
+    window = (chunk, max_tokens_per_rank, num_chunks)
+    ids_WK = tokens_in_flight.window_rows(topk_ids_TK, *window, fill=-1)
     _, token_of_position_N = send_positions(ids_WK, num_experts, ep_size, max_tokens_per_rank)
 
     def send(values_WX):
         return _to_positions(values_WX, token_of_position_N, group_name, ep_size,
                              collectives.start_all_to_all)
 
-    return send(hidden_TH[tokens]), send(routing_columns(ids_WK, topk_weights_TK[tokens]))
+    return (send(tokens_in_flight.window_rows(hidden_TH, *window)),
+            send(routing_columns(ids_WK, tokens_in_flight.window_rows(topk_weights_TK,
+                                                                      *window))))
 
 
 def combine_tokens_start(y_NH, topk_ids_TK, num_experts, ep_size, group_name,
@@ -230,11 +231,12 @@ def combine_tokens_start(y_NH, topk_ids_TK, num_experts, ep_size, group_name,
 
 def combine_tokens_finish(returned_NH, topk_ids_TK, num_experts, ep_size, group_name,
                           max_tokens_per_rank, chunk, num_chunks):
-    ids_WK = topk_ids_TK[tokens_in_flight.window(chunk, max_tokens_per_rank)]
+    # M rows whatever the window holds (past T, ids -1: zeros): the chunks' outputs stack to
+    # the layer's.
+    ids_WK = tokens_in_flight.window_rows(topk_ids_TK, chunk, max_tokens_per_rank, num_chunks,
+                                          fill=-1)
     send_position_WP, _ = send_positions(ids_WK, num_experts, ep_size, max_tokens_per_rank)
-    summed_WH = sum_slots(returned_NH, send_position_WP)
-    # M rows whatever the window holds: the chunks' outputs stack to the layer's.
-    return F.pad(summed_WH, (0, 0, 0, max_tokens_per_rank - summed_WH.shape[0]))
+    return sum_slots(returned_NH, send_position_WP)
 
 
 KERNELS = {"dispatch": dispatch, "combine": combine,

@@ -179,14 +179,15 @@ def combine_tokens_backward(grad_out_TH, topk_ids_TK, num_experts, ep_size, grou
 def dispatch_tokens_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
                           group_name, max_tokens_per_rank, chunk, num_chunks):
     collectives.rank_in(group_name, ep_size)
-    tokens = tokens_in_flight.window(chunk, max_tokens_per_rank)
+    window = (chunk, max_tokens_per_rank, num_chunks)
 
     def send(values_WX):
         return _gather_padded(values_WX, max_tokens_per_rank, 0, group_name, ep_size,
                               collectives.start_all_gather)
 
-    return (send(hidden_TH[tokens]),
-            send(routing_columns(topk_ids_TK[tokens], topk_weights_TK[tokens])))
+    return (send(tokens_in_flight.window_rows(hidden_TH, *window)),
+            send(routing_columns(tokens_in_flight.window_rows(topk_ids_TK, *window, fill=-1),
+                                 tokens_in_flight.window_rows(topk_weights_TK, *window))))
 
 
 def combine_tokens_start(y_NH, topk_ids_TK, num_experts, ep_size, group_name,

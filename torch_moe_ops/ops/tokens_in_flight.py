@@ -28,6 +28,7 @@ window's tokens zero. These ops carry no gradient: chunking serves inference.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from torch_moe_ops.ops import checks, rows, tokens
 from torch_moe_ops.ops.library import OpContract
@@ -44,9 +45,15 @@ COMBINE_FINISH_SCHEMA = (f"(Tensor returned, Tensor topk_ids, int num_experts, {
                          f"{CHUNK_ARGS}) -> Tensor")
 
 
-def window(chunk: int, max_tokens_per_rank: int) -> slice:
-    """The tokens of chunk ``chunk``: ``[chunk * M, (chunk + 1) * M)``."""
-    return slice(chunk * max_tokens_per_rank, (chunk + 1) * max_tokens_per_rank)
+def window_rows(values_TX: torch.Tensor, chunk: int, max_tokens_per_rank: int,
+                num_chunks: int, fill: float = 0) -> torch.Tensor:
+    """``[M, ...]``: chunk ``chunk``'s rows of ``values``, ``[chunk * M, (chunk + 1) * M)``,
+    past T filled with ``fill`` (-1 for ids: no expert). Sliced from ``values`` padded to
+    ``C * M`` rows, a size that does not depend on T: a window of a symbolic token count cut
+    straight would guard T against its bounds and specialize it."""
+    padding = num_chunks * max_tokens_per_rank - values_TX.shape[0]
+    padded = F.pad(values_TX, (0, 0) * (values_TX.dim() - 1) + (0, padding), value=fill)
+    return padded[chunk * max_tokens_per_rank:(chunk + 1) * max_tokens_per_rank]
 
 
 def _check_chunk(chunk, num_chunks) -> None:
