@@ -23,6 +23,7 @@ TESTS=(
   tests/test_grouped_mm_quant.py
   tests/test_flashinfer_experts.py::test_weights_are_prepared_once_per_version
   tests/test_flashinfer_experts.py::test_mxfp4_is_prepared_once_per_version
+  tests/test_fsdp_ep.py::test_fsdp2_with_expert_parallelism_on_cpu
   graph_tests/test_compile.py
   graph_tests/test_decompose.py
 )

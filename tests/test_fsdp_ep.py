@@ -100,7 +100,16 @@ def _run_cases(rank, world_size, device_type, inner, path):
             _check_checkpoint(rank, model, name, device, path)
 
 
+def _skip_before_torch_2_13() -> None:
+    """parallelize_moe shards the experts over another mesh than their FSDP group's,
+    which FSDP2 does from torch 2.13 on (torch_compat.fsdp_shard_placement)."""
+    common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    if not hasattr(common, "ShardPlacementResult"):
+        pytest.skip(f"parallelize_moe needs torch >= 2.13, got {torch.__version__}")
+
+
 def test_fsdp2_with_expert_parallelism_on_cpu(tmp_path):
+    _skip_before_torch_2_13()
     # Gloo runs FSDP2's collectives and the experts' all-to-all; aot_eager compiles fast.
     run_on_ranks(WORLD_SIZE, _run_cases, "cpu", "aot_eager", str(tmp_path))
 
@@ -108,7 +117,5 @@ def test_fsdp2_with_expert_parallelism_on_cpu(tmp_path):
 @pytest.mark.multigpu
 def test_fsdp2_with_expert_parallelism_on_gpus(tmp_path):
     skip_without_gpus(WORLD_SIZE)
-    common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
-    if not hasattr(common, "ShardPlacementResult"):
-        pytest.skip(f"parallelize_moe needs torch >= 2.13, got {torch.__version__}")
+    _skip_before_torch_2_13()
     run_on_ranks(WORLD_SIZE, _run_cases, "cuda", "inductor", str(tmp_path), backend="nccl")

@@ -10,30 +10,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from torch_moe_ops.layer import MoE
 from torch_moe_ops.routed_experts import EXPERT_TENSORS
+from torch_moe_ops.torch_compat import checkpoint_wrapper, flatten_mesh, fsdp_shard_placement
 
 MESH_DIMS = ("dp_shard", "ep")
-
-
-def _fsdp_mesh_info(mesh: DeviceMesh):
-    """FSDP2's description of a 1-D shard mesh, for parameters of a group that shard over
-    another mesh than the group's (torch >= 2.13)."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            FSDPMeshInfo,
-            ShardPlacementResult,
-        )
-    except ImportError as error:
-        raise RuntimeError(f"parallelize_moe needs torch >= 2.13 (FSDP2 shards a group's "
-                           f"parameters over several meshes there), got {torch.__version__}"
-                           ) from error
-    return ShardPlacementResult, FSDPMeshInfo(mesh, shard_mesh_dim=0)
 
 
 def _check_moe(name: str, moe: MoE, ep_mesh: DeviceMesh) -> None:
@@ -114,7 +99,7 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, blocks=None,
         raise ValueError("activation_checkpoint and compile_backend do not go together "
                          "with mesh['ep'].size() > 1 yet: choose one")
     # Everything but the experts shards over every rank of the mesh.
-    all_ranks = mesh._flatten()
+    all_ranks = flatten_mesh(mesh)
     names = {module: name for name, module in model.named_modules()}
     moes = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
     if not moes:
@@ -136,7 +121,7 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, blocks=None,
         if ep_mesh.size() > 1:
             experts_of_block[owners[0]].extend(_experts_as_dtensors(moe, ep_mesh))
     if ep_mesh.size() > 1:
-        placement_result, experts_mesh_info = _fsdp_mesh_info(dp_mesh)
+        shard_over_dp = fsdp_shard_placement(dp_mesh)
     for block in blocks:
         sharded = block
         if compile_backend is not None:
@@ -153,7 +138,7 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, blocks=None,
                     return None
                 # FSDP pads dim 0 where it has fewer rows than shards: torchtitan's choice.
                 dim = 1 if dp_mesh.size() > param.to_local().shape[0] else 0
-                return placement_result(Shard(dim), experts_mesh_info)
+                return shard_over_dp(Shard(dim))
         fsdp_block = fully_shard(sharded, mesh=all_ranks, shard_placement_fn=placement,
                                  **fsdp_options)
         # The experts' reduce-scatter runs over dp_shard, and would divide by its size.

@@ -7,7 +7,9 @@ torch API (tests/test_torch_compat.py reads their code for one).
 
 Each entry has a test of its own in tests/test_torch_compat.py (it exists and
 behaves as relied upon), run on every torch in `TESTED_ON`; a test there asserts
-that this table names every entry of ``__all__``, and only tests that exist:
+that this table names every entry of ``__all__``, and only tests that exist.
+Where an entry is tested on fewer versions than `TESTED_ON`, its test skips on the
+others:
 
 =======================  ==========  =========================================================
 entry                    tested on   test (tests/test_torch_compat.py)
@@ -20,7 +22,10 @@ OpOverloadPacket         2.11, 2.13  test_op_overload_and_packet_classes
 backend_error            2.11, 2.13  test_backend_error_reaches_the_caller_unwrapped
 below_autograd           2.11, 2.13  test_below_autograd_skips_the_autograd_kernels
 c10d_functional          2.11, 2.13  test_functional_collectives_take_the_group_by_name
+checkpoint_wrapper       2.13        test_checkpoint_wrapper_recomputes_and_keeps_the_state_dict
 compiled_module          2.11, 2.13  test_compiled_module_gives_the_module_and_its_backend
+flatten_mesh             2.13        test_flatten_mesh_joins_the_dims
+fsdp_shard_placement     2.13        test_fsdp_shard_placement_shards_over_another_mesh
 grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
 has_scaled_grouped_mm    2.11, 2.13  test_scaled_grouped_mm_signature_and_output
 inductor_compiler        2.11, 2.13  test_inductor_compiler_applies_mode_and_options
@@ -57,6 +62,9 @@ runs them, tests/test_torch_compat.py and the import tests included):
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
   lowering/compile.py (inductor_compiler, lookup_backend, backend_error):
   graph_tests/test_compile.py.
+- parallel.py (checkpoint_wrapper, flatten_mesh, fsdp_shard_placement):
+  tests/test_fsdp_ep.py's CPU test, on torch 2.13 alone: an older FSDP2 lacks
+  fsdp_shard_placement, and that test skips there.
 
 Tested on means: torch 2.13.0+cpu, and torch 2.11.0 (the PyPI wheel, +cu130, the
 GPU machines' build, run on the CPU with Triton 3.6.0's interpreter). Triton
@@ -75,7 +83,8 @@ TESTED_ON = ("2.11", "2.13")
 
 __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode", "OpOverload",
            "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional",
-           "compiled_module", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
+           "checkpoint_wrapper", "compiled_module", "flatten_mesh",
+           "fsdp_shard_placement", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
            "lookup_backend", "packet_name", "profiler_enabled", "register_ordered_effect",
            "resolve_process_group", "scaled_grouped_mm", "schema", "tensor_version"]
 
@@ -133,6 +142,44 @@ def resolve_process_group(group_name: str):
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._resolve_process_group(group_name)
+
+
+def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with activation checkpointing (non-reentrant): its forward keeps its
+    inputs alone and runs again in the backward. The wrapper's state dict has the
+    module's keys (without the ``_checkpoint_wrapped_module.`` prefix of its own
+    parameters' names), so a checkpoint loads with or without it. Imported when called:
+    ``import torch_moe_ops`` leaves torch's checkpoint wrapper unimported."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module)
+
+
+def flatten_mesh(mesh):
+    """The 1-D ``DeviceMesh`` of every rank of ``mesh`` (a ``DeviceMesh`` with
+    ``mesh_dim_names``), in its row-major order, named by those names joined with
+    ``"_"``; its process group is made once, and a second call gives the same mesh."""
+    return mesh._flatten()
+
+
+def fsdp_shard_placement(mesh):
+    """For ``fully_shard``'s ``shard_placement_fn``: a function of a ``Shard(dim)`` that
+    gives FSDP2 the parameter sharded on ``dim`` over the 1-D ``mesh``, not over the mesh of
+    its ``fully_shard`` group. FSDP2 takes a parameter's own mesh from torch 2.13 on: on an
+    older torch this raises RuntimeError, before any module is sharded."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+    except ImportError as error:
+        raise RuntimeError(f"sharding a parameter over another mesh than its fully_shard "
+                           f"group's needs torch >= 2.13 (FSDP2 shards a group's parameters "
+                           f"over several meshes there), got {torch.__version__}") from error
+    mesh_info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    return lambda placement: ShardPlacementResult(placement, mesh_info)
 
 
 def inductor_compiler(mode: str | None, options: dict):
