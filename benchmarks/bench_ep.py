@@ -408,25 +408,25 @@ def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: i
            "tokens": tokens, "capacity": capacity,
            "worst_capacity": worst, "even_rows": tokens * sizes.top_k // run.world}
     try:
-        x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = dispatch(
+        x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = dispatch(
             hidden_TH, weights_TK, ids_TK, num_experts, *ep_args, capacity)
     except RuntimeError as error:
         # Raised on every rank alike: the routing does not fit the capacity.
         row["error"] = str(error).splitlines()[0]
         return row
-    out_TH = combine(x_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH = combine(x_RH, weight_R, src_R, combine_map_TK, *ep_args)
     expected_TH = hidden_TH.float() * weights_TK.sum(-1, keepdim=True)
     row["rel_err"] = ((out_TH.float() - expected_TH).norm() / expected_TH.norm()).item()
     row["rows_received"] = int(count_E.sum())
-    del x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK, out_TH, expected_TH
+    del x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK, out_TH, expected_TH
 
     sent = bytes_sent(a2a, run, sizes, tokens, capacity)
     row.update(bytes_sent=sent, check_in_graph=capacity == worst)
     if a2a in PAIRED_A2A_NAMES:
         def pair():
-            x_RH, _, weight_R, src_R, _, slot_map_TK = dispatch(
+            x_RH, _, weight_R, src_R, _, combine_map_TK = dispatch(
                 hidden_TH, weights_TK, ids_TK, num_experts, *ep_args, capacity)
-            return combine(x_RH, weight_R, src_R, slot_map_TK, *ep_args)
+            return combine(x_RH, weight_R, src_R, combine_map_TK, *ep_args)
 
         replay_pair, _ = run.capture(pair)
         (total_s,) = run.time([replay_pair])
@@ -437,8 +437,8 @@ def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: i
     with skip_check:
         replay_dispatch, dispatched = run.capture(lambda: dispatch(
             hidden_TH, weights_TK, ids_TK, num_experts, *ep_args, capacity))
-    x_RH, _, weight_R, src_R, _, slot_map_TK = dispatched
-    replay_combine, _ = run.capture(lambda: combine(x_RH, weight_R, src_R, slot_map_TK,
+    x_RH, _, weight_R, src_R, _, combine_map_TK = dispatched
+    replay_combine, _ = run.capture(lambda: combine(x_RH, weight_R, src_R, combine_map_TK,
                                                     *ep_args))
     dispatch_s, combine_s = run.time([replay_dispatch, replay_combine])
     row.update(dispatch_us=dispatch_s * 1e6, combine_us=combine_s * 1e6,

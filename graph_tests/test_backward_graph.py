@@ -46,11 +46,11 @@ def experts(hidden, weights, ids, w13, w2, b13, b2):
 
 
 def rows_chain(hidden, weights, ids, w13, w2, b13, b2):
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe.dispatch(
         hidden, weights, ids, w13.shape[0])
     y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, w13, w2, b13, b2, "silu", 1.702,
                                       7.0)
-    return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK)
+    return torch.ops.moe.combine(y_RH, weight_R, src_R, combine_map_TK)
 
 
 def grads_of(fn, leaves) -> list[torch.Tensor]:

@@ -54,7 +54,7 @@ def logits(num_experts=8):
 
 
 # T = 3 tokens, K = 2: each slot's row in 2 rows.
-SLOT_MAP_3x2 = torch.tensor([[0, -1], [1, -1], [-1, -1]], dtype=torch.int32)
+COMBINE_MAP_3x2 = torch.tensor([[0, -1], [1, -1], [-1, -1]], dtype=torch.int32)
 
 
 class ConcreteOps:
@@ -279,11 +279,11 @@ OP_CASES = {
             torch.randn(H), torch.tensor([0, 1], dtype=torch.int32),
             torch.zeros(E, dtype=torch.int32), *expert_args()[3:]),
         "x_rows must be 2-D, got shape (8,)"),
-    "combine_slot_map_1d": (
+    "combine_map_1d": (
         lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
                                 torch.tensor([0, 1], dtype=torch.int32),
                                 torch.tensor([0, 1, -1], dtype=torch.int32)),
-        "slot_map must be 2-D, got shape (3,)"),
+        "combine_map must be 2-D, got shape (3,)"),
     "experts_rows_expert_at_num_experts": (
         lambda ops: ops.experts_rows(
             torch.randn(2, H), torch.tensor([0, 4], dtype=torch.int32),
@@ -301,16 +301,16 @@ OP_CASES = {
         "count_experts.shape[0] must equal w13.shape[0] (E) (4), got shape (5,)"),
     "combine_src_past_slots": (
         lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
-                                torch.tensor([0, 6], dtype=torch.int32), SLOT_MAP_3x2),
+                                torch.tensor([0, 6], dtype=torch.int32), COMBINE_MAP_3x2),
         "src_rows must hold -1 (skip) or slot indices in [0, 6), got 6"),
-    "combine_slot_map_past_rows": (
+    "combine_map_past_rows": (
         lambda ops: ops.combine(torch.randn(2, H), torch.ones(2),
                                 torch.tensor([0, 1], dtype=torch.int32),
                                 torch.tensor([[0, 1], [2, -1], [-1, -1]], dtype=torch.int32)),
-        "slot_map must hold -1 (skip) or row indices in [0, 2), got 2"),
+        "combine_map must hold -1 (skip) or row indices in [0, 2), got 2"),
     "combine_bf16_weights": (
         lambda ops: ops.combine(torch.randn(2, H), torch.ones(2, dtype=torch.bfloat16),
-                                torch.tensor([0, 1], dtype=torch.int32), SLOT_MAP_3x2),
+                                torch.tensor([0, 1], dtype=torch.int32), COMBINE_MAP_3x2),
         "weight_rows must have dtype in (float32), got bfloat16"),
     "backward_grad_out_shape": (
         lambda ops: ops.experts_backward(torch.randn(T + 1, H), *expert_args()),

@@ -103,7 +103,7 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
                                               *(w[local] for w in full))
     capacity = max_tokens * min(top_k, num_local) - capacity_drop
     ep_args = (world_size, group, max_tokens)
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_deepep.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe_deepep.dispatch(
         hidden_TH, weights_TK, ids_NK[mine], num_experts, *ep_args, capacity)
     assert x_RH.shape == (world_size * capacity, H)
     offset = 0
@@ -112,7 +112,7 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
         offset += count
     assert (expert_R[offset:] == -1).all() and (src_R[offset:] == -1).all()
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
-    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     out_TH.backward(grad_NH[mine])
 
     assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,

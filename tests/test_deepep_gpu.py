@@ -131,11 +131,11 @@ def _rows_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens, capacity)
     """``moe_deepep::dispatch -> moe_reference::experts_rows -> moe_deepep::combine``:
     the output and the rows' experts and counts."""
     ep_args = (_world(), dist.group.WORLD.group_name, max_tokens)
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_deepep.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe_deepep.dispatch(
         hidden_TH, weights_TK, ids_TK, E, *ep_args, capacity)
     assert x_RH.shape == (_world() * capacity, H)
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
-    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     return out_TH, expert_R, count_E
 
 

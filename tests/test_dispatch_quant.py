@@ -127,14 +127,14 @@ def _layer_graph(spec: QuantSpec, dtype=torch.bfloat16, read_rows_elsewhere=Fals
     ep_args = (WORLD_SIZE, "ep", MAX_TOKENS)
 
     def layer(x_TH, weights_TK, ids_TK, w13, w2, w13_scale, w2_scale):
-        x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+        x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe.dispatch(
             x_TH, weights_TK, ids_TK, E, *ep_args, MAX_TOKENS * K)
         y_RH = torch.ops.moe.experts_rows_quant(
             x_RH, None, expert_R, count_E, w13, w2, w13_scale, w2_scale, None, None,
             spec.weights, spec.activations, spec.block_list, *STATIC)
         if read_rows_elsewhere:
             y_RH = y_RH + x_RH
-        return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+        return torch.ops.moe.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
 
     inputs = (torch.randn(3, H).to(dtype), torch.rand(3, K),
               torch.zeros(3, K, dtype=torch.int32), w13, w2, w13_scale, w2_scale)

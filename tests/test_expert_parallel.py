@@ -64,12 +64,12 @@ def _check_ops(rank, world_size, a2a, route, activation, capacity):
     hidden_TH, weights_TK, w13, w2, b13, b2 = ours
     ep_args = (world_size, dist.group.WORLD.group_name, MAX_TOKENS)
     namespace = A2A_NAMESPACES[a2a]
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = op_overload(namespace, "dispatch")(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = op_overload(namespace, "dispatch")(
         hidden_TH, weights_TK, ids_NK[mine], num_experts, *ep_args, capacity)
     assert x_RH.shape == (world_size * capacity, H)
     assert int(count_E.sum()) == int((expert_R >= 0).sum())
     y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, w13, w2, b13, b2, *static)
-    out_TH = op_overload(namespace, "combine")(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH = op_overload(namespace, "combine")(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     out_TH.backward(grad_NH[mine])
 
     def check(actual, expected):

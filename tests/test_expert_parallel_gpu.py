@@ -110,10 +110,10 @@ def _ep_args(max_tokens: int = MAX_TOKENS):
 def _chain(a2a, hidden_TH, weights_TK, ids_TK, expert_weights, capacity):
     """dispatch -> experts_rows -> combine on backend ``a2a``: ``[T, H]``."""
     namespace = REGISTRY.a2a[a2a].namespace
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = op_overload(namespace, "dispatch")(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = op_overload(namespace, "dispatch")(
         hidden_TH, weights_TK, ids_TK, E, *_ep_args(), capacity)
     y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_weights, *STATIC)
-    return op_overload(namespace, "combine")(y_RH, weight_R, src_R, slot_map_TK, *_ep_args())
+    return op_overload(namespace, "combine")(y_RH, weight_R, src_R, combine_map_TK, *_ep_args())
 
 
 def _worst_capacity() -> int:

@@ -136,11 +136,11 @@ def test_experts_gradient_of_skipped_slot_weight_is_zero(expert_inputs):
 
 def run_rows_path(inputs, activation="silu", alpha=1.702, limit=7.0):
     num_experts = inputs.w13_EFH.shape[0]
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, row_of_slot_TK = torch.ops.moe.dispatch(
         inputs.hidden_TH, inputs.topk_weights_TK, inputs.topk_ids_TK, num_experts)
     y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, inputs.w13_EFH, inputs.w2_EHI,
                                       inputs.b13_EF, inputs.b2_EH, activation, alpha, limit)
-    return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK)
+    return torch.ops.moe.combine(y_RH, weight_R, src_R, row_of_slot_TK)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -169,14 +169,14 @@ def test_dispatch_rows_grouped_by_expert(skip_fraction, ids_dtype, expert_inputs
     inputs = expert_inputs(num_tokens=11, num_experts=num_experts, top_k=3,
                            skip_fraction=skip_fraction, ids_dtype=ids_dtype)
     hidden_TH, weights_TK, ids_TK = inputs.hidden_TH, inputs.topk_weights_TK, inputs.topk_ids_TK
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, row_of_slot_TK = torch.ops.moe.dispatch(
         hidden_TH, weights_TK, ids_TK, num_experts)
 
     num_rows, top_k = ids_TK.numel(), ids_TK.shape[1]
     assert x_RH.shape == (num_rows, hidden_TH.shape[1])
     assert [t.shape for t in (expert_R, weight_R, src_R)] == [(num_rows,)] * 3
-    assert slot_map_TK.shape == ids_TK.shape
-    assert [t.dtype for t in (expert_R, weight_R, src_R, count_E, slot_map_TK)] == \
+    assert row_of_slot_TK.shape == ids_TK.shape
+    assert [t.dtype for t in (expert_R, weight_R, src_R, count_E, row_of_slot_TK)] == \
         [torch.int32, torch.float32, torch.int32, torch.int32, torch.int32]
 
     valid_ids = ids_TK[ids_TK >= 0].long()
@@ -198,7 +198,7 @@ def test_dispatch_rows_grouped_by_expert(skip_fraction, ids_dtype, expert_inputs
     assert (x_RH[skipped] == 0).all()
 
     # Each valid (slot, expert, weight) appears exactly once, with its token's row,
-    # and the slot map points each slot at its row.
+    # and the combine map points each slot at its row.
     got = sorted(zip(src_R[:num_valid].tolist(), expert_R[:num_valid].tolist(),
                      weight_R[:num_valid].tolist()))
     expected = sorted((t * top_k + k, int(ids_TK[t, k]), weights_TK[t, k].item())
@@ -206,9 +206,9 @@ def test_dispatch_rows_grouped_by_expert(skip_fraction, ids_dtype, expert_inputs
                       if ids_TK[t, k] >= 0)
     assert got == expected
     assert torch.equal(x_RH[:num_valid], hidden_TH[src_R[:num_valid].long() // top_k])
-    expected_slot_map = torch.full((num_rows,), -1, dtype=torch.int32)
-    expected_slot_map[src_R[:num_valid].long()] = torch.arange(num_valid, dtype=torch.int32)
-    assert torch.equal(slot_map_TK.reshape(-1), expected_slot_map)
+    expected_row_of_slot = torch.full((num_rows,), -1, dtype=torch.int32)
+    expected_row_of_slot[src_R[:num_valid].long()] = torch.arange(num_valid, dtype=torch.int32)
+    assert torch.equal(row_of_slot_TK.reshape(-1), expected_row_of_slot)
 
 
 def test_combine_adds_weighted_rows_into_tokens():
@@ -216,8 +216,8 @@ def test_combine_adds_weighted_rows_into_tokens():
     weight_R = torch.tensor([0.5, 2.0, 1.0, 9.0])
     # T = 3 tokens, K = 2: each row's slot (t * K + k) and each slot's row.
     src_R = torch.tensor([4, 0, 5, -1], dtype=torch.int32)
-    slot_map_TK = torch.tensor([[1, -1], [-1, -1], [0, 2]], dtype=torch.int32)
-    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK)
+    row_of_slot_TK = torch.tensor([[1, -1], [-1, -1], [0, 2]], dtype=torch.int32)
+    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, row_of_slot_TK)
     expected_TH = torch.tensor([[6.0, 8.0], [0.0, 0.0], [5.5, 7.0]])
     assert torch.equal(out_TH, expected_TH)
 

@@ -355,10 +355,10 @@ def test_double_backward_raises_naming_the_op(namespace, expert_inputs):
 def test_double_backward_through_dispatch_or_combine_raises(through, expert_inputs):
     inputs = expert_inputs(**{**SIZES, "skip_fraction": 0.2})
     hidden_TH, weights_TK = leaves_of((inputs.hidden_TH, inputs.topk_weights_TK))
-    x_RH, _, weight_R, src_R, _, slot_map_TK = torch.ops.moe.dispatch(
+    x_RH, _, weight_R, src_R, _, combine_map_TK = torch.ops.moe.dispatch(
         hidden_TH, weights_TK, inputs.topk_ids_TK, SIZES["num_experts"])
     y_RH = x_RH.square()
-    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK)
+    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, combine_map_TK)
     wrt = hidden_TH if through == "dispatch" else y_RH
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=FALLBACK_WARNING)

@@ -92,7 +92,7 @@ def _check_rows(rank, top_k, num_local, route, capacity_drop):
     args = (hidden_TH, weights_TK, ids_NK[mine], num_experts, *ep_args, capacity)
     dispatched = torch.ops.moe_flashinfer_a2a.dispatch(*args)
     _check_fake(torch.ops.moe_flashinfer_a2a.dispatch.default, args, dispatched)
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = dispatched
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = dispatched
     assert x_RH.shape == (WORLD * capacity, H)
     offset = 0
     for e, count in enumerate(count_E.tolist()):
@@ -102,7 +102,7 @@ def _check_rows(rank, top_k, num_local, route, capacity_drop):
         offset += count
     assert (expert_R[offset:] == -1).all() and (src_R[offset:] == -1).all()
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
-    out_TH = torch.ops.moe_flashinfer_a2a.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH = torch.ops.moe_flashinfer_a2a.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     out_TH.backward(grad_NH[mine])
     assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
                         local, check_bf16_out, check_bf16_grad)

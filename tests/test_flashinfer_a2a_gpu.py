@@ -120,10 +120,11 @@ def _ep_args():
 
 def _rows(hidden_TH, weights_TK, ids_TK, experts, capacity):
     """``moe_flashinfer_a2a::dispatch -> moe_reference::experts_rows -> ::combine``."""
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe_flashinfer_a2a.dispatch(
+    dispatch = torch.ops.moe_flashinfer_a2a.dispatch
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = dispatch(
         hidden_TH, weights_TK, ids_TK, E, *_ep_args(), capacity)
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
-    return torch.ops.moe_flashinfer_a2a.combine(y_RH, weight_R, src_R, slot_map_TK, *_ep_args())
+    return torch.ops.moe_flashinfer_a2a.combine(y_RH, weight_R, src_R, combine_map_TK, *_ep_args())
 
 
 def _tokens(hidden_TH, weights_TK, ids_TK, experts):

@@ -63,9 +63,9 @@ def test_dispatch_combine_keep_fp64_precision(generator):
     leaves = fp64_leaves(generator, bias=False)
     hidden_TH, weights_TK, ids_TK = (leaves[n].detach() for n in
                                      ("hidden", "topk_weights", "topk_ids"))
-    x_RH, _, weight_R, src_R, _, slot_map_TK = torch.ops.moe.dispatch(hidden_TH, weights_TK,
+    x_RH, _, weight_R, src_R, _, combine_map_TK = torch.ops.moe.dispatch(hidden_TH, weights_TK,
                                                                       ids_TK, E)
-    out_TH = torch.ops.moe.combine(x_RH, weight_R, src_R, slot_map_TK)
+    out_TH = torch.ops.moe.combine(x_RH, weight_R, src_R, combine_map_TK)
     assert out_TH.dtype == torch.float64
     # Each token's rows are its own hidden row: combine returns it times its kept weights.
     # The routing weights travel in fp32 by contract; the sum itself must stay fp64.

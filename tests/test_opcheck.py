@@ -46,16 +46,16 @@ SCHEMAS = {
     "dispatch": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
                 f"{EP_ARGS}, int capacity=0) -> "
                 "(Tensor x_rows, Tensor expert_rows, Tensor weight_rows, Tensor src_rows, "
-                "Tensor count_experts, Tensor slot_map)",
+                "Tensor count_experts, Tensor combine_map)",
     "experts_rows": "(Tensor x_rows, Tensor expert_rows, Tensor count_experts, "
                     f"{EXPERT_ARGS}) -> Tensor",
-    "combine": f"(Tensor y_rows, Tensor weight_rows, Tensor src_rows, Tensor slot_map, "
+    "combine": f"(Tensor y_rows, Tensor weight_rows, Tensor src_rows, Tensor combine_map, "
                f"{EP_ARGS}) -> Tensor",
     "dispatch_backward": "(Tensor grad_x_rows, Tensor grad_weight_rows, Tensor src_rows, "
-                         f"Tensor slot_map, {EP_ARGS}) -> "
+                         f"Tensor combine_map, {EP_ARGS}) -> "
                          "(Tensor grad_hidden, Tensor grad_topk_weights)",
     "combine_backward": "(Tensor grad_out, Tensor y_rows, Tensor weight_rows, Tensor src_rows, "
-                        f"Tensor slot_map, {EP_ARGS}) -> "
+                        f"Tensor combine_map, {EP_ARGS}) -> "
                         "(Tensor grad_y_rows, Tensor grad_weight_rows)",
     "experts_quant": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, Tensor w13, "
                      "Tensor w2, Tensor w13_scale, Tensor w2_scale, Tensor? b13, Tensor? b2, "
@@ -71,7 +71,7 @@ SCHEMAS = {
                       "str weight_format, str activation_format, int[] block_size, "
                       f"{EP_ARGS}, int capacity=0) -> "
                       "(Tensor x_rows, Tensor expert_rows, Tensor weight_rows, Tensor src_rows, "
-                      "Tensor count_experts, Tensor slot_map, Tensor x_scale)",
+                      "Tensor count_experts, Tensor combine_map, Tensor x_scale)",
     "dispatch_tokens": "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
                        f"{EP_ARGS}) -> (Tensor x_tokens, Tensor topk_weights_tokens, "
                        "Tensor topk_ids_tokens)",
@@ -301,12 +301,13 @@ def op_args(op_name: str, case: str, generator, expert_inputs, quant_inputs) -> 
         weight_R = torch.tensor([0.5, 1.0, 2.0, 0.0, 3.0, 0.0])
         # T = 3 tokens, K = 2: each row's slot, and each slot's row.
         src_R = torch.tensor([1, 0, 3, -1, 4, -1], dtype=torch.int32)
-        slot_map_TK = torch.tensor([[1, 0], [-1, 2], [4, -1]], dtype=torch.int32)
+        row_of_slot_TK = torch.tensor([[1, 0], [-1, 2], [4, -1]], dtype=torch.int32)
         if op_name == "dispatch_backward":
-            return rows_RH, weight_R, src_R, slot_map_TK
+            return rows_RH, weight_R, src_R, row_of_slot_TK
         if op_name == "combine_backward":
-            return torch.randn((3, H), generator=generator), rows_RH, weight_R, src_R, slot_map_TK
-        return rows_RH, weight_R, src_R, slot_map_TK
+            return (torch.randn((3, H), generator=generator), rows_RH, weight_R, src_R,
+                    row_of_slot_TK)
+        return rows_RH, weight_R, src_R, row_of_slot_TK
     args = expert_args(case, expert_inputs)
     hidden_TH, weights_TK, ids_TK, *expert_weights_and_static = args
     if op_name == "experts":
@@ -316,22 +317,22 @@ def op_args(op_name: str, case: str, generator, expert_inputs, quant_inputs) -> 
         return (grad_out_TH, *args)
     if op_name == "dispatch":
         return with_grad((hidden_TH, weights_TK, ids_TK, E))
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe.dispatch(
         hidden_TH, weights_TK, ids_TK, E)
     if case == "noncontiguous_hidden":
         x_RH = transposed_storage(x_RH)
     if op_name == "experts_rows":
         return with_grad((x_RH, expert_R, count_E, *expert_weights_and_static))
     if op_name == "dispatch_backward":
-        return x_RH, weight_R, src_R, slot_map_TK
+        return x_RH, weight_R, src_R, combine_map_TK
     y_RH = torch.randn(x_RH.shape, generator=generator).to(x_RH.dtype)
     if case == "noncontiguous_hidden":
         y_RH = transposed_storage(y_RH)
     if op_name == "combine_backward":
         grad_out_TH = torch.randn(hidden_TH.shape, generator=generator).to(hidden_TH.dtype)
-        return grad_out_TH, y_RH, weight_R, src_R, slot_map_TK
+        return grad_out_TH, y_RH, weight_R, src_R, combine_map_TK
     assert op_name == "combine"
-    return with_grad((y_RH, weight_R, src_R, slot_map_TK))
+    return with_grad((y_RH, weight_R, src_R, combine_map_TK))
 
 
 def case_names(op_name: str) -> list:

@@ -340,11 +340,11 @@ def _dispatch(inputs: QuantInputs):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_rows_path_matches_formula(name, namespace, quant_inputs):
     inputs = quant_inputs(SPECS[name], **SIZES, num_tokens=7, bias=True, skip_fraction=0.25)
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = _dispatch(inputs)
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = _dispatch(inputs)
     static = ("swiglu_oai", 1.702, 7.0)
     y_RH = op_overload(namespace, "experts_rows_quant")(x_RH, None, expert_R, count_E,
                                                         *inputs.weight_args(*static))
-    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK)
+    out_TH = torch.ops.moe.combine(y_RH, weight_R, src_R, combine_map_TK)
     f = inputs.float_inputs
     expected = quant_experts_formula(first_gemm_input(f.hidden_TH, inputs.spec),
                                      f.topk_weights_TK, f.topk_ids_TK, inputs, static)

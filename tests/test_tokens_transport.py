@@ -105,11 +105,11 @@ def _check_rows_keep_repeated_ids(rank, world_size, a2a):
     ep_args = (world_size, dist.group.WORLD.group_name, MAX_TOKENS)
     capacity = worst_case_capacity(MAX_TOKENS, K)
     namespace = NAMESPACES[a2a]
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = op_overload(namespace, "dispatch")(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = op_overload(namespace, "dispatch")(
         hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *ep_args, capacity)
     y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E,
                                       *(w[local] for w in experts.values()), *STATIC)
-    out_TH = op_overload(namespace, "combine")(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    out_TH = op_overload(namespace, "combine")(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     _check(out_TH, ref_NH[mine].detach())
 
 

@@ -76,10 +76,10 @@ def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
         experts_op = torch.ops.moe.experts if cfg.quant is None else torch.ops.moe.experts_quant
         return experts_op(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
     ep_args = (cfg.ep_size, ep_group_name, cfg.max_tokens_per_rank)
-    x_RH, expert_R, weight_R, src_R, count_E, slot_map_TK = torch.ops.moe.dispatch(
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe.dispatch(
         x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args, cfg.rows_per_rank)
     if cfg.quant is None:
         y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
     else:
         y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E, *expert_args)
-    return torch.ops.moe.combine(y_RH, weight_R, src_R, slot_map_TK, *ep_args)
+    return torch.ops.moe.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)

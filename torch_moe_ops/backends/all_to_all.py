@@ -36,7 +36,7 @@ a CUDA graph with no host sync. The receiver sorts what it got by local expert
 into the rows format; ``src_R`` is where each row was received. Combine
 weights the rows, puts each back at its receive position and sends the blocks
 back the same way; the sender sums each token's K returned rows in slot order
-(``slot_map_TK``: each slot's send position).
+(``send_position_TK``, the ops' ``combine_map``: each slot's send position, -1: skipped).
 
 ``C`` defaults to the worst case, ``max_tokens_per_rank * K`` (a token may choose one
 expert in several slots), which cannot overflow. A smaller ``ep_capacity`` moves fewer
@@ -81,7 +81,7 @@ NAMESPACE = "moe_all_to_all"
 
 
 def _send_positions(topk_ids_TK, num_experts, ep_size, capacity):
-    """Each slot's send position (``slot_map_TK``, -1: skipped) and each send
+    """Each slot's send position (``send_position_TK``, -1: skipped) and each send
     position's slot (``slot_of_pos_Q``, -1: padding); and the rows each rank gets."""
     num_slots, num_positions = topk_ids_TK.numel(), ep_size * capacity
     order_S, sorted_ids_S, count_E = sort_rows(topk_ids_TK, num_experts)
@@ -92,8 +92,8 @@ def _send_positions(topk_ids_TK, num_experts, ep_size, capacity):
     kept_S = (sorted_ids_S >= 0) & (within_S < capacity)
     position_S = torch.where(kept_S, dest_S * capacity + within_S, -1)
     slot_of_pos_Q = scatter_index(order_S, position_S, num_positions)
-    slot_map_S = scatter_index(position_S, order_S, num_slots)
-    return slot_map_S.view(topk_ids_TK.shape).to(torch.int32), slot_of_pos_Q, count_P
+    send_position_S = scatter_index(position_S, order_S, num_slots)
+    return send_position_S.view(topk_ids_TK.shape).to(torch.int32), slot_of_pos_Q, count_P
 
 
 def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
@@ -101,8 +101,8 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     top_k = topk_ids_TK.shape[1]
     num_local = num_experts // ep_size
     collectives.rank_in(group_name, ep_size)
-    slot_map_TK, slot_of_pos_Q, count_P = _send_positions(topk_ids_TK, num_experts, ep_size,
-                                                          capacity)
+    send_position_TK, slot_of_pos_Q, count_P = _send_positions(topk_ids_TK, num_experts,
+                                                               ep_size, capacity)
     if capacity < worst_case_capacity(max_tokens_per_rank, top_k):
         collectives.check_capacity(count_P, capacity, group_name,
                                    "a rank sends another more rows than the capacity")
@@ -121,7 +121,7 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     src_R = order_R.masked_fill(skip_R, -1).to(torch.int32)
     return (gather_rows(recv_x_QH, src_R), expert_R.to(torch.int32),
             gather_rows(recv_weight_Q.unsqueeze(1), src_R)[:, 0], src_R, count_E.clone(),
-            slot_map_TK)
+            send_position_TK)
 
 
 def _send_back(rows_RX, src_R, group_name, ep_size):
@@ -134,31 +134,32 @@ def _send_back(rows_RX, src_R, group_name, ep_size):
     return collectives.all_to_all(gather_rows(rows_RX, row_of_pos_Q), group_name, ep_size)
 
 
-def _slot_of_position(slot_map_TK, num_positions):
-    slots_S = torch.arange(slot_map_TK.numel(), device=slot_map_TK.device)
-    return scatter_index(slots_S, slot_map_TK.reshape(-1), num_positions)
+def _slot_of_position(send_position_TK, num_positions):
+    slots_S = torch.arange(send_position_TK.numel(), device=send_position_TK.device)
+    return scatter_index(slots_S, send_position_TK.reshape(-1), num_positions)
 
 
-def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
+def combine(y_RH, weight_R, src_R, send_position_TK, ep_size, group_name, max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
     returned_QH = _send_back(weighted_rows(y_RH, weight_R, src_R), src_R, group_name, ep_size)
-    return sum_slots(returned_QH, slot_map_TK)
+    return sum_slots(returned_QH, send_position_TK)
 
 
-def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, send_position_TK, ep_size, group_name,
                       max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
     returned_QH = _send_back(grad_x_RH, src_R, group_name, ep_size)
     returned_Q1 = _send_back(grad_weight_R.unsqueeze(1), src_R, group_name, ep_size)
-    grad_topk_weights_S1 = gather_rows(returned_Q1, slot_map_TK.reshape(-1))
-    return sum_slots(returned_QH, slot_map_TK), grad_topk_weights_S1.view(slot_map_TK.shape)
+    grad_topk_weights_S1 = gather_rows(returned_Q1, send_position_TK.reshape(-1))
+    return (sum_slots(returned_QH, send_position_TK),
+            grad_topk_weights_S1.view(send_position_TK.shape))
 
 
-def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, send_position_TK, ep_size, group_name,
                      max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    slot_of_pos_Q = _slot_of_position(slot_map_TK, y_RH.shape[0])
-    token_Q = block_of(slot_of_pos_Q, slot_map_TK.shape[1])
+    slot_of_pos_Q = _slot_of_position(send_position_TK, y_RH.shape[0])
+    token_Q = block_of(slot_of_pos_Q, send_position_TK.shape[1])
     recv_grad_QH = collectives.all_to_all(gather_rows(grad_out_TH, token_Q), group_name,
                                           ep_size)
     return combine_grads(gather_rows(recv_grad_QH, src_R), y_RH, weight_R, src_R)

@@ -28,8 +28,8 @@ the worst case, where dispatch checks on every rank (one all-reduce and a host
 read) that no rank takes more than ``C`` rows from one rank, and raises on all
 of them if one does.
 
-Results come back summed per token, not per row: ``slot_map_TK`` only carries
-T here (every entry is -1).
+Results come back summed per token, not per row: ``placeholder_TK`` (the ops'
+``combine_map``) only carries T and K here (every entry is -1).
 
 fp8 dispatch (``dispatch_quant``): tokens are quantized before the all-gather
 and gathered as rows of bytes, values and scales together
@@ -102,9 +102,9 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
     src_R = order_R.masked_fill(expert_R < 0, -1).to(torch.int32)
     x_RH = gather_rows(hidden_GH, block_of(src_R, top_k))
     weight_R = gather_rows(weights_GK.reshape(-1, 1), src_R)[:, 0]
-    slot_map_TK = torch.full(tuple(topk_ids_TK.shape), -1, dtype=torch.int32,
-                             device=topk_ids_TK.device)
-    return x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), slot_map_TK
+    placeholder_TK = torch.full(tuple(topk_ids_TK.shape), -1, dtype=torch.int32,
+                                device=topk_ids_TK.device)
+    return x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), placeholder_TK
 
 
 def _sum_gathered_slots(rows_RH, src_R, ep_size, max_tokens, top_k):
@@ -114,18 +114,18 @@ def _sum_gathered_slots(rows_RH, src_R, ep_size, max_tokens, top_k):
     return summed.to(rows_RH.dtype)
 
 
-def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
+def combine(y_RH, weight_R, src_R, placeholder_TK, ep_size, group_name, max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = placeholder_TK.shape
     summed_GH = _sum_gathered_slots(weighted_rows(y_RH, weight_R, src_R), src_R, ep_size,
                                     max_tokens_per_rank, top_k)
     return _scatter_home(summed_GH, num_tokens, group_name, ep_size)
 
 
-def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, placeholder_TK, ep_size, group_name,
                       max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = placeholder_TK.shape
     summed_GH = _sum_gathered_slots(grad_x_RH, src_R, ep_size, max_tokens_per_rank, top_k)
     grad_weights_GK = scatter_rows(grad_weight_R.unsqueeze(1), src_R,
                                    ep_size * max_tokens_per_rank * top_k).view(-1, top_k)
@@ -133,10 +133,10 @@ def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, gro
             _scatter_home(grad_weights_GK, num_tokens, group_name, ep_size))
 
 
-def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, placeholder_TK, ep_size, group_name,
                      max_tokens_per_rank):
     collectives.rank_in(group_name, ep_size)
-    top_k = slot_map_TK.shape[1]
+    top_k = placeholder_TK.shape[1]
     grad_GH = _gather_padded(grad_out_TH, max_tokens_per_rank, 0.0, group_name, ep_size)
     grad_RH = gather_rows(grad_GH, block_of(src_R, top_k))
     return combine_grads(grad_RH, y_RH, weight_R, src_R)

@@ -6,8 +6,9 @@ Legend: T tokens, H hidden size, K experts per token, E experts, S = R = T * K
 Dispatch sorts the slots by expert with a stable sort (`common.kernels.sorting`), so
 rows of one expert keep token order and the result is deterministic; skipped
 slots (id -1) sort last, as rows of zeros. ``src_R`` is each row's slot
-(``t * K + k``) and ``slot_map_TK`` each slot's row; combine sums each token's
-weighted rows in slot order. Everything is sized by T and K alone: no host sync.
+(``t * K + k``) and ``row_of_slot_TK`` (the ops' ``combine_map``) each slot's row (-1:
+skipped); combine sums each token's weighted rows in slot order. Everything is sized by
+T and K alone: no host sync.
 ``dispatch_quant`` sorts rows quantized to fp8 (`common.transport.quantized_dispatch`).
 """
 
@@ -47,24 +48,25 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, *_):
     weight_R = topk_weights_TK.reshape(-1)[order_R].float().masked_fill(skip_R, 0.0)
     row_of_slot_S = torch.empty_like(order_R)
     row_of_slot_S[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-    slot_map_TK = row_of_slot_S.masked_fill(topk_ids_TK.reshape(-1) < 0, -1)
+    row_of_slot_TK = row_of_slot_S.masked_fill(topk_ids_TK.reshape(-1) < 0, -1).to(
+        torch.int32).view(num_tokens, top_k)
     return (x_RH, sorted_ids_R.to(torch.int32), weight_R, src_R, count_E.clone(),
-            slot_map_TK.to(torch.int32).view(num_tokens, top_k))
+            row_of_slot_TK)
 
 
-def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, *_):
+def combine(y_RH, weight_R, src_R, row_of_slot_TK, ep_size, *_):
     _one_device(ep_size)
-    return sum_slots(weighted_rows(y_RH, weight_R, src_R), slot_map_TK)
+    return sum_slots(weighted_rows(y_RH, weight_R, src_R), row_of_slot_TK)
 
 
-def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, *_):
-    grad_topk_weights_TK = gather_rows(grad_weight_R.unsqueeze(1), slot_map_TK.reshape(-1))
-    return (sum_slots(grad_x_RH, slot_map_TK),
-            grad_topk_weights_TK.view(slot_map_TK.shape))
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, row_of_slot_TK, *_):
+    grad_topk_weights_TK = gather_rows(grad_weight_R.unsqueeze(1), row_of_slot_TK.reshape(-1))
+    return (sum_slots(grad_x_RH, row_of_slot_TK),
+            grad_topk_weights_TK.view(row_of_slot_TK.shape))
 
 
-def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, *_):
-    token_R = block_of(src_R, slot_map_TK.shape[1])
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, row_of_slot_TK, *_):
+    token_R = block_of(src_R, row_of_slot_TK.shape[1])
     return combine_grads(gather_rows(grad_out_TH, token_R), y_RH, weight_R, src_R)
 
 

@@ -6,7 +6,7 @@ R rows (as ``moe::dispatch`` has them), G activation scale groups per row
 
     spec = QuantSpec(weight_format, activation_format, block_size or None)
     q_TH, scale = quant.quantize_activations(hidden, spec)      # each token once, here
-    x_rows, expert_rows, weight_rows, src_rows, count_experts, slot_map =
+    x_rows, expert_rows, weight_rows, src_rows, count_experts, combine_map =
         dispatch(q_TH with its scales, topk_weights, topk_ids, ...)
     x_scale[r] = scale[token of row r]     # [R] (fp8_token) or [R, G] (fp8_group), fp32
 
@@ -43,7 +43,7 @@ FP8_ACTIVATION_FORMATS = ("fp8_token", "fp8_group")
 SCHEMA = ("(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
           f"str weight_format, str activation_format, int[] block_size, {rows.EP_ARGS}, "
           "int capacity=0) -> (Tensor x_rows, Tensor expert_rows, Tensor weight_rows, "
-          "Tensor src_rows, Tensor count_experts, Tensor slot_map, Tensor x_scale)")
+          "Tensor src_rows, Tensor count_experts, Tensor combine_map, Tensor x_scale)")
 
 
 def scale_shape(spec: QuantSpec, num_rows: int, hidden_size: int) -> tuple[int, ...]:

@@ -16,14 +16,24 @@ and ``moe::combine`` sends ``weight_R * y_RH`` back and sums each token's rows:
 
     combine(experts_rows(dispatch(h, w, ids)...), ...) == experts(h, w, ids)
 
-``src_R`` says where a row's result goes back to and ``slot_map_TK`` where each
-of this rank's (token, slot) pairs comes back from; both are the a2a backend's
-own bookkeeping, passed from its dispatch to its combine as tensors so that it
-survives tracing and CUDA-graph capture. All three ops are differentiable; the
-gradients of dispatch and combine run on the same transport as their forward
-(``dispatch_backward``, ``combine_backward`` of the backend that ran forward),
-that of experts_rows on the experts backend that ran it where it has one
-(`experts.backward_namespace`).
+``src_R`` says where a row's result goes back to and ``combine_map_TK`` what
+combine needs to bring each of this rank's (token, slot) pairs home; both are the
+a2a backend's own bookkeeping, passed from its dispatch to its combine as tensors
+so that it survives tracing and CUDA-graph capture. What ``combine_map`` holds is
+the backend's, each naming it in its own module (-1 marks a skipped slot):
+
+    none                  row_of_slot_TK: each slot's row
+    all_to_all            send_position_TK: each slot's send position
+    allgather, deepep     placeholder_TK: all -1, combine reads its shape (T, K)
+      normal mode         alone (results come back summed per token)
+    deepep low-latency    expert_id_TK: each slot's global expert id
+    flashinfer            rank_of_slot_TK: the rank that holds each slot's expert
+
+On one device (``ep_size == 1``) combine checks that its values are rows or -1.
+All three ops are differentiable; the gradients of dispatch and combine run on the
+same transport as their forward (``dispatch_backward``, ``combine_backward`` of the
+backend that ran forward), that of experts_rows on the experts backend that ran it
+where it has one (`experts.backward_namespace`).
 
 With ``ep_size > 1``, ``group_name`` names the expert-parallel process group
 (``ProcessGroup.group_name``, as torch's functional collectives take it) and
@@ -49,16 +59,16 @@ EP_ARGS = "int ep_size=1, str group_name=\"\", int max_tokens_per_rank=0"
 DISPATCH_SCHEMA = (f"(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int num_experts, "
                    f"{EP_ARGS}, int capacity=0) -> "
                    "(Tensor x_rows, Tensor expert_rows, Tensor weight_rows, Tensor src_rows, "
-                   "Tensor count_experts, Tensor slot_map)")
+                   "Tensor count_experts, Tensor combine_map)")
 EXPERTS_ROWS_SCHEMA = (f"(Tensor x_rows, Tensor expert_rows, Tensor count_experts, "
                        f"{EXPERT_ARGS}) -> Tensor")
-COMBINE_SCHEMA = (f"(Tensor y_rows, Tensor weight_rows, Tensor src_rows, Tensor slot_map, "
+COMBINE_SCHEMA = (f"(Tensor y_rows, Tensor weight_rows, Tensor src_rows, Tensor combine_map, "
                   f"{EP_ARGS}) -> Tensor")
 DISPATCH_BACKWARD_SCHEMA = (f"(Tensor grad_x_rows, Tensor grad_weight_rows, Tensor src_rows, "
-                            f"Tensor slot_map, {EP_ARGS}) -> "
+                            f"Tensor combine_map, {EP_ARGS}) -> "
                             "(Tensor grad_hidden, Tensor grad_topk_weights)")
 COMBINE_BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor y_rows, Tensor weight_rows, "
-                           f"Tensor src_rows, Tensor slot_map, {EP_ARGS}) -> "
+                           f"Tensor src_rows, Tensor combine_map, {EP_ARGS}) -> "
                            "(Tensor grad_y_rows, Tensor grad_weight_rows)")
 
 
@@ -139,51 +149,52 @@ def fake_experts_rows(x_RH, *_):
     return torch.empty_like(x_RH, memory_format=torch.contiguous_format)
 
 
-def check_rows_metadata(y_RH, weight_R, src_R, slot_map_TK) -> None:
+def check_rows_metadata(y_RH, weight_R, src_R, combine_map_TK) -> None:
     checks.check_tensor("weight_rows", weight_R, 1, (torch.float32,))
     checks.check_tensor("src_rows", src_R, 1, (torch.int32,))
-    checks.check_tensor("slot_map", slot_map_TK, 2, (torch.int32,))
+    checks.check_tensor("combine_map", combine_map_TK, 2, (torch.int32,))
     checks.check_size("weight_rows", weight_R, 0, y_RH.shape[0], "y_rows.shape[0] (R)")
     checks.check_size("src_rows", src_R, 0, y_RH.shape[0], "y_rows.shape[0] (R)")
     checks.check_same_device("y_rows", y_RH, weight_rows=weight_R, src_rows=src_R,
-                             slot_map=slot_map_TK)
+                             combine_map=combine_map_TK)
 
 
-def check_combine(y_RH, weight_R, src_R, slot_map_TK, ep_size=1, group_name="",
+def check_combine(y_RH, weight_R, src_R, combine_map_TK, ep_size=1, group_name="",
                   max_tokens_per_rank=0) -> None:
     checks.check_tensor("y_rows", y_RH, 2, checks.OP_FLOAT_DTYPES)
-    check_rows_metadata(y_RH, weight_R, src_R, slot_map_TK)
+    check_rows_metadata(y_RH, weight_R, src_R, combine_map_TK)
     check_ep_args(ep_size, group_name, max_tokens_per_rank)
 
 
-def check_combine_values(y_RH, weight_R, src_R, slot_map_TK, ep_size=1, *_) -> None:
+def check_combine_values(y_RH, weight_R, src_R, combine_map_TK, ep_size=1, *_) -> None:
     if ep_size == 1:
-        num_slots = slot_map_TK.numel()
+        num_slots = combine_map_TK.numel()
         checks.check_ids_in_range("src_rows", src_R, num_slots, "slot indices")
-        checks.check_ids_in_range("slot_map", slot_map_TK, y_RH.shape[0], "row indices")
+        checks.check_ids_in_range("combine_map", combine_map_TK, y_RH.shape[0], "row indices")
 
 
-def fake_combine(y_RH, weight_R, src_R, slot_map_TK, *_):
-    return y_RH.new_empty((slot_map_TK.shape[0], y_RH.shape[1]))
+def fake_combine(y_RH, weight_R, src_R, combine_map_TK, *_):
+    return y_RH.new_empty((combine_map_TK.shape[0], y_RH.shape[1]))
 
 
-def check_dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size=1,
+def check_dispatch_backward(grad_x_RH, grad_weight_R, src_R, combine_map_TK, ep_size=1,
                             group_name="", max_tokens_per_rank=0) -> None:
     checks.check_tensor("grad_x_rows", grad_x_RH, 2, checks.OP_FLOAT_DTYPES)
-    check_rows_metadata(grad_x_RH, grad_weight_R, src_R, slot_map_TK)
+    check_rows_metadata(grad_x_RH, grad_weight_R, src_R, combine_map_TK)
     check_ep_args(ep_size, group_name, max_tokens_per_rank)
 
 
-def fake_dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, *_):
-    return (grad_x_RH.new_empty((slot_map_TK.shape[0], grad_x_RH.shape[1])),
-            grad_x_RH.new_empty(tuple(slot_map_TK.shape), dtype=torch.float32))
+def fake_dispatch_backward(grad_x_RH, grad_weight_R, src_R, combine_map_TK, *_):
+    return (grad_x_RH.new_empty((combine_map_TK.shape[0], grad_x_RH.shape[1])),
+            grad_x_RH.new_empty(tuple(combine_map_TK.shape), dtype=torch.float32))
 
 
-def check_combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size=1,
+def check_combine_backward(grad_out_TH, y_RH, weight_R, src_R, combine_map_TK, ep_size=1,
                            group_name="", max_tokens_per_rank=0) -> None:
     checks.check_tensor("grad_out", grad_out_TH, 2, checks.OP_FLOAT_DTYPES)
-    check_combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank)
-    checks.check_size("grad_out", grad_out_TH, 0, slot_map_TK.shape[0], "slot_map.shape[0] (T)")
+    check_combine(y_RH, weight_R, src_R, combine_map_TK, ep_size, group_name, max_tokens_per_rank)
+    checks.check_size("grad_out", grad_out_TH, 0, combine_map_TK.shape[0],
+                      "combine_map.shape[0] (T)")
 
 
 def fake_combine_backward(grad_out_TH, y_RH, *_):
@@ -193,18 +204,18 @@ def fake_combine_backward(grad_out_TH, y_RH, *_):
 
 def _setup_dispatch(ctx, inputs, output):
     hidden_TH, topk_weights_TK, _, _, *ep_args = inputs
-    _, _, _, src_R, _, slot_map_TK = output
-    ctx.save_for_backward(src_R, slot_map_TK)
+    _, _, _, src_R, _, combine_map_TK = output
+    ctx.save_for_backward(src_R, combine_map_TK)
     ctx.ep_args = ep_args[:3]
     ctx.dtypes = (hidden_TH.dtype, topk_weights_TK.dtype)
 
 
 def _dispatch_backward(ctx, grad_x_RH, _expert, grad_weight_R, *_):
-    src_R, slot_map_TK = ctx.saved_tensors
+    src_R, combine_map_TK = ctx.saved_tensors
     if grad_weight_R is None:
         grad_weight_R = grad_x_RH.new_zeros((grad_x_RH.shape[0],), dtype=torch.float32)
     grad_hidden_TH, grad_topk_weights_TK = op_overload(ctx.namespace, "dispatch_backward")(
-        grad_x_RH.contiguous(), grad_weight_R.float().contiguous(), src_R, slot_map_TK,
+        grad_x_RH.contiguous(), grad_weight_R.float().contiguous(), src_R, combine_map_TK,
         *ctx.ep_args)
     hidden_dtype, weights_dtype = ctx.dtypes
     return (grad_hidden_TH.to(hidden_dtype), grad_topk_weights_TK.to(weights_dtype),
@@ -212,15 +223,15 @@ def _dispatch_backward(ctx, grad_x_RH, _expert, grad_weight_R, *_):
 
 
 def _setup_combine(ctx, inputs, output):
-    y_RH, weight_R, src_R, slot_map_TK, *ep_args = inputs
-    ctx.save_for_backward(y_RH, weight_R, src_R, slot_map_TK)
+    y_RH, weight_R, src_R, combine_map_TK, *ep_args = inputs
+    ctx.save_for_backward(y_RH, weight_R, src_R, combine_map_TK)
     ctx.ep_args = ep_args
 
 
 def _combine_backward(ctx, grad_out_TH):
-    y_RH, weight_R, src_R, slot_map_TK = ctx.saved_tensors
+    y_RH, weight_R, src_R, combine_map_TK = ctx.saved_tensors
     grad_y_RH, grad_weight_R = op_overload(ctx.namespace, "combine_backward")(
-        grad_out_TH.contiguous(), y_RH, weight_R, src_R, slot_map_TK, *ctx.ep_args)
+        grad_out_TH.contiguous(), y_RH, weight_R, src_R, combine_map_TK, *ctx.ep_args)
     return grad_y_RH, grad_weight_R, None, None, None, None, None
 
 

@@ -7,13 +7,14 @@ DeepEP delivers ``[E_l, Q, H]`` plus a device-side count per expert; the rows of
 dispatch compacts them with one gather, ordered by (expert, key): the order does not
 depend on the order messages arrived in. DeepEP does not carry the routing weights, so
 dispatch all-gathers every rank's ids and weights (``[G, 2K]`` int32, small at decode
-sizes) and reads each row's weight there. ``src_R`` is ``e * Q + key`` and ``slot_map_TK``
-this rank's global expert ids: combine rebuilds DeepEP's handle (``src_info``,
-``layout_range``) from them. The gradient of dispatch is ``low_latency_combine`` plus one
-``all_to_all`` of ``[G, E_l]`` routing-weight gradients; the gradient of combine a second
-``low_latency_dispatch``, whose rows are matched by (expert, key). DeepEP's kernels
-alternate between two buffers; each captured dispatch/combine pair keeps that parity.
-Routing must give each token distinct experts (as top-k does).
+sizes) and reads each row's weight there. ``src_R`` is ``e * Q + key`` and ``expert_id_TK``
+(the ops' ``combine_map``) the global expert id of each of this rank's slots: combine
+rebuilds DeepEP's handle (``src_info``, ``layout_range``) from them. The gradient of
+dispatch is ``low_latency_combine`` plus one ``all_to_all`` of ``[G, E_l]`` routing-weight
+gradients; the gradient of combine a second ``low_latency_dispatch``, whose rows are
+matched by (expert, key). DeepEP's kernels alternate between two buffers; each captured
+dispatch/combine pair keeps that parity. Routing must give each token distinct experts
+(as top-k does).
 
 fp8: DeepEP quantizes inside ``low_latency_dispatch(use_fp8=True)``, with one scale per
 128 columns only, so ``fp8_group`` with ``block_size[1] == 128`` travels in fp8. Its cast,
@@ -140,9 +141,9 @@ def dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows, spec=None)
     row_weights_RK = row_routing_RX[:, top_k:].contiguous().view(torch.float32)
     chosen_RK = row_ids_RK == (comm.rank * num_local + expert_R).unsqueeze(1)
     weight_R = (row_weights_RK * chosen_RK).sum(1).masked_fill(src_R < 0, 0.0)
-    slot_map_TK = topk_ids_TK.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
+    expert_id_TK = topk_ids_TK.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     return (x_RH, expert_R.to(torch.int32), weight_R, src_R.to(torch.int32), count_E,
-            slot_map_TK, *scale)
+            expert_id_TK, *scale)
 
 
 def _handle(comm, src_R: torch.Tensor):
@@ -176,21 +177,21 @@ def _handle(comm, src_R: torch.Tensor):
     return handle, slot_R
 
 
-def combine(comm, rows_RH, src_R, slot_map_TK):
+def combine(comm, rows_RH, src_R, expert_id_TK):
     """``low_latency_combine`` of the rows: ``[T, H]``, each token's rows summed."""
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = expert_id_TK.shape
     handle, slot_R = _handle(comm, src_R)
     num_cells = comm.num_local_experts * comm.ep_size * comm.max_tokens_per_rank
     x_EQH = scatter_rows(rows_RH.to(DTYPE), slot_R, num_cells).view(
         comm.num_local_experts, -1, comm.hidden_size)
     ones_TK = torch.ones((num_tokens, top_k), dtype=torch.float32, device=rows_RH.device)
-    return send_back(comm, x_EQH, slot_map_TK, ones_TK, handle)
+    return send_back(comm, x_EQH, expert_id_TK, ones_TK, handle)
 
 
-def send_out(comm, grad_out_TH, src_R, slot_map_TK):
+def send_out(comm, grad_out_TH, src_R, expert_id_TK):
     """A second ``low_latency_dispatch``, of ``grad_out``: each row's token's gradient."""
     num_positions = comm.ep_size * comm.max_tokens_per_rank
-    recv_EQH, _, handle = send(comm, grad_out_TH.to(DTYPE), slot_map_TK)
+    recv_EQH, _, handle = send(comm, grad_out_TH.to(DTYPE), expert_id_TK)
     position_L = _position_of_cell(_keys(handle[0], handle[1], comm.max_tokens_per_rank),
                                       num_positions)
     position_R = gather_index(position_L, src_R)
@@ -199,9 +200,9 @@ def send_out(comm, grad_out_TH, src_R, slot_map_TK):
                        torch.where(position_R < 0, -1, expert_R * num_positions + position_R))
 
 
-def weight_grads(comm, grad_weight_R, src_R, slot_map_TK):
+def weight_grads(comm, grad_weight_R, src_R, expert_id_TK):
     """``[T, K]``: each row's routing-weight gradient back to its (token, slot)."""
-    num_tokens, _ = slot_map_TK.shape
+    num_tokens, _ = expert_id_TK.shape
     ep_size, max_tokens, num_local = comm.ep_size, comm.max_tokens_per_rank, comm.num_local_experts
     num_positions = ep_size * max_tokens
     cell_R = src_R.long()
@@ -213,6 +214,6 @@ def weight_grads(comm, grad_weight_R, src_R, slot_map_TK):
     mine_PME = collectives.all_to_all(per_key_GE, comm.group_name, ep_size)
     mine_ME = mine_PME.view(ep_size, max_tokens, num_local).transpose(0, 1).reshape(
         max_tokens, ep_size * num_local)
-    ids_TK = slot_map_TK.long()
+    ids_TK = expert_id_TK.long()
     grad_TK = torch.gather(mine_ME[:num_tokens], 1, ids_TK.clamp(min=0))
     return grad_TK.masked_fill(ids_TK < 0, 0.0)

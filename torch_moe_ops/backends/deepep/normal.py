@@ -6,7 +6,8 @@ whose ids DeepEP sets to -1), so no size depends on the routing and nothing wait
 host. Rows: received ``(token, local slot)`` pairs are sorted by local expert
 (`common.kernels.sorting`); ``src_R`` is each row's received slot ``n * K + k``. Combine weights
 the rows, sums each received token's rows in slot order (``[N, H]``) and hands them to
-``Buffer.combine``, which sums each token over the ranks that hold its experts. DeepEP's
+``Buffer.combine``, which sums each token over the ranks that hold its experts: the ops'
+``combine_map`` is a placeholder here (``placeholder_TK``, all -1, read for its shape). DeepEP's
 handle (prefix matrices, send heads: tensors whose sizes the op contract cannot carry)
 stays in the communicator, keyed by the storage of the ``src_rows`` tensor that dispatch
 returned, and is dropped when that storage is freed: combine and both gradients must get
@@ -86,9 +87,9 @@ def dispatch(comm, hidden_TH, topk_weights_TK, topk_ids_TK, num_rows, spec=None)
     x_RH, *scale = received_rows(recv_x, block_of(src_R, top_k), spec)
     weight_R = gather_rows(recv_weights_NK.reshape(-1, 1).float(), src_R)[:, 0]
     comm.remember(src_R, handle)
-    slot_map_TK = torch.full((num_tokens, top_k), -1, dtype=torch.int32,
-                             device=topk_ids_TK.device)
-    return (x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), slot_map_TK,
+    placeholder_TK = torch.full((num_tokens, top_k), -1, dtype=torch.int32,
+                                device=topk_ids_TK.device)
+    return (x_RH, expert_R.to(torch.int32), weight_R, src_R, count_E.clone(), placeholder_TK,
             *scale)
 
 

@@ -10,6 +10,7 @@ joins every collective. Where DeepEP's fp8 path does not take the format
 (`modes.fp8_transport_reason`), rows travel in bf16 and are quantized on arrival: a row is a
 copy of its token, so they get the values quantizing before would give, in twice the bytes.
 Quantized layers have no gradient (``moe::dispatch_quant`` raises when asked).
+``combine_map_TK`` is the mode's: `normal`'s placeholder, `low_latency`'s expert ids.
 
 Legend: T tokens on this rank, H hidden size, K experts per token, E experts, E_l = E / P
 experts per rank, P ranks, C rows one rank may send another (the capacity), R = P * C rows.
@@ -97,42 +98,42 @@ def dispatch_quant(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, weight_
                      max_tokens_per_rank, capacity, spec)
 
 
-def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
+def combine(y_RH, weight_R, src_R, combine_map_TK, ep_size, group_name, max_tokens_per_rank):
     check_tensor("y_rows", y_RH)
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = combine_map_TK.shape
     with on(y_RH.device):
         comm, handle = _transport(src_R, group_name, ep_size, max_tokens_per_rank,
                                   y_RH.shape[1], top_k, y_RH.dtype)
         rows_RH = weighted_rows(y_RH, weight_R, src_R)
         if handle is None:
-            return low_latency.combine(comm, rows_RH, src_R, slot_map_TK)
+            return low_latency.combine(comm, rows_RH, src_R, combine_map_TK)
         return normal.combine(comm, handle, rows_RH, src_R, num_tokens, top_k)
 
 
-def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, combine_map_TK, ep_size, group_name,
                       max_tokens_per_rank):
     check_tensor("grad_x_rows", grad_x_RH)
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = combine_map_TK.shape
     with on(grad_x_RH.device):
         comm, handle = _transport(src_R, group_name, ep_size, max_tokens_per_rank,
                                   grad_x_RH.shape[1], top_k, grad_x_RH.dtype)
         if handle is None:
-            return (low_latency.combine(comm, grad_x_RH, src_R, slot_map_TK),
-                    low_latency.weight_grads(comm, grad_weight_R, src_R, slot_map_TK))
+            return (low_latency.combine(comm, grad_x_RH, src_R, combine_map_TK),
+                    low_latency.weight_grads(comm, grad_weight_R, src_R, combine_map_TK))
         grad_hidden_TH, grad_weights_TK = normal.combine(comm, handle, grad_x_RH, src_R,
                                                           num_tokens, top_k, grad_weight_R)
         return grad_hidden_TH, grad_weights_TK.float()
 
 
-def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, combine_map_TK, ep_size, group_name,
                      max_tokens_per_rank):
     check_tensor("y_rows", y_RH)
-    top_k = slot_map_TK.shape[1]
+    top_k = combine_map_TK.shape[1]
     with on(y_RH.device):
         comm, handle = _transport(src_R, group_name, ep_size, max_tokens_per_rank,
                                   y_RH.shape[1], top_k, y_RH.dtype)
         if handle is None:
-            grad_RH = low_latency.send_out(comm, grad_out_TH, src_R, slot_map_TK)
+            grad_RH = low_latency.send_out(comm, grad_out_TH, src_R, combine_map_TK)
         else:
             grad_RH = normal.send_out(comm, handle, grad_out_TH, src_R, top_k)
         return combine_grads(grad_RH, y_RH, weight_R, src_R)

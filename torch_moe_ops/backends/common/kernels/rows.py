@@ -49,14 +49,14 @@ def gather_index(values_N: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
     return gather_rows(values_N.unsqueeze(1) + 1, index_R)[:, 0] - 1
 
 
-def sum_slots(values_NH: torch.Tensor, slot_map_TK: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k values[slot_map[t, k]]`` (-1 adds nothing), summed in
+def sum_slots(values_NH: torch.Tensor, row_of_slot_TK: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k values[row_of_slot[t, k]]`` (-1 adds nothing), summed in
     slot order in fp32 (fp64 for fp64), returned in ``values``' dtype."""
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = row_of_slot_TK.shape
     out_TH = values_NH.new_zeros((num_tokens, values_NH.shape[1]),
                                  dtype=compute_dtype(values_NH.dtype))
     for k in range(top_k):
-        out_TH += gather_rows(values_NH, slot_map_TK[:, k])
+        out_TH += gather_rows(values_NH, row_of_slot_TK[:, k])
     return out_TH.to(values_NH.dtype)
 
 

@@ -3,6 +3,10 @@ gradients, each one whole round (a dispatch, then its combine) on the layer's wo
 with the index arithmetic between the kernels in `bookkeeping`. The routing weights'
 gradients go home by one ``all_to_all`` over the group.
 
+The ops' ``combine_map`` is ``rank_of_slot_TK`` here: the rank that holds each slot's
+expert (-1: skipped), along which the gradients dispatch again (as ids of P one-expert
+ranks).
+
 Legend: T tokens on this rank, M = max_tokens_per_rank, P ranks, N = P * M receive
 positions, G = P * M keys, H hidden size, K experts per token, R = P * C rows (C the
 capacity one rank takes from each rank).
@@ -51,8 +55,8 @@ def dispatch(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, grou
                 ranks_of(topk_ids_TK, num_local))
 
 
-def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_per_rank):
-    num_tokens, top_k = slot_map_TK.shape
+def combine(y_RH, weight_R, src_R, rank_of_slot_TK, ep_size, group_name, max_tokens_per_rank):
+    num_tokens, top_k = rank_of_slot_TK.shape
     with answering("y_rows", y_RH, top_k, group_name, ep_size,
                    max_tokens_per_rank) as comm:
         token_N1 = comm.received.token_N1 if comm.received is not None else None
@@ -63,21 +67,21 @@ def combine(y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name, max_tokens_
         return comm.combine(summed_NH, num_tokens)
 
 
-def _send_back_tokens(comm, slot_map_TK, payloads=()) -> tuple[torch.Tensor, list]:
-    """A dispatch of each token's index (and ``payloads``) along ``slot_map_TK``: the token
+def _send_back_tokens(comm, rank_of_slot_TK, payloads=()) -> tuple[torch.Tensor, list]:
+    """A dispatch of each token's index (and ``payloads``) to ``rank_of_slot_TK``: the token
     index at each receive position of this round (``[N, 1]``, -1 at padding) and the
     received payloads."""
-    index_T1 = token_index(slot_map_TK.shape[0], slot_map_TK.device)
-    *received, token_N1 = comm.dispatch(slot_map_TK, comm.ep_size, [*payloads, index_T1])
+    index_T1 = token_index(rank_of_slot_TK.shape[0], rank_of_slot_TK.device)
+    *received, token_N1 = comm.dispatch(rank_of_slot_TK, comm.ep_size, [*payloads, index_T1])
     return token_N1, received
 
 
-def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, group_name,
+def dispatch_backward(grad_x_RH, grad_weight_R, src_R, rank_of_slot_TK, ep_size, group_name,
                       max_tokens_per_rank):
-    num_tokens, top_k = slot_map_TK.shape
+    num_tokens, top_k = rank_of_slot_TK.shape
     with answering("grad_x_rows", grad_x_RH, top_k, group_name, ep_size,
                    max_tokens_per_rank) as comm:
-        token_N1, _ = _send_back_tokens(comm, slot_map_TK)
+        token_N1, _ = _send_back_tokens(comm, rank_of_slot_TK)
         grad_hidden_TH = comm.combine(
             summed_rows(grad_x_RH, src_R, token_N1, None, max_tokens_per_rank, top_k),
             num_tokens)
@@ -89,17 +93,17 @@ def dispatch_backward(grad_x_RH, grad_weight_R, src_R, slot_map_TK, ep_size, gro
         return grad_hidden_TH, mine_PMK.sum(0)[:num_tokens]
 
 
-def combine_backward(grad_out_TH, y_RH, weight_R, src_R, slot_map_TK, ep_size, group_name,
+def combine_backward(grad_out_TH, y_RH, weight_R, src_R, rank_of_slot_TK, ep_size, group_name,
                      max_tokens_per_rank):
-    top_k = slot_map_TK.shape[1]
+    top_k = rank_of_slot_TK.shape[1]
     with answering("y_rows", y_RH, top_k, group_name, ep_size,
                    max_tokens_per_rank) as comm:
-        token_N1, (grad_NH,) = _send_back_tokens(comm, slot_map_TK,
+        token_N1, (grad_NH,) = _send_back_tokens(comm, rank_of_slot_TK,
                                                  [grad_out_TH.to(y_RH.dtype)])
         grads = rows_of_grad(grad_NH, y_RH, weight_R, src_R, token_N1, max_tokens_per_rank,
                              top_k)
         # The round's combine: peers learn this rank is done with what it received.
-        comm.combine(y_RH.new_zeros((comm.num_positions, 1)), slot_map_TK.shape[0])
+        comm.combine(y_RH.new_zeros((comm.num_positions, 1)), rank_of_slot_TK.shape[0])
         return grads
 
 
