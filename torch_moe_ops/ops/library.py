@@ -106,6 +106,20 @@ def full_args(op: torch_compat.OpOverload, args: tuple, kwargs: dict) -> tuple:
     return tuple(full)
 
 
+def named_args(op: torch_compat.OpOverload, args: tuple, kwargs: dict | None = None
+               ) -> dict[str, object]:
+    """``args`` and ``kwargs`` of a call of ``op`` by the schema's argument names, defaults
+    filled in (`full_args`). Code that reads an argument by name keeps reading it when
+    the schema gains an argument or moves one; a position would silently shift."""
+    return dict(zip(_argument_names(op), full_args(op, args, kwargs or {})))
+
+
+@functools.cache
+def _argument_names(op: torch_compat.OpOverload) -> tuple[str, ...]:
+    # Cached as `_arguments` is: each name read from the schema costs ~0.2 us.
+    return tuple(argument.name for argument in _arguments(op))
+
+
 def define(namespace: str, contract: OpContract) -> torch_compat.OpOverload:
     """Define ``namespace::contract.name`` with the contract's schema, fake and autograd."""
     qualname = qualified_name(namespace, contract)
