@@ -768,11 +768,14 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
             raw_case(("a2a", even), time_raw_all_to_all, even, f"even share, T={tokens}")
 
 
-def moe_config(sizes: Sizes, world: int, tokens: int) -> tmo.MoEConfig:
+def moe_config(sizes: Sizes, world: int, tokens: int, shared: int) -> tmo.MoEConfig:
+    """The layer of the layer phase: with a shared expert of intermediate size ``shared``
+    (0: none), which an inference layer at prefill sizes runs while its tokens travel."""
     return tmo.MoEConfig(hidden_size=sizes.hidden, intermediate_size=sizes.inter,
                          num_experts=sizes.layer_experts, top_k=sizes.top_k,
                          scoring="softmax", renormalize=True, ep_size=world,
-                         max_tokens_per_rank=tokens)
+                         max_tokens_per_rank=tokens,
+                         shared_expert_intermediate_size=shared)
 
 
 def time_local_experts(run: Run, sizes: Sizes, moe: tmo.MoE, tokens: int) -> dict:
@@ -859,7 +862,7 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
     for tokens in sizes.layer_tokens:
         if not run.within_budget(f"layer T={tokens}"):
             continue
-        cfg = moe_config(sizes, run.world, tokens)
+        cfg = moe_config(sizes, run.world, tokens, run.args.shared)
         torch.manual_seed(0)  # the router and experts alike on every rank
         moe = tmo.MoE(cfg, device=run.device, dtype=run.dtype, ep_group=run.group)
         experts = REGISTRY.choose_experts(tmo.BackendSpec(), Problem.from_config(cfg, run.dtype),
@@ -887,6 +890,7 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
                 if chunks > 1 and not run.within_budget(f"layer {a2a} T={tokens} x{chunks}"):
                     continue
                 row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens, "format": fmt,
+                       "shared": run.args.shared,
                        "capacity": cfg.rows_per_rank if fmt == "rows" else tokens,
                        "chunks": chunks, **local,
                        **time_layer(run, sizes, moe, a2a, tokens, chunks)}
@@ -969,15 +973,16 @@ def raw_table(raw: dict) -> str:
 
 
 def layer_table(rows: list[dict]) -> str:
-    lines = [(f"| a2a | format | experts | T/rank | C | chunks | how | compile s | layer us | "
+    lines = [(f"| a2a | format | experts | T/rank | C | shared I | chunks | how | compile s | "
+              f"layer us | "
               f"local experts us (real rows) | raw transport us | layer / (local + raw) (target <= "
               f"{TARGET_LAYER}; in chunks at T=4096 <= {TARGET_OVERLAP}) | rel err vs eager | "
               f"errors |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['a2a']} | {r.get('format')} | {r['experts_backend']} | {r['tokens']} | "
-            f"{r['capacity']} | {r['chunks']} | "
+            f"{r['capacity']} | {r['shared'] or '-'} | {r['chunks']} | "
             f"{r.get('how', 'failed')} | {_fmt(r.get('compile_s'))} | "
             f"{_fmt(r.get('layer_us'))} | {r['local_us']:.1f} ({r['real_rows']}) | "
             f"{_fmt(r.get('raw_us'))} | {_fmt(r.get('vs_local_plus_raw'), '.2f')} | "
@@ -1082,6 +1087,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated chunk counts of the layer rows moved in chunks, "
                              "beside the whole layer's ('auto': the plan's own choice; '': "
                              "none)")
+    parser.add_argument("--shared", type=int, default=0,
+                        help="intermediate size of the layer's shared expert (DeepSeek-V3: "
+                             "2048; 0: none): vs_local_plus_raw then says how much of it the "
+                             "transfers hide (local_us times the routed experts alone)")
     parser.add_argument("--tokens-only", action="store_true",
                         help="time only the tokens format of the backends that have it")
     parser.add_argument("--timeout-s", type=float, default=240,

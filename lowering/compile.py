@@ -118,14 +118,15 @@ class MoECompileBackend:
     def __repr__(self) -> str:
         return (f"MoECompileBackend(experts={self.spec.experts!r}, a2a={self.spec.a2a!r}, "
                 f"route={self.spec.route!r}, chunks={self.spec.chunks!r}, "
+                f"overlap={self.spec.overlap!r}, "
                 f"inner={self.inner!r}, mode={self.mode!r})")
 
 
 def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
             mode: str | None = None, options: dict[str, Any] | None = None,
             dispatch_dtype: torch.dtype | None = None, route: str = "auto",
-            device: torch.device | str | None = None, chunks: int | None = None
-            ) -> MoECompileBackend:
+            device: torch.device | str | None = None, chunks: int | None = None,
+            overlap: bool = False) -> MoECompileBackend:
     """A ``torch.compile`` backend that runs the MoE ops on the named backends.
 
     ``experts``: ``"auto"`` (best available for the device and dtype), or a
@@ -135,15 +136,16 @@ def backend(experts: str = "auto", a2a: str = "none", inner: str = "inductor",
     layer, `torch_moe_ops.backends.dispatch_dtype`); ``route``: ``"auto"`` (the
     fastest that runs each layer's routing), or a registered name; ``chunks``: how many
     chunks an expert-parallel layer's tokens move in, so that transfers run under expert
-    compute (``None``: chunked at prefill sizes where the a2a backend can, 1: never;
-    `lowering.plan.choose_chunks`). An unregistered
+    compute (``None`` or 1: never, as measured faster; `lowering.plan.choose_chunks`);
+    ``overlap``: at prefill sizes, the work that needs no routed tokens (shared experts)
+    runs while they travel (`lowering.plan.choose_in_flight`). An unregistered
     name raises ValueError here; an unavailable choice raises ValueError when the
     model is compiled, naming what is available and why the choice cannot run the
     layer, or here already where ``device`` (where the model will run) is given and
     the backend runs there in no dtype (`check_runs`).
     """
     spec = BackendSpec(experts=experts, a2a=a2a, dispatch_dtype=dispatch_dtype, route=route,
-                       chunks=chunks)
+                       chunks=chunks, overlap=overlap)
     if device is not None:
         check_runs(spec, device)
     return MoECompileBackend(spec, inner, mode, options)

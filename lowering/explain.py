@@ -75,6 +75,8 @@ class LayerReport:
             sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype, plan.chunks)
             lines += [f"  format:  {plan.format} ({plan.format_reason})",
                       f"  chunks:  {plan.chunks} ({plan.chunks_reason})",
+                      (f"  in flight: {'yes' if plan.in_flight else 'no'} "
+                       f"({plan.in_flight_reason})"),
                       f"  dispatch dtype: {self.dispatch_dtype} ({self.dispatch_rule})",
                       f"  bytes each rank sends per call: dispatch {sent:,}, combine {back:,}"]
         return "\n".join(lines)
@@ -187,11 +189,12 @@ def _source(model: torch.nn.Module, asked: dict) -> _Source:
 def explain(model: torch.nn.Module, *example_inputs, experts: str | None = None,
             a2a: str | None = None, route: str | None = None,
             dispatch_dtype: torch.dtype | None = None, chunks: int | None = None,
-            **kwargs) -> Explanation:
+            overlap: bool | None = None, **kwargs) -> Explanation:
     """Per MoE layer of ``model`` called on ``example_inputs``: the plan the compile backend
-    ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=..., chunks=...)`` makes
-    (backends, the ``auto`` candidates it refused and why, the format between dispatch and
-    combine, the chunks its tokens move in and why, the dispatch dtype and the bytes each
+    ``tmo.backend(experts=..., a2a=..., route=..., dispatch_dtype=..., chunks=...,
+    overlap=...)`` makes (backends, the ``auto`` candidates it refused and why, the format
+    between dispatch and combine, the chunks its tokens move in and why, whether its
+    transfers stay in flight under other work and why, the dispatch dtype and the bytes each
     rank sends per call). A keyword left out (None) takes ``tmo.backend``'s default.
 
     A ``torch.compile``d ``model`` is explained as it runs: with its backend's spec where
@@ -210,7 +213,8 @@ def explain(model: torch.nn.Module, *example_inputs, experts: str | None = None,
     """
     asked = {key: value for key, value in (("experts", experts), ("a2a", a2a), ("route", route),
                                            ("dispatch_dtype", dispatch_dtype),
-                                           ("chunks", chunks)) if value is not None}
+                                           ("chunks", chunks), ("overlap", overlap))
+             if value is not None}
     source = _source(model, asked)
     found = Explanation(source.says)
 

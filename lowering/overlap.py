@@ -1,6 +1,9 @@
-"""A layer's tokens chain in chunks, ordered so that transfers run under expert compute.
+"""A layer's tokens chain with its transfers in flight: under the work that does not need the
+routed tokens, and in chunks, under expert compute.
 
-Where a layer's plan takes C > 1 chunks (`plan.choose_chunks`), its ``moe::dispatch ->
+Where a layer's plan has its transfers in flight (`plan.choose_in_flight`: at prefill sizes,
+where the graph holds work that needs none of the layer's routed tokens, such as its shared
+experts) or takes C > 1 chunks (`plan.choose_chunks`, asked for), its ``moe::dispatch ->
 moe::experts_rows -> moe::combine`` becomes, per chunk i (a window of M / C of this rank's
 tokens, `ops.tokens_in_flight`), the a2a backend's ``dispatch_tokens_start`` (D_i: issue),
 ``wait_tensor`` and ``dispatch_tokens_finish`` (W_i: wait), the experts backend's op (X_i),
@@ -10,7 +13,9 @@ tokens, `ops.tokens_in_flight`), the a2a backend's ``dispatch_tokens_start`` (D_
     D_0 W_0 | D_1 X_0 B_0 W_1 | D_2 X_1 B_1 R_0 W_2 | ... | X_{C-1} B_{C-1} R_{C-2} | R_{C-1}
 
 chunk i + 1's dispatch is issued before chunk i's experts and waited after them, and chunk i's
-combine is issued before chunk i + 1's experts and waited after them. Traced, each issue op
+combine is issued before chunk i + 1's experts and waited after them. The work after the
+layer that needs nothing of it (`hoist_independent_work`) moves between D_0 and W_0.
+Traced, each issue op
 becomes its packing and the functional collectives (``_c10d_functional.all_to_all_single``,
 ...) and each wait the functional collectives' own ``wait_tensor``: AOTAutograd and Inductor
 keep them where the graph puts them (Inductor moves collectives only in passes that are off
@@ -30,24 +35,29 @@ moves one rank's collectives past each other differently from another's deadlock
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 
 import torch
 from torch import fx
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.lowering.graph_values import fake_value, meta_key
 from torch_moe_ops.ops.library import defines, op_overload
 
 
 class _Builder:
-    """Appends calls before ``anchor``, each node with its fake value under ``key``."""
+    """Appends calls before ``anchor``, each node with its fake value under ``key``; ``built``
+    lists them."""
 
     def __init__(self, graph: fx.Graph, anchor: fx.Node, key: str, fake_mode):
         self.graph, self.anchor, self.key, self.fake_mode = graph, anchor, key, fake_mode
+        self.built: list[fx.Node] = []
 
     def call(self, op, *args) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(op, args)
+        self.built.append(node)
         with self.fake_mode:
             node.meta[self.key] = op(*fx.node.map_aggregate(args, fake_value))
         return node
@@ -95,7 +105,10 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
                           chunks)
 
     outputs, combines = [], []
-    received = wait_dispatch(issue_dispatch(0))
+    first_issue = issue_dispatch(0)
+    received = wait_dispatch(first_issue)
+    # The first wait: work that needs no routed tokens runs before it, under the transfer.
+    first_wait = received[0]
     for chunk in range(chunks):
         if chunk + 1 < chunks:
             in_flight = issue_dispatch(chunk + 1)
@@ -115,3 +128,73 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
     items = list(dispatch.users)
     for node in (combine, experts, *items, dispatch):
         gm.graph.erase_node(node)
+    hoist_independent_work(first_wait, set(build.built))
+
+
+# Calls that change what later calls compute (grad mode, autocast): nothing moves past them.
+_STATE_CHANGES = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled")
+
+
+def _moves_freely(node: fx.Node) -> bool | None:
+    """Whether ``node`` may run earlier than the graph has it: a computation with no effect
+    but its output (True); an effect of its own (False: it stays, and so does what reads
+    it); None for a call that changes state later calls read (nothing moves past it)."""
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if name in _STATE_CHANGES:
+        return None
+    if node.op == "call_method":
+        return not name.endswith("_")
+    if isinstance(target, (torch_compat.OpOverload, torch_compat.OpOverloadPacket)):
+        op = target if isinstance(target, torch_compat.OpOverload) else target.default
+        namespace = op.name().partition("::")[0]
+        # Ours and the collectives keep their order on every rank.
+        return not (namespace.startswith("moe") or "c10d" in namespace
+                    or torch_compat.schema(op).is_mutable)
+    # In place: a trailing underscore, ``inplace=True``, or a higher-order op that mutates
+    # (a user's Triton kernel) or carries effects.
+    if node.kwargs.get("inplace") or "mutation" in name or "effects" in name:
+        return False
+    return not name.endswith("_") or name.startswith("__")
+
+
+def _independent(first: fx.Node, tainted: set[fx.Node]) -> Iterator[fx.Node]:
+    """The nodes from ``first`` on, in graph order, that need nothing of ``tainted`` (directly
+    or through another node) and may run earlier (`_moves_freely`, as may all they read
+    after ``first``); none past a call that changes state."""
+    tainted, stays = set(tainted), set()
+    node = first
+    while node.op != "output":
+        following = node.next
+        inputs = set(node.all_input_nodes)
+        if inputs & tainted:
+            tainted.add(node)
+        else:
+            free = _moves_freely(node)
+            if free is None:
+                return
+            if free and not inputs & stays:
+                yield node
+            else:
+                stays.add(node)
+        node = following
+
+
+def has_independent_work(combine: fx.Node) -> bool:
+    """Whether the graph holds work after a layer's ``combine`` that does not need it (nor
+    anything else of its layer, whose other nodes feed it): what `lower_in_chunks` runs
+    under the layer's transfer."""
+    return next(_independent(combine.next, {combine}), None) is not None
+
+
+def hoist_independent_work(wait: fx.Node, in_flight: set[fx.Node]) -> list[fx.Node]:
+    """Move the nodes after ``wait`` (a layer's first wait for its transfer) that need
+    nothing of ``in_flight`` (the layer's transport and experts nodes) to just before it, in
+    their order: the block's work that does not need the routed tokens (its shared experts)
+    then runs while the tokens travel. Returns the moved nodes."""
+    moved = list(_independent(wait.next, in_flight))
+    for node in moved:
+        wait.prepend(node)
+    return moved

@@ -45,7 +45,9 @@ class LayerPlan:
     ``route`` is set for a routing op's plan, ``experts`` and ``a2a`` for the ops that carry
     activations; ``format`` is the format between dispatch and combine (`registry.FORMATS`,
     None on one device) and ``format_reason`` why it was taken; ``chunks`` the chunks its
-    tokens move in (`choose_chunks`) and ``chunks_reason`` why; ``dispatch`` the dtype its
+    tokens move in (`choose_chunks`) and ``chunks_reason`` why; ``in_flight`` whether its
+    transfers are issued and waited apart, the work that needs no routed tokens between
+    (`choose_in_flight`), and ``in_flight_reason`` why; ``dispatch`` the dtype its
     tokens travel in and the rule that chose it (None for routing); ``refused`` lists each
     ``(kind, name, reason)`` of the ``"auto"`` candidates that could not run the layer.
     """
@@ -60,6 +62,8 @@ class LayerPlan:
     refused: tuple[tuple[str, str, str], ...] = ()
     chunks: int = 1
     chunks_reason: str = ""
+    in_flight: bool = False
+    in_flight_reason: str = ""
     dispatch: DispatchDtype | None = None
 
     def namespace_for(self, op_name: str) -> str:
@@ -172,27 +176,24 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem,
                      f"format for this layer: " + "; ".join(skipped))
 
 
-# From this many tokens per rank (prefill), a chunk's transfer is long enough for another
-# chunk's experts to hide it; below, each chunk's collectives would add their latency.
-CHUNKING_TOKENS = 1024
-# Two chunks up to this many tokens per rank, four from it: chunks of 512 tokens or more.
-FOUR_CHUNKS_TOKENS = 4096
-# Each chunk's experts read every local expert's weights again: fewer chunks where a chunk
-# would give an expert fewer rows than this on average, below which a bf16 expert GEMM is
-# bound by its weights' bytes on an H100 or H200 (about 165 FLOP per byte), so that the
-# re-reads would cost more than the transfers they hide.
-COMPUTE_BOUND_ROWS = 256
+# From this many tokens per rank (prefill), a transfer is long enough to hide the work of the
+# block that does not need the routed tokens (shared experts); below, a transfer issued and
+# waited by ops of their own (two messages: rows and routing) adds latency to a decode step.
+IN_FLIGHT_TOKENS = 1024
 
 
 def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str | None
                   ) -> tuple[int, str]:
     """``(chunks, why)``: how many chunks a layer's tokens move in (`ops.tokens_in_flight`),
     chunk i + 1's dispatch in flight while chunk i's experts run and chunk i's combine while
-    chunk i + 1's do. ``spec.chunks`` asks for a number (at most ``max_tokens_per_rank``);
-    ``None`` chunks an inference layer at prefill sizes (`CHUNKING_TOKENS`) where each chunk
-    still keeps its experts' GEMMs bound by compute (`COMPUTE_BOUND_ROWS`)."""
-    if spec.chunks == 1:
-        return 1, "chunks=1 asked"
+    chunk i + 1's do: as many as ``spec.chunks`` asks (at most ``max_tokens_per_rank``), one
+    where it asks none. Each chunk's experts read every local expert's weights again, which
+    cost more than the transfers hid where measured."""
+    if spec.chunks is None or spec.chunks == 1:
+        return 1, ("chunks=1 asked" if spec.chunks == 1 else
+                   "none asked: each chunk reads every local expert's weights again (2 "
+                   "chunks 1.27x, 4 chunks 2.16x the whole layer at DeepSeek-V3's widths on 2 "
+                   "H200s); work that needs no routed tokens runs under the transfers instead")
     if fmt != "tokens":
         return 1, f"the {fmt} format moves whole (chunks move the tokens format)"
     if not a2a.overlaps:
@@ -200,26 +201,36 @@ def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str
                    "run under it")
     if problem.training:
         return 1, "training: chunked transfers carry no gradient"
-    max_tokens = problem.max_tokens_per_rank
-    if spec.chunks is not None:
-        chunks = min(spec.chunks, max_tokens)
-        return chunks, f"chunks={spec.chunks} asked" + (
-            f", at most max_tokens_per_rank ({max_tokens})" if chunks < spec.chunks else "")
-    if max_tokens < CHUNKING_TOKENS:
-        return 1, (f"max_tokens_per_rank ({max_tokens}) < {CHUNKING_TOKENS}: transfers this "
-                   "small are latency, which more collectives would add to")
-    chunks = 2 if max_tokens < FOUR_CHUNKS_TOKENS else 4
-    # Rows an expert gets from one chunk on average: P * (M / chunks) * K / E.
-    rows = problem.ep_size * max_tokens * problem.top_k / problem.num_experts
-    while chunks > 1 and rows / chunks < COMPUTE_BOUND_ROWS:
-        chunks //= 2
-    if chunks == 1:
-        return 1, (f"an expert would get {rows / 2:.0f} rows per chunk on average, fewer than "
-                   f"{COMPUTE_BOUND_ROWS}: each chunk would read the experts' weights again, "
-                   "which would cost more than the transfers hidden")
-    return chunks, (f"max_tokens_per_rank ({max_tokens}) >= {CHUNKING_TOKENS}: {chunks} chunks "
-                    f"of {-(-max_tokens // chunks)} tokens, each chunk's transfers under another "
-                    f"chunk's experts ({a2a.name}'s collectives are issued and waited apart)")
+    chunks = min(spec.chunks, problem.max_tokens_per_rank)
+    return chunks, f"chunks={spec.chunks} asked" + (
+        f", at most max_tokens_per_rank ({problem.max_tokens_per_rank})"
+        if chunks < spec.chunks else "")
+
+
+def choose_in_flight(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str | None,
+                     chunks: int) -> tuple[bool, str]:
+    """``(in_flight, why)``: whether the layer's transfers are issued and waited by ops of
+    their own (`ops.tokens_in_flight`, as chunks are), so that the work of its graph that
+    does not need the routed tokens (shared experts) runs while they travel
+    (`overlap.lower_in_chunks` moves it there): with chunks, or where ``spec.overlap`` asks."""
+    if chunks > 1:
+        return True, "its chunks' transfers are issued and waited apart"
+    if not spec.overlap:
+        return False, ("overlap=False: not yet shown to pay (2 H200s, DeepSeek-V3's widths, "
+                       "4096 tokens per rank: the layer with its shared expert in flight took "
+                       "0.65-0.81 ms more than without one)")
+    if fmt != "tokens" or not a2a.overlaps:
+        return False, (f"{a2a.name} issues and waits each transfer inside one op" if fmt ==
+                       "tokens" else f"the {fmt} format moves in one op")
+    if problem.training:
+        return False, "training: transfers in flight carry no gradient"
+    if problem.max_tokens_per_rank < IN_FLIGHT_TOKENS:
+        return False, (f"max_tokens_per_rank ({problem.max_tokens_per_rank}) < "
+                       f"{IN_FLIGHT_TOKENS}: a decode transfer is latency, which a second "
+                       "message would add to")
+    return True, (f"max_tokens_per_rank ({problem.max_tokens_per_rank}) >= "
+                  f"{IN_FLIGHT_TOKENS}: work that needs no routed tokens runs while they "
+                  "travel")
 
 
 def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
@@ -249,10 +260,12 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
         why += (f"; it trains through {trainer}'s ops, which copy the receive buffers out of "
                 f"the transport's memory for the gradient")
     chunks, chunks_reason = choose_chunks(spec, a2a, problem, fmt)
+    in_flight, in_flight_reason = choose_in_flight(spec, a2a, problem, fmt, chunks)
     # Once per layer, here: the rewrite and `explain` read it (an impossible explicit choice
     # warns once, naming both).
     dispatch = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, problem.quant,
                                       dispatch_sides(a2a, experts, problem, fmt))
     return LayerPlan(device, problem, experts=experts, a2a=a2a, format=fmt, format_reason=why,
                      refused=tuple(refused), chunks=chunks, chunks_reason=chunks_reason,
+                     in_flight=in_flight, in_flight_reason=in_flight_reason,
                      dispatch=dispatch)

@@ -46,7 +46,7 @@ from torch_moe_ops.backends.registry import (
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.graph_values import fake_value, meta_key
-from torch_moe_ops.lowering.overlap import lower_in_chunks
+from torch_moe_ops.lowering.overlap import has_independent_work, lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, experts_op, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import full_args, op_overload
@@ -207,8 +207,8 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
             return None
     else:
         x_rows, expert_rows, count = rows_args[:3]
-    y_rows, weight_rows, src_rows, slot_map = _schema_args(combine)[:4]
-    if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, slot_map)]
+    y_rows, weight_rows, src_rows, combine_map = _schema_args(combine)[:4]
+    if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, combine_map)]
             != [0, 1, 4, 2, 3, 5] or y_rows is not experts or set(experts.users) != {combine}):
         return None
     return experts, combine
@@ -253,7 +253,7 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
                             else _schema_args(experts)[4:-1])
         format_experts = op_overload(plan.experts.namespace,
                                      experts_op(plan.format, quant is not None))
-        if plan.chunks > 1:
+        if plan.chunks > 1 or (plan.in_flight and has_independent_work(combine)):
             lower_in_chunks(gm, (dispatch, experts, combine),
                             (hidden, topk_weights, topk_ids, num_experts, *ep_args),
                             namespace, format_experts, weight_args, plan.chunks)

@@ -22,6 +22,7 @@ import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import cpu_single_and_sharded, token_slice
 from torch_moe_ops.backends.common.transport import collectives
+from torch_moe_ops.lowering import plan
 from torch_moe_ops.lowering.compile import MoECompileBackend
 from torch_moe_ops.lowering.rewrite import lower
 
@@ -187,7 +188,8 @@ def _check_explain(rank, world_size, a2a):
     peers, positions = world_size - 1, 3 * 3
     assert (f"dispatch {peers * positions * (4 * H + 8 * K):,}, "
             f"combine {peers * positions * 4 * H:,}") in str(asked), str(asked)
-    assert auto.plan.chunks == 1 and f"max_tokens_per_rank ({MAX_TOKENS}) < 1024" in str(auto)
+    assert auto.plan.chunks == 1 and "chunks:  1 (none asked" in str(auto), str(auto)
+    assert not auto.plan.in_flight and "in flight: no (overlap=False" in str(auto), str(auto)
     assert training.plan.chunks == 1 and "chunks:  1 (training" in str(training), str(training)
 
 
@@ -221,6 +223,46 @@ def _check_opcheck(rank, world_size, a2a):
                               (returned, topk_ids_TK, *ep_args, *chunk))
 
 
+def _check_shared_experts_under_the_transfer(rank, world_size, a2a):
+    """At prefill sizes, a layer with shared experts issues its dispatch, runs its shared
+    experts, and only then waits for the tokens (one chunk: no weights read twice); the
+    same output as the single process. At decode sizes it moves whole."""
+    world = dist.get_world_size()
+    for max_tokens, in_flight in ((plan.IN_FLIGHT_TOKENS, True), (MAX_TOKENS, False)):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        cfg = dict(hidden_size=H, intermediate_size=I, num_experts=2 * world, top_k=K,
+                   renormalize=True, shared_expert_intermediate_size=8)
+        single = tmo.MoE(tmo.MoEConfig(**cfg))
+        sharded = tmo.MoE(tmo.MoEConfig(**cfg, ep_size=world, max_tokens_per_rank=max_tokens),
+                          ep_group=dist.group.WORLD)
+        sharded.load_full_weights(single.state_dict())
+        spec = tmo.BackendSpec(a2a=a2a, overlap=True)
+        lowered = []
+
+        def recording(gm, example_inputs, spec=spec, lowered=lowered):
+            lowered.append(lower(gm, spec))
+            return gm.forward
+
+        x_NH, mine = _tokens(rank, world_size)
+        with torch.no_grad():
+            out_TH = torch.compile(sharded, backend=recording, fullgraph=True)(x_NH[mine])
+            torch.testing.assert_close(out_TH, single(x_NH)[mine], rtol=1e-4, atol=1e-5)
+        nodes = list(lowered[0].graph.nodes)
+        starts = _calls(nodes, "dispatch_tokens_start")
+        if not in_flight:
+            assert not starts and _calls(nodes, "dispatch_tokens"), lowered[0].code
+            continue
+        (started,) = starts
+        first_wait = min(_position(nodes, n) for n in nodes if n.target is collectives.wait)
+        # The shared experts' two projections (gate and up in one, then down).
+        shared = [n for n in nodes if n.op == "call_function" and any(
+            a.op == "placeholder" and "shared_experts" in a.name for a in n.all_input_nodes)]
+        assert len(shared) == 2, lowered[0].code
+        assert all(_position(nodes, started) < _position(nodes, n) < first_wait
+                   for n in shared), lowered[0].code
+
+
 def _run_cases(rank, world_size, a2a):
     _check_opcheck(rank, world_size, a2a)
     _check_chunked_matches_whole(rank, world_size, a2a)
@@ -229,6 +271,7 @@ def _run_cases(rank, world_size, a2a):
     if "inductor" in INNERS[world_size]:
         _check_inductor_keeps_the_order(rank, world_size, a2a)
     _check_explain(rank, world_size, a2a)
+    _check_shared_experts_under_the_transfer(rank, world_size, a2a)
 
 
 @pytest.mark.parametrize("world_size", sorted(TOKENS_PER_RANK))

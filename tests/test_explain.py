@@ -35,7 +35,7 @@ def test_a_compiled_model_is_explained_with_its_backends_spec():
     assert (report.plan.experts.name, report.route.route.name) == ("reference", "reference")
     assert str(explanation).startswith(
         "compiled with tmo.backend(experts='reference', a2a='none', dispatch_dtype=None, "
-        "route='reference', chunks=None): what it runs\n"), str(explanation)
+        "route='reference', chunks=None, overlap=False): what it runs\n"), str(explanation)
     # Keywords that agree with the model's backend are welcome.
     (agreeing,) = tmo.explain(compiled, torch.randn(5, H), experts="reference")
     assert agreeing.plan.experts.name == "reference"

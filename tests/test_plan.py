@@ -104,29 +104,34 @@ def test_the_names_a_spec_accepts_are_the_registered_backends():
 
 @pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])
 @pytest.mark.parametrize("fields, asked, chunks, why", [
-    ({"max_tokens_per_rank": 512}, None, 1, "max_tokens_per_rank (512) < 1024"),
-    ({"max_tokens_per_rank": 1024, "num_experts": 8, "top_k": 2, "ep_size": 2}, None, 2,
-     "2 chunks of 512 tokens"),
-    ({"max_tokens_per_rank": 4096, "num_experts": 8, "top_k": 2, "ep_size": 2}, None, 4,
-     "4 chunks of 1024 tokens"),
-    ({"max_tokens_per_rank": 4096, "num_experts": 128, "top_k": 8, "ep_size": 2}, None, 2,
-     "2 chunks of 2048 tokens"),
-    # DeepSeek-V3's widths on 2 ranks: 128 rows per expert per chunk, bound by weights.
-    ({"max_tokens_per_rank": 4096, "num_experts": 256, "top_k": 8, "ep_size": 2}, None, 1,
-     "fewer than 256: each chunk would read the experts' weights again"),
+    ({"max_tokens_per_rank": 4096}, None, 1, "none asked: each chunk reads every local"),
     ({"max_tokens_per_rank": 4096}, 1, 1, "chunks=1 asked"),
     ({"max_tokens_per_rank": 64}, 3, 3, "chunks=3 asked"),
     ({"max_tokens_per_rank": 2}, 3, 2, "at most max_tokens_per_rank (2)"),
     ({"max_tokens_per_rank": 4096, "training": True}, 2, 1, "training"),
-    ({"max_tokens_per_rank": 4096, "quant": QuantSpec("fp8_channel")}, None, 1,
+    ({"max_tokens_per_rank": 4096, "quant": QuantSpec("fp8_channel")}, 2, 1,
      "the rows format moves whole"),
-], ids=["decode", "prefill", "long_prefill", "fewer_for_rows", "weight_bound", "off", "asked",
-        "clamped", "training", "rows"])
-def test_layers_move_in_chunks_at_prefill_where_the_transport_overlaps(a2a, fields, asked,
-                                                                       chunks, why):
+], ids=["none_asked", "off", "asked", "clamped", "training", "rows"])
+def test_layers_move_in_the_chunks_asked_where_the_transport_overlaps(a2a, fields, asked,
+                                                                      chunks, why):
     plan = plan_layer(BackendSpec(a2a=a2a, experts="reference", chunks=asked),
                       _problem(**fields), CPU)
     assert plan.chunks == chunks and why in plan.chunks_reason, plan
+
+
+@pytest.mark.parametrize("fields, a2a, overlap, in_flight, why", [
+    ({"max_tokens_per_rank": 4096}, "all_to_all", True, True, "runs while they travel"),
+    ({"max_tokens_per_rank": 1024}, "allgather", True, True, "runs while they travel"),
+    ({"max_tokens_per_rank": 4096}, "all_to_all", False, False, "overlap=False: not yet shown"),
+    ({"max_tokens_per_rank": 128}, "all_to_all", True, False, "a decode transfer is latency"),
+    ({"max_tokens_per_rank": 4096, "training": True}, "all_to_all", True, False, "training"),
+    ({"max_tokens_per_rank": 4096}, "deepep", True, False, "issues and waits each transfer"),
+], ids=["prefill", "allgather", "not_asked", "decode", "training", "deepep"])
+def test_prefill_transfers_stay_in_flight_under_independent_work(deepep_runs_here, fields, a2a,
+                                                                 overlap, in_flight, why):
+    plan = plan_layer(BackendSpec(a2a=a2a, experts="reference", overlap=overlap),
+                      _problem(**fields), CPU)
+    assert plan.in_flight == in_flight and why in plan.in_flight_reason, plan
 
 
 def test_transports_that_wait_inside_their_ops_move_whole(deepep_runs_here):

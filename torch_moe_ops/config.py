@@ -375,9 +375,12 @@ class BackendSpec:
     it to the rule). How weights are quantized is the layer's (`MoEConfig.quant`):
     the experts backend chosen here must have kernels for it. ``chunks`` splits each
     expert-parallel layer's tokens into that many chunks, so that one chunk's transfers run
-    while another chunk's experts compute (1: never; ``None``: the lowering decides per layer,
+    while another chunk's experts compute (``None`` or 1: never, as measured faster,
     `lowering.plan.choose_chunks`); a layer that cannot be chunked runs whole, and
-    `torch_moe_ops.explain` says why.
+    `torch_moe_ops.explain` says why. ``overlap`` keeps an inference layer's transfers in
+    flight at prefill sizes while the work of the graph that needs no routed tokens (its
+    shared experts) runs (`lowering.plan.choose_in_flight`; off by default until measured to
+    pay).
     """
 
     experts: str = "auto"
@@ -385,8 +388,11 @@ class BackendSpec:
     dispatch_dtype: torch.dtype | None = None
     route: str = "auto"
     chunks: int | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.overlap, bool):
+            _fail("overlap", self.overlap, "a bool")
         if self.chunks is not None:
             _check_positive_int("chunks", self.chunks)
         _check_choice("experts", self.experts, EXPERTS_BACKEND_NAMES, suggest=True)
