@@ -49,7 +49,7 @@ from torch_moe_ops.lowering.graph_values import fake_value, meta_key
 from torch_moe_ops.lowering.overlap import has_independent_work, lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, experts_op, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
-from torch_moe_ops.ops.library import full_args, op_overload
+from torch_moe_ops.ops.library import full_args, named_args, op_overload
 
 # The ops that carry a layer's activations: they decide (and must agree on) its backends.
 ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
@@ -200,16 +200,14 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         return None
     (experts,), (combine,) = experts, combine
     output = {item: item.args[1] for item in items}
-    rows_args = _schema_args(experts)
-    if generic_op(experts) == "experts_rows_quant":
-        x_rows, x_scale, expert_rows, count = rows_args[:4]
-        if x_scale is not None or rows_args[-1] is not None:
-            return None
-    else:
-        x_rows, expert_rows, count = rows_args[:3]
-    y_rows, weight_rows, src_rows, combine_map = _schema_args(combine)[:4]
-    if ([output.get(a) for a in (x_rows, expert_rows, count, weight_rows, src_rows, combine_map)]
-            != [0, 1, 4, 2, 3, 5] or y_rows is not experts or set(experts.users) != {combine}):
+    rows, back = _node_args(experts), _node_args(combine)
+    # Rows read unquantized: no scales in, the experts' own dtype out.
+    if rows.get("x_scale") is not None or rows.get("out_dtype") is not None:
+        return None
+    read = (rows["x_rows"], rows["expert_rows"], rows["count_experts"], back["weight_rows"],
+            back["src_rows"], back["combine_map"])
+    if ([output.get(a) for a in read] != [0, 1, 4, 2, 3, 5] or back["y_rows"] is not experts
+            or set(experts.users) != {combine}):
         return None
     return experts, combine
 
@@ -235,7 +233,10 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
                              "format: its outputs must feed one moe::experts_rows and the "
                              "moe::combine of its result, and nothing else (as MoE emits them)")
         experts, combine = chain
-        hidden, topk_weights, topk_ids, num_experts, *ep_args, _ = _schema_args(dispatch)
+        sent_args = _node_args(dispatch)
+        hidden, topk_weights, topk_ids, num_experts = (
+            sent_args[name] for name in ("hidden", "topk_weights", "topk_ids", "num_experts"))
+        ep_args = tuple(sent_args[name] for name in _EP_ARGS)
         items = list(dispatch.users)
         quant = plan.problem.quant
         dispatch_op = FORMAT_OPS[plan.format][0]
@@ -249,8 +250,10 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
         dispatch.meta["moe_dispatch_dtype"] = plan.dispatch
         lowered |= {dispatch, experts, combine}
         # The experts' arguments after the format's inputs: the weights, the activation.
-        weight_args = tuple(_schema_args(experts)[3:] if quant is None
-                            else _schema_args(experts)[4:-1])
+        rows = _node_args(experts)
+        names = list(rows)
+        weight_args = tuple(rows[name] for name in names[names.index("w13"):]
+                            if name != "out_dtype")
         format_experts = op_overload(plan.experts.namespace,
                                      experts_op(plan.format, quant is not None))
         if plan.chunks > 1 or (plan.in_flight and has_independent_work(combine)):
@@ -296,11 +299,15 @@ _CHAINS = {
 }
 
 
-def _schema_args(node: fx.Node) -> list:
-    """``node``'s arguments (nodes and constants) in schema order, defaults filled in."""
+# The expert-parallel arguments every dispatch and combine ends with, in schema order.
+_EP_ARGS = ("ep_size", "group_name", "max_tokens_per_rank")
+
+
+def _node_args(node: fx.Node) -> dict[str, object]:
+    """``node``'s arguments (nodes and constants) by schema name, defaults filled in."""
     target = node.target
     op = target if isinstance(target, torch_compat.OpOverload) else target.default
-    return list(full_args(op, node.args, node.kwargs))
+    return named_args(op, node.args, node.kwargs)
 
 
 def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:
@@ -316,8 +323,9 @@ def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:
         for reader in item.users:
             if generic_op(reader) != "experts_rows_quant":
                 return None
-            x_rows, x_scale, *_, out_dtype = _schema_args(reader)
-            if x_rows is not item or x_scale is not None or out_dtype is not None:
+            args = _node_args(reader)
+            if (args["x_rows"] is not item or args["x_scale"] is not None
+                    or args["out_dtype"] is not None):
                 return None
             readers.append(reader)
     return readers or None
@@ -333,13 +341,16 @@ def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node
     """``dispatch`` becomes ``namespace::dispatch_quant`` (its six outputs, then
     ``x_scale``), and each of ``readers`` reads its fp8 ``x_rows`` with ``x_scale``,
     returning the activation dtype."""
-    hidden, topk_weights, topk_ids, num_experts, *ep_args = _schema_args(dispatch)
     quant = problem.quant
     op = op_overload(namespace, QUANT_A2A_OPS[0])
+    # dispatch_quant: dispatch's arguments, the quantization's among them.
+    args = {**_node_args(dispatch), "weight_format": quant.weights,
+            "activation_format": quant.activations, "block_size": quant.block_list}
     dispatch.target = op
-    dispatch.args = (hidden, topk_weights, topk_ids, num_experts, quant.weights,
-                     quant.activations, quant.block_list, *ep_args)
+    dispatch.args = tuple(args[argument.name]
+                          for argument in torch_compat.schema(op).arguments)
     dispatch.kwargs = {}
+    hidden = args["hidden"]
     values = [fake_value(a) for a in dispatch.args]
     # The mode of the graph's own fake values (the backend may run inside another).
     with fake_value(hidden).fake_mode:
@@ -352,9 +363,9 @@ def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node
         x_scale = gm.graph.call_function(operator.getitem, (dispatch, len(outputs) - 1))
     x_scale.meta[key] = outputs[-1]
     for reader in readers:
-        args = _schema_args(reader)
-        args[1], args[-1] = x_scale, problem.dtype
-        reader.args, reader.kwargs = tuple(args), {}
+        reader.args = tuple({**_node_args(reader), "x_scale": x_scale,
+                             "out_dtype": problem.dtype}.values())
+        reader.kwargs = {}
 
 
 def expert_parallel(gm: fx.GraphModule) -> bool:
