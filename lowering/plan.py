@@ -101,11 +101,17 @@ def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Pro
     dispatch dtype rule, ``dispatch_dtype`` its explicit choice): the a2a sends fp8 rows, the
     experts read them. Else its tokens cross in the activations' dtype whatever the format.
     A probe: an explicit choice that cannot be met warns once, when the plan resolves it."""
+    chosen = _resolved_quietly(problem, dispatch_dtype, DispatchSides.of(a2a, experts))
+    return chosen.dtype != problem.dtype
+
+
+def _resolved_quietly(problem: Problem, dispatch_dtype: torch.dtype | None,
+                      sides: DispatchSides) -> DispatchDtype:
+    """`resolve_dispatch_dtype` without its warning of an explicit choice that cannot be met,
+    for answers that are not the plan's own."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        chosen = resolve_dispatch_dtype(problem.dtype, dispatch_dtype, problem.quant,
-                                        DispatchSides.of(a2a, experts))
-    return chosen.dtype != problem.dtype
+        return resolve_dispatch_dtype(problem.dtype, dispatch_dtype, problem.quant, sides)
 
 
 def dispatch_sides(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem, fmt: str
@@ -248,10 +254,8 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
     if (problem.ep_size or 1) < 2:
         # Rows sorted on one device (a2a 'none'), where a graph has a dispatch at all: most
         # one-device layers have none, so an explicit choice that cannot be met goes unsaid.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dispatch = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype,
-                                              problem.quant, DispatchSides.of(a2a, experts))
+        dispatch = _resolved_quietly(problem, spec.dispatch_dtype,
+                                     DispatchSides.of(a2a, experts))
         return LayerPlan(device, problem, experts=experts, a2a=a2a, refused=tuple(refused),
                          dispatch=dispatch)
     fmt, why = choose_format(a2a, experts, problem, spec.dispatch_dtype)
