@@ -14,16 +14,15 @@ tokens, `ops.tokens_in_flight`), the a2a backend's ``dispatch_tokens_start`` (D_
 
 chunk i + 1's dispatch is issued before chunk i's experts and waited after them, and chunk i's
 combine is issued before chunk i + 1's experts and waited after them. The work after the
-layer that needs nothing of it (`hoist_independent_work`) moves between D_0 and W_0.
-Traced, each issue op
-becomes its packing and the functional collectives (``_c10d_functional.all_to_all_single``,
-...) and each wait the functional collectives' own ``wait_tensor``: AOTAutograd and Inductor
-keep them where the graph puts them (Inductor moves collectives only in passes that are off
-here: peak-memory reordering, for graphs that move tokens, `compile.MoECompileBackend`, and
-compute-comm reordering, by default), Inductor keeps each send buffer until its wait, and
-nothing needs a Python thread or a host sync, so the graph captures in a CUDA graph. The
-chunks' outputs (``[M_c, H]`` each, M_c = ceil(M / C) tokens of one window) stack to
-``[C * M_c, H]``, cut to this rank's T.
+layer that needs nothing of it (`hoist_independent_work`) moves between D_0 and W_0. Traced,
+each issue op becomes its packing and the functional collectives
+(``_c10d_functional.all_to_all_single``, ...) and each wait the functional collectives' own
+``wait_tensor``: AOTAutograd and Inductor keep them where the graph puts them (Inductor
+moves collectives only in passes that are off here: peak-memory reordering, for graphs that
+move tokens, `compile.MoECompileBackend`, and compute-comm reordering, by default), Inductor
+keeps each send buffer until its wait, and nothing needs a Python thread or a host sync, so
+the graph captures in a CUDA graph. The chunks' outputs (``[M_c, H]`` each, M_c =
+ceil(M / C) tokens of one window) stack to ``[C * M_c, H]``, cut to this rank's T.
 
 The lowering places the collectives rather than leaving them to Inductor's
 ``reorder_for_compute_comm_overlap``: a transport op that issues and waits inside offers that
@@ -105,8 +104,7 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
                           chunks)
 
     outputs, combines = [], []
-    first_issue = issue_dispatch(0)
-    received = wait_dispatch(first_issue)
+    received = wait_dispatch(issue_dispatch(0))
     # The first wait: work that needs no routed tokens runs before it, under the transfer.
     first_wait = received[0]
     for chunk in range(chunks):
@@ -133,6 +131,12 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
 
 # Calls that change what later calls compute (grad mode, autocast): nothing moves past them.
 _STATE_CHANGES = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled")
+# Python's operators that write into their first operand (Dynamo records ``x[i] = y`` and
+# ``x += y`` on a tensor as these): moved, they would write before a read that came first.
+_WRITING_OPERATORS = frozenset((
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+    operator.imatmul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift))
 
 
 def _moves_freely(node: fx.Node) -> bool | None:
@@ -155,7 +159,8 @@ def _moves_freely(node: fx.Node) -> bool | None:
                     or torch_compat.schema(op).is_mutable)
     # In place: a trailing underscore, ``inplace=True``, or a higher-order op that mutates
     # (a user's Triton kernel) or carries effects.
-    if node.kwargs.get("inplace") or "mutation" in name or "effects" in name:
+    if (target in _WRITING_OPERATORS or node.kwargs.get("inplace") or "mutation" in name
+            or "effects" in name):
         return False
     return not name.endswith("_") or name.startswith("__")
 
@@ -189,12 +194,10 @@ def has_independent_work(combine: fx.Node) -> bool:
     return next(_independent(combine.next, {combine}), None) is not None
 
 
-def hoist_independent_work(wait: fx.Node, in_flight: set[fx.Node]) -> list[fx.Node]:
+def hoist_independent_work(wait: fx.Node, in_flight: set[fx.Node]) -> None:
     """Move the nodes after ``wait`` (a layer's first wait for its transfer) that need
     nothing of ``in_flight`` (the layer's transport and experts nodes) to just before it, in
     their order: the block's work that does not need the routed tokens (its shared experts)
-    then runs while the tokens travel. Returns the moved nodes."""
-    moved = list(_independent(wait.next, in_flight))
-    for node in moved:
+    then runs while the tokens travel."""
+    for node in list(_independent(wait.next, in_flight)):
         wait.prepend(node)
-    return moved

@@ -12,9 +12,12 @@ size, E experts, K experts per token, M max_tokens_per_rank.
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 
@@ -22,7 +25,7 @@ import torch_moe_ops as tmo
 from distributed import run_on_ranks
 from ep_problems import cpu_single_and_sharded, token_slice
 from torch_moe_ops.backends.common.transport import collectives
-from torch_moe_ops.lowering import plan
+from torch_moe_ops.lowering import overlap, plan
 from torch_moe_ops.lowering.compile import MoECompileBackend
 from torch_moe_ops.lowering.rewrite import lower
 
@@ -295,3 +298,19 @@ def test_chunked_ops_name_what_is_wrong(a2a, tokens, chunk, match):
     with pytest.raises(ValueError, match=match.replace("max_tokens_per_rank",
                                                        "num_chunks \\* max_tokens_per_rank")):
         namespace.combine_tokens_start(torch.randn(8, H), ids_TK, 4, 2, "group", 4, chunk, 2)
+
+
+def test_independent_work_moves_but_writes_stay_behind_earlier_reads():
+    """Work after a layer's first wait that needs none of its transfer moves before the wait;
+    a write into a tensor (``buf[0] = 1``, recorded as ``operator.setitem``) stays after a
+    read of that tensor that came first, whatever it depends on."""
+    graph = fx.Graph()
+    x, buf = graph.placeholder("x"), graph.placeholder("buf")
+    waited = graph.call_function(torch.neg, (x,))      # stands for the transfer's wait
+    read = graph.call_function(torch.add, (waited, buf))
+    shared = graph.call_function(torch.relu, (x,))
+    write = graph.call_function(operator.setitem, (buf, 0, 1.0))
+    graph.output((read, shared, write))
+    overlap.hoist_independent_work(waited, {waited})
+    order = list(graph.nodes)
+    assert order.index(shared) < order.index(waited) < order.index(read) < order.index(write)
