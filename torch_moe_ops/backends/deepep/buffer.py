@@ -31,7 +31,6 @@ from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.communicators import Communicators
 from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
-    GPUS_PER_HOST,
     LOW_LATENCY,
     LOW_LATENCY_MAX_TOKENS,
     MODES,
@@ -262,7 +261,8 @@ def communicator(group_name: str, hidden_size: int, num_experts: int, top_k: int
                            f"{max_tokens_per_rank}, mode {mode!r}) must be created before "
                            "CUDA graph capture: run the layer once eagerly, or call "
                            "torch_moe_ops.backends.deepep.communicator(...) on every rank first")
-    if mode == LOW_LATENCY or ep_size > GPUS_PER_HOST:
+    # Only low-latency mode initialises NVSHMEM: normal mode runs intranode, over NVLink.
+    if mode == LOW_LATENCY:
         holder = next((c for c in _COMMUNICATORS.values() if c.uses_nvshmem), None)
         if holder is not None:
             raise RuntimeError(f"DeepEP's {mode} mode on {ep_size} ranks initialises NVSHMEM, "
