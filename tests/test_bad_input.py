@@ -158,10 +158,10 @@ CONFIG_CASES = {
 BACKEND_CASES = {
     "spec_unknown_experts": (lambda: BackendSpec(experts="nope"),
                              ("experts must be one of 'auto', 'reference', 'cpu', 'triton', "
-                              "'grouped_mm', 'flashinfer', got 'nope'")),
+                              "'grouped_mm', 'flashinfer', 'deepgemm', got 'nope'")),
     "backend_unknown_experts": (lambda: tmo.backend(experts="nope"),
                                 ("experts must be one of 'auto', 'reference', 'cpu', 'triton', "
-                                 "'grouped_mm', 'flashinfer', got 'nope'")),
+                                 "'grouped_mm', 'flashinfer', 'deepgemm', got 'nope'")),
     "backend_unknown_a2a": (lambda: tmo.backend(a2a="nccl"),
                             ("a2a must be one of 'none', 'allgather', 'all_to_all', 'deepep', "
                              "'flashinfer', got 'nccl'")),

@@ -15,7 +15,8 @@ import torch
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
-EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "flashinfer")
+EXPERTS_BACKEND_NAMES = ("auto", "reference", "cpu", "triton", "grouped_mm", "flashinfer",
+                         "deepgemm")
 A2A_BACKEND_NAMES = ("none", "allgather", "all_to_all", "deepep", "flashinfer")
 ROUTE_BACKEND_NAMES = ("auto", "reference", "triton", "flashinfer")
 FLOAT_FIELDS = ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit")

@@ -7,6 +7,8 @@ input's device (the one ``experts="auto"``, ``a2a="none"`` resolves to).
 Experts backends, highest ``auto`` priority first (each runs where its
 ``supports`` says; `available_backends()` prints what runs here and why not):
 
+- ``deepgemm`` (`deepgemm`): DeepGEMM's fp8 grouped GEMMs, 128 x 128 weight blocks on sm90,
+  once DeepGEMM is built (`deepgemm.library.INSTALL_HINT`).
 - ``triton`` (`triton`): fused Triton kernels, CUDA.
 - ``grouped_mm`` (`grouped_mm`): ``torch._grouped_mm`` with Triton epilogues, bf16 on sm90+;
   fp8 w8a8 with rowwise scales on ``torch._scaled_grouped_mm`` (sm90).
@@ -48,6 +50,7 @@ from torch_moe_ops.backends import (  # noqa: F401
     allgather,
     cpu,
     deepep,
+    deepgemm,
     grouped_mm,
     local,
     reference,

@@ -1,0 +1,72 @@
+"""The ``deepgemm`` experts backend: DeepGEMM's fp8 grouped GEMMs (DeepSeek's kernels for
+DeepSeek-V3's 128 x 128 weight blocks on Hopper) with this project's sort, activation and
+gather around them (`experts`).
+
+It runs ``QuantSpec("fp8_block")`` layers (128 x 128 weight blocks, fp8_group activations)
+in bf16 on sm90, once DeepGEMM is built (`library.INSTALL_HINT`): the tokens and rows
+formats on its contiguous GEMM, the masked format (DeepEP's low-latency blocks, decode) on
+its masked GEMM, reading blocks that arrive in fp8 as they are. Weights are read as stored
+(DeepGEMM's K-major ``[E, N, K]`` with ``[E, N / 128, K / 128]`` fp32 scales is the stored
+layout). Quantized layers serve inference: no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.deepgemm import library
+from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
+from torch_moe_ops.ops import define_backend_ops
+
+NAMESPACE = "moe_deepgemm"
+
+
+def format_reason(quant) -> str | None:
+    """Why DeepGEMM's kernels cannot run weights and activations of ``quant`` (a
+    `QuantSpec`, or None for unquantized weights), or ``None``."""
+    from torch_moe_ops.backends.deepgemm.experts import FP8_BLOCKS
+
+    if quant is None:
+        return (f"runs quantized weights only ({FP8_BLOCKS.name}); bf16 layers run on the "
+                f"other backends")
+    if quant != FP8_BLOCKS:
+        return f"runs {FP8_BLOCKS.name} only (DeepGEMM's sm90 fp8 recipe), got {quant.name}"
+    return None
+
+
+def supports(spec, problem, device) -> str | None:
+    """``None`` where DeepGEMM runs ``problem`` on ``device`` without a host sync, else why
+    not (the registry's ``supports`` signature; ``spec`` is not read)."""
+    if not TRITON_INSTALLED:
+        return "its activation and gather kernels need triton (pip install triton)"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "needs a CUDA GPU of sm90"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        # sm100's DeepGEMM kernels read e8m0 scales packed four to an int: another layout.
+        return f"needs sm90 (its fp32-scale kernels), got sm{major}{minor}"
+    reason = format_reason(problem.quant) or library.missing()
+    if reason is not None:
+        return reason
+    if problem.dtype != torch.bfloat16:
+        return f"needs bfloat16 activations (DeepGEMM writes bfloat16), got {problem.dtype}"
+    sizes = (problem.hidden_size, problem.intermediate_size)
+    if None not in sizes and any(size % library.SCALE_BLOCK for size in sizes):
+        return (f"needs hidden_size and intermediate_size divisible by {library.SCALE_BLOCK}, "
+                f"got {sizes[0]} and {sizes[1]}")
+    return None
+
+
+if TRITON_INSTALLED:
+    from torch_moe_ops.backends.common.kernels.launch import on_first_call
+
+    _EXPERTS = "torch_moe_ops.backends.deepgemm.experts"
+    define_backend_ops(NAMESPACE, {name: on_first_call(_EXPERTS, name) for name in (
+        "experts_quant", "experts_rows_quant", "experts_masked_quant")})
+
+REGISTRY.register_experts(ExpertsBackend(
+    name="deepgemm", namespace=NAMESPACE, supports=supports, priority=25,
+    description="DeepGEMM's fp8 grouped GEMMs (128 x 128 weight blocks, sm90; contiguous "
+                "and masked layouts)",
+    quantized_rows=("fp8_group",)))

@@ -1,0 +1,188 @@
+"""The ``deepgemm`` experts: DeepGEMM's fp8 grouped GEMMs with 128 x 128 weight blocks.
+
+Legend: T tokens, H hidden size, I expert intermediate size, F = 2 * I, E experts, K experts
+per token, R = T * K rows sorted by expert, M rows of DeepGEMM's contiguous layout, A the
+rows each expert's group is padded to (`library.row_alignment`), C rows per expert of the
+masked format, G = H / 128 (or I / 128) activation scale groups per row.
+
+For ``QuantSpec("fp8_block")`` weights (DeepSeek-V3's, ``[E, N, K]`` float8_e4m3fn with
+``[E, N / 128, K / 128]`` fp32 scales, as stored) and ``fp8_group`` activations:
+
+    q[t], s[t]  = fp8 of each 128 columns of hidden[t] (`quant.quantize_activations`)
+    h[m] = (q[token(m)] @ w13[e].T) with both scales        DeepGEMM, contiguous layout
+    a[m] = act(h[m] + b13[e])                              `epilogues.bias_act_rows`
+    p, s' = fp8 of each 128 columns of a
+    y[m] = (p[m] @ w2[e].T) with both scales               DeepGEMM, contiguous layout
+    out[t] = sum over k of weight[t, k] * (y[row(t, k)] + b2[e])   `gather_weighted_sum`
+
+The contiguous layout (`contiguous_layout`) is the rows sorted by expert with each
+expert's group starting at a multiple of A; its size is fixed by T, K and E alone (the
+worst case, every non-empty group padded by A - 1 rows), so nothing waits for the host and a
+CUDA graph captures the whole layer. The rows between groups are marked with expert -1:
+DeepGEMM skips the blocks that start with one, the activation writes zeros there, the final
+gather never reads them. Rows that arrive as the masked format (``[E, C, H]`` blocks with a
+count per expert: DeepEP's low-latency layout) go to DeepGEMM's masked GEMM as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_moe_ops import quant
+from torch_moe_ops.backends.common.kernels import grouped_gemm
+from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
+from torch_moe_ops.backends.deepgemm import library
+from torch_moe_ops.config import QuantSpec
+from torch_moe_ops.ops.quant import rows_out_dtype
+
+# The one format these kernels run: what `__init__.format_reason` accepts.
+FP8_BLOCKS = QuantSpec("fp8_block", "fp8_group", (library.SCALE_BLOCK, library.SCALE_BLOCK))
+
+
+def _check_runs(w13, w2, weight_format, activation_format, block_size) -> None:
+    """What `supports` asks of the weights, for a direct call of the ops."""
+    spec = QuantSpec.from_op_args(weight_format, activation_format, list(block_size))
+    if spec != FP8_BLOCKS:
+        raise ValueError(f"experts backend 'deepgemm' runs {FP8_BLOCKS.name} only, got "
+                         f"weight_format={weight_format!r}, activation_format="
+                         f"{activation_format!r}, block_size={list(block_size)}")
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if hidden % library.SCALE_BLOCK or inter % library.SCALE_BLOCK:
+        raise ValueError(f"experts backend 'deepgemm' needs H and I divisible by "
+                         f"{library.SCALE_BLOCK}, got H={hidden}, I={inter}")
+
+
+def quantize_groups(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_MK, scale_MG)``: fp8 with one fp32 scale per row and 128 columns."""
+    return quant.quantize_activations(x_MK, FP8_BLOCKS)
+
+
+def padded_rows(num_rows: int, num_experts: int, alignment: int) -> int:
+    """M: rows of the contiguous layout of ``num_rows`` sorted rows, enough whatever the
+    routing (each of at most ``min(E, R)`` non-empty groups padded by ``A - 1`` rows)."""
+    worst = num_rows + min(num_experts, num_rows) * (alignment - 1)
+    return -(-worst // alignment) * alignment
+
+
+def contiguous_layout(sorted_ids_R: torch.Tensor, count_E: torch.Tensor, alignment: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_R, expert_M)``: where each sorted row goes in the contiguous layout
+    (int64) and the expert of each of its rows (int32, -1 between groups).
+
+    Expert e's rows start at the sum of the earlier groups' counts, each rounded up to
+    ``alignment``. Rows of expert -1 (last in `sort_rows`' order) go to the layout's last
+    rows, which no group reaches (`padded_rows` leaves room for them).
+    """
+    num_rows, num_experts = sorted_ids_R.shape[0], count_E.shape[0]
+    num_padded = padded_rows(num_rows, num_experts, alignment)
+    count_E = count_E.long()
+    padded_E = (count_E + alignment - 1) // alignment * alignment
+    # Row r of expert e moves by (e's padded start) - (e's start) = the padding before e.
+    shift_E = torch.cumsum(padded_E - count_E, 0) - (padded_E - count_E)
+    kept_R = sorted_ids_R >= 0
+    shift_R = torch.where(kept_R, shift_E[sorted_ids_R.clamp(min=0)], num_padded - num_rows)
+    position_R = torch.arange(num_rows, device=sorted_ids_R.device) + shift_R
+    expert_M = torch.full((num_padded,), -1, dtype=torch.int32, device=sorted_ids_R.device)
+    expert_M[position_R] = sorted_ids_R.to(torch.int32)
+    return position_R, expert_M
+
+
+def _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act, alpha,
+                   limit):
+    """``y_MH [M, H]`` bf16 before ``b2``; rows of expert -1 hold garbage."""
+    h_MF = library.grouped_gemm_contiguous(q_MH, scale_MG, w13, w13_scale, expert_M)
+    a_MI = grouped_gemm.bias_act_rows(h_MF, b13_EF, expert_M, act, alpha, limit)
+    return library.grouped_gemm_contiguous(*quantize_groups(a_MI), w2, w2_scale, expert_M)
+
+
+def _to_layout(q_RH, scale_RG, position_R, num_padded):
+    """The sorted rows and their scales moved to the contiguous layout's ``M`` rows; the
+    rows between groups are left unwritten (DeepGEMM skips or never reads them)."""
+    q_MH = q_RH.new_empty((num_padded, q_RH.shape[1]))
+    scale_MG = scale_RG.new_empty((num_padded, scale_RG.shape[1]))
+    q_MH[position_R] = q_RH
+    scale_MG[position_R] = scale_RG
+    return q_MH, scale_MG
+
+
+def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w2_scale,
+                  b13_EF, b2_EH, weight_format, activation_format, block_size, act, alpha,
+                  limit):
+    """``moe::experts_quant``: ``out_TH [T, H]``, every token through its top-k experts,
+    weighted and summed (the module docstring's formula)."""
+    _check_runs(w13, w2, weight_format, activation_format, block_size)
+    num_tokens, top_k = topk_ids_TK.shape
+    if num_tokens == 0:
+        return torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
+    order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, w13.shape[0])
+    position_R, expert_M = contiguous_layout(sorted_ids_R, count_E, library.row_alignment())
+    # Tokens are quantized before they are gathered: K times fewer rows to scale.
+    q_TH, scale_TG = quantize_groups(hidden_TH)
+    token_R = order_R // top_k
+    q_MH, scale_MG = _to_layout(q_TH[token_R], scale_TG[token_R], position_R,
+                                expert_M.shape[0])
+    y_MH = _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act,
+                          alpha, limit)
+    row_of_slot_S = position_R[rows_of_slots(order_R)].to(torch.int32)
+    out_TH = grouped_gemm.gather_weighted_sum(y_MH, row_of_slot_S, topk_weights_TK,
+                                              topk_ids_TK, b2_EH)
+    return out_TH.to(hidden_TH.dtype)
+
+
+def experts_rows_quant(x_RH, x_scale, expert_R, count_E, w13, w2, w13_scale, w2_scale, b13_EF,
+                       b2_EH, weight_format, activation_format, block_size, act, alpha, limit,
+                       out_dtype):
+    """``moe::experts_rows_quant``: ``y_RH [R, H]``, each row (grouped by expert, as dispatch
+    leaves them) through its expert; rows of expert -1 are 0. Rows that arrive quantized
+    (fp8 with ``x_scale [R, G]``) go to the GEMM as they are."""
+    _check_runs(w13, w2, weight_format, activation_format, block_size)
+    out_dtype = rows_out_dtype(x_RH, out_dtype)
+    if x_RH.shape[0] == 0:
+        return x_RH.new_empty(tuple(x_RH.shape), dtype=out_dtype)
+    q_RH, scale_RG = quantize_groups(x_RH) if x_scale is None else (x_RH, x_scale)
+    position_R, expert_M = contiguous_layout(expert_R, count_E, library.row_alignment())
+    q_MH, scale_MG = _to_layout(q_RH, scale_RG, position_R, expert_M.shape[0])
+    y_MH = _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act,
+                          alpha, limit)
+    return grouped_gemm.finish_rows(y_MH[position_R], expert_R, b2_EH).to(out_dtype)
+
+
+def _masked_experts(count_E: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+    """``expert_X [E * C]`` int32: the expert of each cell of the masked blocks, -1 past its
+    count."""
+    num_experts = count_E.shape[0]
+    cell_EC = torch.arange(rows_per_expert, device=count_E.device).expand(num_experts, -1)
+    expert_EC = torch.arange(num_experts, dtype=torch.int32, device=count_E.device)[:, None]
+    return torch.where(cell_EC < count_E[:, None], expert_EC, -1).reshape(-1)
+
+
+def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
+                         weight_format, activation_format, block_size, act, alpha, limit,
+                         out_dtype):
+    """``moe::experts_masked_quant``: ``y_ECH [E, C, H]``, the rows of each block below its
+    count through its expert (rows past it come out as zeros), on DeepGEMM's masked GEMM."""
+    _check_runs(w13, w2, weight_format, activation_format, block_size)
+    out_dtype = rows_out_dtype(x_ECH, out_dtype)
+    num_experts, rows_per_expert, hidden_size = x_ECH.shape
+    if x_ECH.numel() == 0:
+        return x_ECH.new_zeros(tuple(x_ECH.shape), dtype=out_dtype)
+    if x_scale is None:
+        q_XH, scale_XG = quantize_groups(x_ECH.reshape(-1, hidden_size))
+        q_ECH = q_XH.view(x_ECH.shape)
+        scale_ECG = scale_XG.view(num_experts, rows_per_expert, -1)
+    else:
+        q_ECH, scale_ECG = x_ECH, x_scale
+    # Decode sends a few rows to each expert: the tiles for that size (the result does not
+    # depend on it).
+    expected_rows = min(rows_per_expert, library.SCALE_BLOCK)
+    expert_X = _masked_experts(count_E, rows_per_expert)
+    h_ECF = library.grouped_gemm_masked(q_ECH, scale_ECG, w13, w13_scale, count_E,
+                                        expected_rows)
+    a_XI = grouped_gemm.bias_act_rows(h_ECF.view(num_experts * rows_per_expert, -1), b13_EF,
+                                      expert_X, act, alpha, limit)
+    p_XI, scale_a_XG = quantize_groups(a_XI)
+    y_ECH = library.grouped_gemm_masked(
+        p_XI.view(num_experts, rows_per_expert, -1),
+        scale_a_XG.view(num_experts, rows_per_expert, -1), w2, w2_scale, count_E, expected_rows)
+    y_XH = grouped_gemm.finish_rows(y_ECH.view(-1, hidden_size), expert_X, b2_EH)
+    return y_XH.view(x_ECH.shape).to(out_dtype)

@@ -1,0 +1,74 @@
+"""DeepGEMM (github.com/deepseek-ai/DeepGEMM): whether it runs here, and its two fp8 grouped
+GEMMs as the ``deepgemm`` experts backend calls them.
+
+Legend: M rows, N output columns, K the reduced dimension, G groups (experts), C rows per
+group of the masked layout.
+
+Both GEMMs compute ``d[m] = (a[m] @ b[g].T)`` with 128-column activation scales (``fp8_group``:
+``a_scale [M, K / 128]``) and 128 x 128 weight block scales (``b_scale [G, N / 128, K / 128]``),
+fp32 scales on sm90, bf16 out. DeepGEMM compiles each kernel with nvcc on its first call (into
+``$DG_JIT_CACHE_DIR``): a compiled layer must run once before CUDA-graph capture, as every
+layer does in its warm-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+
+INSTALL_HINT = ("DeepGEMM is built from source: scripts/build_deepgemm.sh (it needs nvcc and "
+                "CUTLASS's headers)")
+# The block of the weight scales and the group of the activation scales DeepGEMM's sm90 fp8
+# kernels read.
+SCALE_BLOCK = 128
+
+
+@functools.cache
+def missing() -> str | None:
+    """Why ``deep_gemm`` cannot be imported here, or ``None`` where it can."""
+    if importlib.util.find_spec("deep_gemm") is None:
+        return f"deep_gemm is not installed ({INSTALL_HINT})"
+    try:
+        importlib.import_module("deep_gemm")
+    except Exception as error:  # noqa: BLE001 (any import failure is the reason)
+        return f"import deep_gemm failed: {type(error).__name__}: {error}"
+    return None
+
+
+def _deep_gemm():
+    return importlib.import_module("deep_gemm")
+
+
+@functools.cache
+def row_alignment() -> int:
+    """The rows each expert's group is padded to in the contiguous layout (DeepGEMM's
+    largest M block; 128 on sm90)."""
+    return int(_deep_gemm().get_mk_alignment_for_contiguous_layout())
+
+
+def grouped_gemm_contiguous(a_MK: torch.Tensor, a_scale_MG: torch.Tensor, b_GNK: torch.Tensor,
+                            b_scale: torch.Tensor, group_M: torch.Tensor) -> torch.Tensor:
+    """``d_MN`` bf16: row ``m`` times the weights of group ``group_M[m]``; the rows of each
+    group follow each other from a multiple of `row_alignment`, and an M block whose first
+    row has group -1 is skipped (its rows are left unwritten)."""
+    d_MN = torch.empty((a_MK.shape[0], b_GNK.shape[1]), dtype=torch.bfloat16,
+                       device=a_MK.device)
+    _deep_gemm().m_grouped_fp8_gemm_nt_contiguous((a_MK, a_scale_MG), (b_GNK, b_scale), d_MN,
+                                                  group_M)
+    return d_MN
+
+
+def grouped_gemm_masked(a_GCK: torch.Tensor, a_scale_GCX: torch.Tensor, b_GNK: torch.Tensor,
+                        b_scale: torch.Tensor, count_G: torch.Tensor, expected_rows: int
+                        ) -> torch.Tensor:
+    """``d_GCN`` bf16: the first ``count_G[g]`` rows of each block ``a_GCK[g]`` times the
+    weights of group ``g``; rows past the count are left unwritten. ``expected_rows`` (the
+    rows a group is expected to hold) picks DeepGEMM's tile sizes, not the result."""
+    d_GCN = torch.empty((*a_GCK.shape[:2], b_GNK.shape[1]), dtype=torch.bfloat16,
+                        device=a_GCK.device)
+    _deep_gemm().m_grouped_fp8_gemm_nt_masked((a_GCK, a_scale_GCX), (b_GNK, b_scale), d_GCN,
+                                              count_G, expected_rows)
+    return d_GCN
