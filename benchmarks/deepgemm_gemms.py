@@ -4,6 +4,7 @@ does for a layer, without the routing sort, the quantization of the activations,
 activation between the GEMMs or the weighted sum).
 
     python benchmarks/deepgemm_gemms.py [--shapes deepseek-v3,mixtral-8x7b] [--tokens 4096]
+    python benchmarks/deepgemm_gemms.py --compile-only ...   # DeepGEMM's JIT builds, untimed
 
 Legend: T tokens, K experts per token, E experts, H hidden size, I expert intermediate size,
 M rows of the contiguous layout.
@@ -30,7 +31,11 @@ from torch_moe_ops.backends.deepgemm import experts as deepgemm_experts
 from torch_moe_ops.backends.deepgemm import library
 
 
-def gemms_seconds(shape: bench_experts.Shape, num_tokens: int, flush: torch.Tensor) -> float:
+def gemms_seconds(shape: bench_experts.Shape, num_tokens: int, flush: torch.Tensor | None
+                  ) -> float:
+    """Seconds of the two GEMMs; with no ``flush`` buffer, runs them once (DeepGEMM compiles
+    each kernel on its first call: several processes compile in parallel, each its shapes)
+    and returns 0."""
     generator = torch.Generator(device="cuda").manual_seed(num_tokens)
     w13, w2, *_ = bench_experts.make_weights(shape, generator)
     (w13_q, w13_s), (w2_q, w2_s) = (quant.quantize_weights(w, deepgemm_experts.FP8_BLOCKS)
@@ -50,6 +55,10 @@ def gemms_seconds(shape: bench_experts.Shape, num_tokens: int, flush: torch.Tens
         library.grouped_gemm_contiguous(q_MH, s_MG, w13_q, w13_s, expert_M)
         return library.grouped_gemm_contiguous(p_MI, t_MG, w2_q, w2_s, expert_M)
 
+    if flush is None:
+        both()
+        torch.cuda.synchronize()
+        return 0.0
     replay, _ = bench_experts.graph_timer(both)
     return bench_experts.cold_median_seconds(replay, flush)
 
@@ -58,7 +67,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="deepseek-v3,mixtral-8x7b,qwen3-30b-a3b,olmoe")
     parser.add_argument("--tokens", default="1,16,4096,16384")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run each GEMM once, untimed: DeepGEMM's JIT builds only")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        for name in args.shapes.split(","):
+            for num_tokens in map(int, args.tokens.split(",")):
+                gemms_seconds(bench_experts.SHAPES[name], num_tokens, None)
+        return
     ceilings = bench_experts.measure_ceilings()
     fp8_rate = ceilings.flops_per_s(deepgemm_experts.FP8_BLOCKS)
     flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")

@@ -16,9 +16,9 @@
 #   tar -cJf .peers/deepgemm-src.tar.xz -C /tmp/dg .
 #
 # DeepGEMM's setup.py needs the `wheel` package and git; the extension is one C++ file, built
-# here with torch's BuildExtension directly. A kernel cache carried in .peers/deepgemm-cache
-# (a tgz that $OUT/deepgemm-cache.tgz brought back, PACK_CACHE=1) skips the nvcc runs.
-set -euo pipefail
+# here with torch's BuildExtension directly. A kernel cache carried as .peers/deepgemm-cache.tgz
+# (what scripts/deepgemm_gpu_check.sh brings back in $OUT) skips the nvcc runs. Meant to be
+# sourced (it returns 1 where the build fails); run as a script it builds and checks.
 _dg_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DG_SRC="${DG_SRC:-/tmp/deepgemm}"
 _dg_build() {
@@ -52,7 +52,7 @@ EOF
   ) || { tail -40 "$DG_SRC/build.log"; return 1; }
   echo "DeepGEMM built in $(( SECONDS - start )) s"
 }
-_dg_build
+_dg_build || return 1 2>/dev/null || exit 1
 export PYTHONPATH="$DG_SRC${PYTHONPATH:+:$PYTHONPATH}"
 export DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/deepgemm-cache}"
 mkdir -p "$DG_JIT_CACHE_DIR"
@@ -60,4 +60,3 @@ if [ -f "$_dg_root/.peers/deepgemm-cache.tgz" ]; then
   tar -xzf "$_dg_root/.peers/deepgemm-cache.tgz" -C "$DG_JIT_CACHE_DIR"
 fi
 python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__, deep_gemm.__file__)"
-set +euo pipefail
