@@ -35,15 +35,20 @@ _dg_build() {
   ln -sfn "$DG_SRC/third-party/cutlass/include/cute" "$DG_SRC/deep_gemm/include/cute"
   local start=$SECONDS
   (cd "$DG_SRC" && MAX_JOBS="$(nproc)" python3 - build_ext --inplace >"$DG_SRC/build.log" 2>&1 <<'EOF'
+import os
+
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
 abi = int(torch.compiled_with_cxx11_abi())
+# Absolute: ninja compiles from the build folder.
+here = os.getcwd()
 setup(name="deep_gemm", ext_modules=[CUDAExtension(
-    name="deep_gemm._C", sources=["csrc/python_api.cpp"],
-    include_dirs=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", "deep_gemm/include",
-                  "third-party/cutlass/include", "third-party/fmt/include"],
+    name="deep_gemm._C", sources=[f"{here}/csrc/python_api.cpp"],
+    include_dirs=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl",
+                  f"{here}/deep_gemm/include", f"{here}/third-party/cutlass/include",
+                  f"{here}/third-party/fmt/include"],
     libraries=["cudart", "nvrtc"], library_dirs=[f"{CUDA_HOME}/lib64"],
     extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-Wno-psabi",
                         "-Wno-deprecated-declarations", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"])],
