@@ -1,7 +1,8 @@
 """Time the experts step of real MoE shapes on every available backend, bf16 and quantized.
 
     python benchmarks/bench_experts.py --out results/ [--shapes mixtral-8x7b,qwen3-30b-a3b] \\
-        [--tokens 1,16] [--formats bf16,fp8_block,fp8_channel,mxfp4] [--peers hf,vllm]
+        [--tokens 1,16] [--formats bf16,fp8_block,fp8_channel,mxfp4] \\
+        [--peers hf,vllm,triton_kernels]
     python benchmarks/bench_experts.py --out DIR --smoke    # CPU, tiny shapes: checks the script
     python benchmarks/bench_experts.py --out DIR --flashinfer-rows [--shapes deepseek-v3]
 
@@ -18,11 +19,14 @@ whose ``supports()`` refuses the format is skipped, and its reason is printed an
 in ``experts.json``. The ``reference`` backend runs only where it is quick (it does
 E/K times the FLOPs; quantized, it reads every weight back in fp32). vLLM's Triton
 kernel runs where its source is at hand (see peer_vllm.py), captured too, in bf16 and
-in its two fp8 modes (``fp8_block``, ``fp8_channel``); transformers' experts
-implementations (bf16 only) run as they come (they may sync with the host, which a
-graph cannot capture) and compiled by Inductor, captured like ours. Each time is the
-median of cold runs (`cold_median_seconds`): before each run a read of 1 GiB evicts L2
-and leaves it clean. (``do_bench`` flushes by writing 256 MB, so a run begins by
+in its two fp8 modes (``fp8_block``, ``fp8_channel``). OpenAI's triton_kernels
+(``matmul_ogs``, vLLM's MXFP4 path for GPT-OSS on Hopper) runs ``mxfp4`` rows with
+``swiglu_oai`` where its source is at hand (see peer_triton_kernels.py), captured too,
+on weights converted to its layout once per format, outside every timed region.
+transformers' experts implementations (bf16 only) run as they come (they may sync with
+the host, which a graph cannot capture) and compiled by Inductor, captured like ours.
+Each time is the median of cold runs (`cold_median_seconds`): before each run a read of
+1 GiB evicts L2 and leaves it clean. (``do_bench`` flushes by writing 256 MB, so a run begins by
 writing back the dirty L2; on a 20-50 us decode call that added 8-10 us on an H200,
 work no model step does.)
 
@@ -57,8 +61,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-# peer_vllm, summarize and weight_formats are siblings of this script, whose folder
-# is on sys.path when it runs.
+# peer_triton_kernels, peer_vllm, summarize and weight_formats are siblings of this
+# script, whose folder is on sys.path when it runs.
+import peer_triton_kernels
 import peer_vllm
 import summarize
 import torch
@@ -105,11 +110,12 @@ REFERENCE_QUANT_MAX_BYTES = 2**28
 # transformers' batched_mm gathers a weight matrix per row: skip it past this many bytes.
 PEER_MAX_BYTES = 16 * 2**30
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
-PEERS = ("hf", "vllm")
-# --flashinfer-rows: FlashInfer's experts in its three formats beside triton, grouped_mm and
-# vLLM's Triton kernel (bf16 and fp8 where its source is at hand), prefill and decode.
+PEERS = ("hf", "vllm", "triton_kernels")
+# --flashinfer-rows: FlashInfer's experts in its three formats beside triton, grouped_mm,
+# vLLM's Triton kernel (bf16 and fp8) and triton_kernels (mxfp4) where their sources are at
+# hand, prefill and decode.
 FLASHINFER_ROWS = {"formats": "bf16,fp8_block,mxfp4", "tokens": "1,16,4096,16384",
-                   "backends": "flashinfer,triton,grouped_mm", "peers": "vllm"}
+                   "backends": "flashinfer,triton,grouped_mm", "peers": "vllm,triton_kernels"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,10 +366,30 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
 
 
+def triton_kernels_weights(shape_name: str, shape: Shape, weights: ExpertWeights, bench: Bench
+                           ) -> peer_triton_kernels.KernelWeights | None:
+    """``weights`` in triton_kernels' layout, converted once per shape and format (outside
+    every timed region), or None where that peer is not asked for or does not run (its
+    reason kept as a skip)."""
+    if "triton_kernels" not in bench.peers:
+        return None
+    reason = peer_triton_kernels.why_not(shape, weights.spec, bench.device)
+    if reason is None:
+        try:
+            return peer_triton_kernels.kernel_weights(weights)
+        except Exception as e:  # noqa: BLE001 (one peer failing must not end the run)
+            reason = f"its weight conversion failed: {type(e).__name__}: {e}"
+    bench.skip(shape_name, weights.format, peer_triton_kernels.NAME, reason)
+    return None
+
+
 def candidates(shape_name: str, shape: Shape, num_tokens: int, routing, weights: ExpertWeights,
-               bf16_weights, bench: Bench) -> dict[str, tuple[Callable, bool]]:
+               bf16_weights, bench: Bench,
+               triton_kernels: peer_triton_kernels.KernelWeights | None = None
+               ) -> dict[str, tuple[Callable, bool]]:
     """``{name: (fn, capture)}`` of every backend and peer that runs this row, the
-    reference first where it runs (the others are checked against it)."""
+    reference first where it runs (the others are checked against it); ``triton_kernels``:
+    the weights that peer reads (`triton_kernels_weights`), None where it does not run."""
     hidden_TH, topk_weights_TK, topk_ids_TK = routing
     static = (shape.activation, SWIGLU_ALPHA, SWIGLU_LIMIT)
     found: dict[str, tuple[Callable, bool]] = {}
@@ -376,6 +402,9 @@ def candidates(shape_name: str, shape: Shape, num_tokens: int, routing, weights:
     if "hf" in bench.peers and weights.spec is None:
         found.update(transformers_peers(shape, num_tokens, (*routing, *bf16_weights),
                                         compiled=not bench.smoke))
+    if triton_kernels is not None:
+        found[peer_triton_kernels.NAME] = (peer_triton_kernels.triton_kernels_run(
+            routing, triton_kernels, (SWIGLU_ALPHA, SWIGLU_LIMIT)), True)
     if "vllm" in bench.peers:
         reason = peer_vllm.why_not(shape, weights.spec, bench.device)
         if reason is not None:
@@ -390,8 +419,10 @@ def candidates(shape_name: str, shape: Shape, num_tokens: int, routing, weights:
 
 
 def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights: ExpertWeights,
-              bf16_weights, bench: Bench) -> list[dict]:
-    """The rows of one shape, format and token count."""
+              bf16_weights, bench: Bench,
+              triton_kernels: peer_triton_kernels.KernelWeights | None = None) -> list[dict]:
+    """The rows of one shape, format and token count (``triton_kernels`` as `candidates`
+    takes it)."""
     # Seeded by T alone: every format of this shape and T routes the same tokens.
     generator = torch.Generator(device=bench.device).manual_seed(num_tokens)
     routing = make_problem(shape, num_tokens, bf16_weights, generator)[:3]
@@ -402,7 +433,7 @@ def bench_one(shape_name: str, shape: Shape, num_tokens: int, weights: ExpertWei
     baseline: torch.Tensor | None = None
     rows = []
     for name, (fn, capture) in candidates(shape_name, shape, num_tokens, routing, weights,
-                                          bf16_weights, bench).items():
+                                          bf16_weights, bench, triton_kernels).items():
         try:
             timed, out = bench.prepare(fn, capture)
             if baseline is None:
@@ -495,9 +526,11 @@ def run(bench: Bench, shapes: dict[str, Shape], tokens: list[int], formats: list
                 bench.skip(shape_name, format_name, "every backend", reason)
                 continue
             weights = weight_formats.expert_weights(format_name, *bf16_weights)
+            peer_weights = triton_kernels_weights(shape_name, shape, weights, bench)
             for num_tokens in tokens:
-                rows += bench_one(shape_name, shape, num_tokens, weights, bf16_weights, bench)
-            del weights
+                rows += bench_one(shape_name, shape, num_tokens, weights, bf16_weights, bench,
+                                  peer_weights)
+            del weights, peer_weights
             if not bench.smoke:
                 torch.cuda.empty_cache()
             write_results(out, header, rows, draw=False)
@@ -527,8 +560,8 @@ def main(argv=None) -> None:
     parser.add_argument("--formats",
                         help=f"comma-separated, of {', '.join(weight_formats.FORMATS)} "
                              f"(default {','.join(weight_formats.DEFAULT_FORMATS)})")
-    parser.add_argument("--peers", help="comma-separated peers to time beside ours: hf, vllm "
-                                        f"(or none; default {','.join(PEERS)})")
+    parser.add_argument("--peers", help="comma-separated peers to time beside ours: "
+                                        f"{', '.join(PEERS)} (or none; default all)")
     parser.add_argument("--backends", help="comma-separated backends of ours to time "
                                            "(default all that run)")
     parser.add_argument("--flashinfer-rows", action="store_true",
@@ -577,6 +610,9 @@ def main(argv=None) -> None:
         "torch": torch.__version__, "triton": triton.__version__,
         # The vLLM release the vllm-triton peer ran from; None when there was none.
         "vllm": peer_vllm.source_version() if "vllm" in peers else None,
+        # Where the triton-kernels peer's code came from; None when it had none.
+        "triton_kernels": (peer_triton_kernels.source_version() if "triton_kernels" in peers
+                           else None),
         "read_tb_per_s": ceilings.read_bytes_per_s / 1e12,
         "bf16_tflop_per_s": ceilings.bf16_flops_per_s / 1e12,
         "fp8_tflop_per_s": ceilings.fp8_flops_per_s / 1e12,

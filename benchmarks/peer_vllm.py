@@ -111,11 +111,23 @@ def source_root() -> str:
     return os.environ.get("TMO_VLLM_SRC") or os.path.join(REPO, ".peers", "vllm")
 
 
-def shown_source_root() -> str:
-    """`source_root` as results show it: relative to the checkout where it lies in it
+def shown_path(path: str) -> str:
+    """``path`` as results show it: relative to the checkout where it lies in it
     (results name no machine's paths)."""
-    root = source_root()
-    return os.path.relpath(root, REPO) if root.startswith(REPO + os.sep) else root
+    return os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
+
+
+def shown_source_root() -> str:
+    return shown_path(source_root())
+
+
+def source_note(root: str) -> str | None:
+    """The first line of the ``SOURCE`` note in a peer's folder ``root``, None without one."""
+    note = os.path.join(root, "SOURCE")
+    if not os.path.isfile(note):
+        return None
+    with open(note) as f:
+        return f.readline().strip()
 
 
 def kernel_file() -> str | None:
@@ -129,11 +141,7 @@ def source_version() -> str | None:
     ``SOURCE`` note, or None without a kernel file."""
     if kernel_file() is None:
         return None
-    note = os.path.join(source_root(), "SOURCE")
-    if not os.path.isfile(note):
-        return "vLLM source without a SOURCE note"
-    with open(note) as f:
-        return f.readline().strip()
+    return source_note(source_root()) or "vLLM source without a SOURCE note"
 
 
 def why_not(shape, spec: QuantSpec | None, device: torch.device) -> str | None:

@@ -12,9 +12,10 @@ draws the plot from the JSON).
 
 Markdown: per shape and weight format, one row per token count: each backend's time
 and fraction of the floor, the best of ours against the best peer (transformers'
-implementations ``hf-*``, vLLM's Triton kernel ``vllm-triton``). ``--short``: the
-quantized experts' targets, met or missed with numbers, then one line per shape,
-format and token count: our best backend (not the reference), the floor, vLLM's time.
+implementations ``hf-*``, vLLM's Triton kernel ``vllm-triton``, triton_kernels'
+``triton-kernels``). ``--short``: the quantized experts' targets, met or missed with
+numbers, then one line per shape, format and token count: our best backend (not the
+reference), the floor, vLLM's time.
 ``--rows``: every row. Decode rows (T = 1, 16) also give the fraction of their byte floor
 (``%bytes``: the weights' bytes at the HBM read rate, the decode roofline).
 Rows of runs from before formats existed count as bf16.
@@ -27,7 +28,7 @@ import csv
 import json
 from collections import defaultdict
 
-PEER_PREFIXES = ("hf-", "vllm-")
+PEER_PREFIXES = ("hf-", "vllm-", "triton-kernels")
 VLLM = "vllm-triton"
 BF16 = "bf16"
 # The targets of quantized experts (issue 11), in the same run.
@@ -168,13 +169,17 @@ def markdown(headers: list[dict], rows: list[dict]) -> str:
            f"{_span([h['read_tb_per_s'] for h in headers], '.2f')} TB/s, dense bf16 "
            f"{_span([h['bf16_tflop_per_s'] for h in headers], '.0f')} TFLOP/s"
            + (f", dense fp8 {_span(fp8, '.0f')} TFLOP/s" if fp8 else "") + ". "
-           "Times are medians of CUDA-graph replays "
-           "(ours and `vllm-triton`) or eager calls (transformers' `hf-*`), each run after a "
+           "Times are medians of CUDA-graph replays (ours, `vllm-triton` and "
+           "`triton-kernels`) or eager calls (transformers' `hf-*`), each run after a "
            "1 GiB read that evicts L2 and leaves it clean; `%` is the floor over the time.\n"]
     if header.get("vllm"):
         out.append(f"`vllm-triton`: {header['vllm']}, its Triton kernel and tuned configs, "
                    "with its CUDA align, activation, fp8 activation quantization and sum "
                    "replaced by equivalents (benchmarks/peer_vllm.py).\n")
+    if header.get("triton_kernels"):
+        out.append(f"`triton-kernels`: {header['triton_kernels']}, `matmul_ogs` with vLLM's "
+                   "routing and weight layout for GPT-OSS on Hopper "
+                   "(benchmarks/peer_triton_kernels.py).\n")
     by_section = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         by_section[(r["shape"], format_of(r))][r["tokens"]][r["backend"]] = r

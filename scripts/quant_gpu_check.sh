@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Quantized experts on one GPU in one call: install, the quantized GPU tests (of
 # tests/test_triton_quant.py, tests/test_grouped_mm_quant.py, tests/test_quant.py,
-# tests/test_dispatch_quant.py, tests/test_checkpoints.py, tests/test_hf_quant.py and
-# tests/test_bench_experts.py, those that exist; TESTS=0 skips them, TEST_SECONDS
-# bounds them), then benchmarks/bench_experts.py once per shape of SHAPES (default
-# the five) with --formats $FORMATS --tokens $TOKENS --peers $PEERS $BENCH_ARGS
-# (BENCH=0 skips it), each run bounded by SHAPE_SECONDS and by what is left of
-# BUDGET_SECONDS since the start (none started with less than a minute left: a run
-# keeps the formats it finished); then the targets and the short table of every shape
-# run (benchmarks/summarize.py --short), last.
+# tests/test_dispatch_quant.py, tests/test_checkpoints.py, tests/test_hf_quant.py,
+# tests/test_bench_experts.py and tests/test_peer_triton_kernels.py, those that exist;
+# TESTS=0 skips them, TEST_SECONDS bounds them), then benchmarks/bench_experts.py once
+# per shape of SHAPES (default the five) with --formats $FORMATS --tokens $TOKENS
+# --peers $PEERS $BENCH_ARGS (BENCH=0 skips it), each run bounded by SHAPE_SECONDS and
+# by what is left of BUDGET_SECONDS since the start (none started with less than a
+# minute left: a run keeps the formats it finished); then the targets and the short
+# table of every shape run (benchmarks/summarize.py --short), last.
 #
 # vLLM's source travels in the git-ignored .peers/vllm (name it in the call's carry;
 # benchmarks/peer_vllm.py says how to fill it): without it the vllm-triton rows are
-# left out, with the reason. $OUT gets install.log, quant.tgz (every log, and each
-# shape's experts.json/.csv/.png) and quant_summary.txt.
+# left out, with the reason. OpenAI's triton_kernels (the triton-kernels rows: mxfp4 on
+# GPT-OSS shapes, with PEERS=vllm,triton_kernels or PEERS=triton_kernels) travels in
+# .peers/triton_kernels the same way (benchmarks/peer_triton_kernels.py); the folder that
+# holds its package goes on PYTHONPATH. $OUT gets install.log, quant.tgz (every log, and
+# each shape's experts.json/.csv/.png) and quant_summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -23,14 +26,18 @@ source scripts/install_on_device.sh
 work=$(mktemp -d)/quant
 mkdir -p "$work"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import peer_vllm; print('vLLM source:', peer_vllm.source_version())"
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import peer_vllm, peer_triton_kernels as tk; print('vLLM source:', peer_vllm.source_version()); print('triton_kernels source:', tk.source_version())"
+# triton_kernels' modules import triton_kernels.* absolutely: the folder that holds it goes
+# on PYTHONPATH (the peer puts it on sys.path too).
+tk_parent=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import peer_triton_kernels; print(peer_triton_kernels.package_parent())")
+if [ -d "$tk_parent/triton_kernels" ]; then export PYTHONPATH="$tk_parent${PYTHONPATH:+:$PYTHONPATH}"; fi
 status=0
 tests="not run"
 if [ "${TESTS:-1}" = 1 ]; then
   files=()
   for f in tests/test_triton_quant.py tests/test_grouped_mm_quant.py tests/test_quant.py \
       tests/test_dispatch_quant.py tests/test_checkpoints.py tests/test_hf_quant.py \
-      tests/test_bench_experts.py; do
+      tests/test_bench_experts.py tests/test_peer_triton_kernels.py; do
     if [ -f "$f" ]; then files+=("$f"); else echo "not here (yet): $f"; fi
   done
   timeout -k 20 "${TEST_SECONDS:-180}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider "${files[@]}" 2>&1 \
