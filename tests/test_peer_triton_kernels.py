@@ -23,6 +23,8 @@ from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+# Triton kernels run on the GPU where there is one, else under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MXFP4 = QuantSpec("mxfp4")
 # Widths whose rows and groups fill no whole tile of the Hopper layouts: H = 320 has
 # 10 scale groups (padded to 12), I = 224 packs into 112 bytes (the value layout pads to
@@ -143,22 +145,23 @@ def test_converted_weights_read_back_as_ours(peer_source):
 
 @pytest.mark.triton
 def test_routing_sorts_slots_by_expert(peer_source):
-    """vLLM's bitmatrix kernel and triton_kernels' routing under the interpreter (40 tokens:
+    """vLLM's bitmatrix kernel and triton_kernels' routing (40 tokens:
     more than one 32-row block of the histogram; 40 experts: two bitmatrix words): slots
     grouped by expert, each expert's count, the weights in that order, and the inverse
     order the combine scatters by."""
     generator = torch.Generator().manual_seed(0)
     T, K, E = 40, 4, 40
-    ids_TK = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]).int()
+    ids_TK = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
     weights_TK = torch.rand(T, K, generator=generator)
-    data, gather, scatter = peer_source.routing_data(ids_TK, weights_TK, E)
-    order_S = gather.src_indx.long()
+    data, gather, scatter = peer_source.routing_data(ids_TK.to(DEVICE, torch.int32),
+                                                     weights_TK.to(DEVICE), E)
+    order_S = gather.src_indx.long().cpu()
     assert torch.equal(order_S.sort().values, torch.arange(T * K))
     experts_S = ids_TK.view(-1)[order_S]
     assert torch.equal(experts_S, experts_S.sort().values)
-    assert torch.equal(data.expt_hist, torch.bincount(ids_TK.view(-1), minlength=E).int())
-    assert torch.equal(data.gate_scal, weights_TK.bfloat16().view(-1)[order_S])
-    assert torch.equal(gather.dst_indx.long()[order_S], torch.arange(T * K))
+    assert torch.equal(data.expt_hist.cpu(), torch.bincount(ids_TK.view(-1), minlength=E).int())
+    assert torch.equal(data.gate_scal.cpu(), weights_TK.bfloat16().view(-1)[order_S])
+    assert torch.equal(gather.dst_indx.long().cpu()[order_S], torch.arange(T * K))
     assert torch.equal(scatter.src_indx, gather.dst_indx)
 
 
