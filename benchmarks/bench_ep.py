@@ -873,7 +873,7 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
             if not run.within_budget(f"layer {a2a} T={tokens}"):
                 continue
             fmt = plan_layer(tmo.BackendSpec(a2a=a2a), dataclasses.replace(
-                Problem.from_config(cfg, run.dtype), training=False), run.device).format
+                Problem.from_config(cfg, run.dtype), training=False), run.device).format.name
             # The engine's own round trip of what the plan's format moves.
             deepep_mode = ("low_latency" if low_latency_runs(run, sizes, cfg.num_experts, tokens)
                            else "normal")

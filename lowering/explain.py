@@ -17,14 +17,14 @@ import torch
 from torch import fx
 
 from torch_moe_ops import torch_compat
-from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.backends.registry import MASKED, TOKENS, Format, Problem
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.compile import MoECompileBackend, moe_backend
 from torch_moe_ops.lowering.plan import LayerPlan
 from torch_moe_ops.lowering.rewrite import expert_parallel, generic_op, layer_plans, lower
 
 
-def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtype,
+def bytes_per_call(problem: Problem, fmt: Format | None, dispatch_dtype: torch.dtype,
                    chunks: int = 1) -> tuple[int, int]:
     """``(dispatch, combine)`` bytes one rank sends its peers per call, at the layer's
     static sizes (every position is sent, filled or not: the splits are static).
@@ -40,10 +40,10 @@ def bytes_per_call(problem: Problem, fmt: str | None, dispatch_dtype: torch.dtyp
     peers, hidden = problem.ep_size - 1, problem.hidden_size
     row_out = hidden * dispatch_dtype.itemsize
     row_back = hidden * problem.dtype.itemsize
-    if fmt == "masked":
+    if fmt is MASKED:
         messages = problem.max_tokens_per_rank * problem.top_k
         return messages * row_out, messages * row_back
-    if fmt == "tokens":
+    if fmt is TOKENS:
         rows = chunks * -(-problem.max_tokens_per_rank // chunks)
         return peers * rows * (row_out + 8 * problem.top_k), peers * rows * row_back
     return peers * problem.capacity * (row_out + 8), peers * problem.capacity * row_back
@@ -74,6 +74,8 @@ class LayerReport:
         if plan.format is not None:
             sent, back = bytes_per_call(p, plan.format, self.dispatch_dtype, plan.chunks)
             lines += [f"  format:  {plan.format} ({plan.format_reason})",
+                      *([f"  mode:    {plan.mode.name} ({plan.mode.reason})"]
+                        if plan.mode is not None else []),
                       f"  chunks:  {plan.chunks} ({plan.chunks_reason})",
                       (f"  in flight: {'yes' if plan.in_flight else 'no'} "
                        f"({plan.in_flight_reason})"),

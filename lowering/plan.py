@@ -1,8 +1,10 @@
-"""One plan per MoE layer: which backends run it, in which format tokens travel, and why.
+"""One plan per MoE layer: which backends run it, in which format and dtype its tokens
+travel, in which mode of the transport's engine, and why.
 
 The lowering reads every generic op's `Problem` from the graph, merges those of one layer
 (`rewrite.layer_problems`) and asks `plan_layer` once per layer; each node of the layer
 then takes its namespace from that plan. `torch_moe_ops.explain` prints the same plans.
+The plan is the only place these are decided: the rewrite and `explain` read it.
 """
 
 from __future__ import annotations
@@ -18,20 +20,19 @@ from torch_moe_ops.backends.dispatch_dtype import (
     resolve_dispatch_dtype,
 )
 from torch_moe_ops.backends.registry import (
-    A2A_OPS,
-    CONSUMER_OPS,
     EXPERTS_OPS,
     FORMATS,
-    MASKED_OPS,
-    QUANT_A2A_OPS,
+    MASKED,
     QUANT_EXPERTS_OPS,
-    QUANT_FORMAT_OPS,
     REGISTRY,
-    TOKENS_OPS,
+    ROWS,
+    TOKENS,
     A2ABackend,
     ExpertsBackend,
+    Format,
     Problem,
     RouteBackend,
+    TransportMode,
 )
 from torch_moe_ops.config import BackendSpec, worst_case_capacity
 from torch_moe_ops.ops.experts import backward_namespace
@@ -43,9 +44,11 @@ class LayerPlan:
     """What runs one layer on ``device``.
 
     ``route`` is set for a routing op's plan, ``experts`` and ``a2a`` for the ops that carry
-    activations; ``format`` is the format between dispatch and combine (`registry.FORMATS`,
-    None on one device) and ``format_reason`` why it was taken; ``chunks`` the chunks its
-    tokens move in (`choose_chunks`) and ``chunks_reason`` why; ``in_flight`` whether its
+    activations; ``format`` is the `Format` between dispatch and combine (None on one device)
+    and ``format_reason`` why it was taken; ``mode`` the mode of the transport's engine that
+    moves it and the namespace of the ops that run that mode (None where the engine has one
+    mode: `A2ABackend.mode_of`); ``chunks`` the chunks its tokens move in
+    (`choose_chunks`) and ``chunks_reason`` why; ``in_flight`` whether its
     transfers are issued and waited apart, the work that needs no routed tokens between
     (`choose_in_flight`), and ``in_flight_reason`` why; ``dispatch`` the dtype its
     tokens travel in and the rule that chose it (None for routing); ``refused`` lists each
@@ -57,8 +60,9 @@ class LayerPlan:
     route: RouteBackend | None = None
     experts: ExpertsBackend | None = None
     a2a: A2ABackend | None = None
-    format: str | None = None
+    format: Format | None = None
     format_reason: str = ""
+    mode: TransportMode | None = None
     refused: tuple[tuple[str, str, str], ...] = ()
     chunks: int = 1
     chunks_reason: str = ""
@@ -72,9 +76,10 @@ class LayerPlan:
             return self.experts.namespace
         if op_name in ("experts_backward", "experts_masked_backward"):
             return backward_namespace(self.experts.namespace, op_name)
-        if op_name in A2A_OPS + QUANT_A2A_OPS + TOKENS_OPS + MASKED_OPS:
-            fmt = ("tokens" if op_name in TOKENS_OPS else "masked" if op_name in MASKED_OPS
-                   else "rows")
+        fmt = next((f for f in FORMATS if op_name in f.a2a_ops), None)
+        if fmt is not None:
+            if self.mode is not None:
+                return self.mode.namespace
             return self.a2a.namespace_of(fmt, bool(self.problem.training))
         if op_name == "route":
             return self.route.namespace
@@ -91,8 +96,8 @@ def _refusals(kind: str, backends: dict, spec: BackendSpec, problem: Problem,
 
 
 # Why the first format both backends run is taken, where none was passed over before it.
-_MERITS = {"masked": "the transport's decode layout, read where it arrives (no copy into rows)",
-           "tokens": "the format that moves the fewest bytes"}
+_MERITS = {MASKED: "the transport's decode layout, read where it arrives (no copy into rows)",
+           TOKENS: "the format that moves the fewest bytes"}
 
 
 def rows_travel_quantized(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem,
@@ -114,28 +119,18 @@ def _resolved_quietly(problem: Problem, dispatch_dtype: torch.dtype | None,
         return resolve_dispatch_dtype(problem.dtype, dispatch_dtype, problem.quant, sides)
 
 
-def dispatch_sides(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem, fmt: str
-                   ) -> DispatchSides:
-    """What a layer's two ends can do in ``fmt``: rows travel in fp8 where the a2a sends
-    quantized rows (`DispatchSides.of`); the masked format where its namespace sends quantized
-    blocks (`QUANT_FORMAT_OPS`); tokens never (they cross in the activations' dtype)."""
-    sides = DispatchSides.of(a2a, experts)
-    if fmt == "rows":
-        return sides
-    quant_dispatch = QUANT_FORMAT_OPS.get(fmt, (None,))[0]
-    namespace = a2a.namespace_of(fmt, bool(problem.training))
+def dispatch_sides(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem, fmt: Format,
+                   mode: TransportMode | None = None) -> DispatchSides:
+    """What a layer's two ends can do in ``fmt``: its activations travel in fp8 where the
+    namespace that moves it (``mode``'s, where the engine's mode is fixed) defines the
+    format's quantized dispatch; tokens never (they cross in the activations' dtype)."""
+    namespace = (mode.namespace if mode is not None
+                 else a2a.namespace_of(fmt, bool(problem.training)))
     return dataclasses.replace(
-        sides, a2a_name=f"a2a backend {a2a.name!r} in the {fmt} format",
-        sends_quantized=(problem.quant is not None and quant_dispatch is not None
-                         and defines(namespace, quant_dispatch)))
-
-
-def experts_op(fmt: str, quantized: bool) -> str:
-    """The experts op that reads ``fmt``: a quantized layer's is the format's own
-    (`QUANT_FORMAT_OPS`), or for tokens ``experts_quant``, which quantizes them inside."""
-    if not quantized:
-        return CONSUMER_OPS[fmt]
-    return QUANT_FORMAT_OPS[fmt][1] if fmt in QUANT_FORMAT_OPS else "experts_quant"
+        DispatchSides.of(a2a, experts),
+        a2a_name=f"a2a backend {a2a.name!r} in the {fmt} format",
+        sends_quantized=(fmt.quantized_dispatch is not None
+                         and defines(namespace, fmt.quantized_dispatch)))
 
 
 def _capacity_reason(problem: Problem) -> str | None:
@@ -153,23 +148,23 @@ def _capacity_reason(problem: Problem) -> str | None:
 
 
 def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem,
-                  dispatch_dtype: torch.dtype | None = None) -> tuple[str, str]:
+                  dispatch_dtype: torch.dtype | None = None) -> tuple[Format, str]:
     """``(format, why)``: the first of `FORMATS` both backends run for ``problem``; the
     formats passed over, and why, are in ``why``. A quantized layer takes the format's
-    quantized experts op (`experts_op`), and rows before tokens where its rows cross in
+    quantized experts op (`Format.experts_op`), and rows before tokens where its rows cross in
     fp8 (half the bytes of tokens in the activations' dtype; ``dispatch_dtype``, the spec's
     explicit choice, may say they do not)."""
     quantized = problem.quant is not None
     skipped = []
     # Formats the transport does not produce are not listed: they were never candidates.
-    for fmt in (f for f in FORMATS if f in a2a.formats):
-        if fmt != "rows" and (why := _capacity_reason(problem)):
+    for fmt in a2a.formats:
+        if fmt is not ROWS and (why := _capacity_reason(problem)):
             skipped.append(f"{fmt} {why}")
-        elif (quantized and fmt == "tokens" and "rows" in a2a.formats
+        elif (quantized and fmt is TOKENS and ROWS in a2a.formats
                 and rows_travel_quantized(a2a, experts, problem, dispatch_dtype)):
             skipped.append("rows travel in fp8 with their scales, tokens in the activations' "
                            "dtype")
-        elif not defines(experts.namespace, experts_op(fmt, quantized)):
+        elif not defines(experts.namespace, fmt.experts_op(quantized)):
             skipped.append(f"{experts.name} does not read {'quantized ' * quantized}{fmt}")
         elif problem.training and not a2a.trains(fmt):
             skipped.append(f"{a2a.name} carries no gradient in {fmt}")
@@ -188,7 +183,7 @@ def choose_format(a2a: A2ABackend, experts: ExpertsBackend, problem: Problem,
 IN_FLIGHT_TOKENS = 1024
 
 
-def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str | None
+def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: Format | None
                   ) -> tuple[int, str]:
     """``(chunks, why)``: how many chunks a layer's tokens move in (`ops.tokens_in_flight`),
     chunk i + 1's dispatch in flight while chunk i's experts run and chunk i's combine while
@@ -200,7 +195,7 @@ def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str
                    "none asked: each chunk reads every local expert's weights again (2 "
                    "chunks 1.27x, 4 chunks 2.16x the whole layer at DeepSeek-V3's widths on 2 "
                    "H200s); work that needs no routed tokens runs under the transfers instead")
-    if fmt != "tokens":
+    if fmt is not TOKENS:
         return 1, f"the {fmt} format moves whole (chunks move the tokens format)"
     if not a2a.overlaps:
         return 1, (f"{a2a.name} issues and waits each transfer inside one op: no compute can "
@@ -213,8 +208,8 @@ def choose_chunks(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str
         if chunks < spec.chunks else "")
 
 
-def choose_in_flight(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: str | None,
-                     chunks: int) -> tuple[bool, str]:
+def choose_in_flight(spec: BackendSpec, a2a: A2ABackend, problem: Problem,
+                     fmt: Format | None, chunks: int) -> tuple[bool, str]:
     """``(in_flight, why)``: whether the layer's transfers are issued and waited by ops of
     their own (`ops.tokens_in_flight`, as chunks are), so that the work of its graph that
     does not need the routed tokens (shared experts) runs while they travel
@@ -225,9 +220,9 @@ def choose_in_flight(spec: BackendSpec, a2a: A2ABackend, problem: Problem, fmt: 
         return False, ("overlap=False: not yet shown to pay (2 H200s, DeepSeek-V3's widths, "
                        "4096 tokens per rank: the layer with its shared expert in flight took "
                        "0.65-0.81 ms more than without one)")
-    if fmt != "tokens" or not a2a.overlaps:
-        return False, (f"{a2a.name} issues and waits each transfer inside one op" if fmt ==
-                       "tokens" else f"the {fmt} format moves in one op")
+    if fmt is not TOKENS or not a2a.overlaps:
+        return False, (f"{a2a.name} issues and waits each transfer inside one op"
+                       if fmt is TOKENS else f"the {fmt} format moves in one op")
     if problem.training:
         return False, "training: transfers in flight carry no gradient"
     if problem.max_tokens_per_rank < IN_FLIGHT_TOKENS:
@@ -263,13 +258,16 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
     if trainer != a2a.namespace:
         why += (f"; it trains through {trainer}'s ops, which copy the receive buffers out of "
                 f"the transport's memory for the gradient")
+    # Once per layer, here: the ops of the mode taken run it whatever else is open.
+    mode = a2a.mode_of(fmt, problem) if a2a.mode_of is not None else None
     chunks, chunks_reason = choose_chunks(spec, a2a, problem, fmt)
     in_flight, in_flight_reason = choose_in_flight(spec, a2a, problem, fmt, chunks)
     # Once per layer, here: the rewrite and `explain` read it (an impossible explicit choice
     # warns once, naming both).
     dispatch = resolve_dispatch_dtype(problem.dtype, spec.dispatch_dtype, problem.quant,
-                                      dispatch_sides(a2a, experts, problem, fmt))
+                                      dispatch_sides(a2a, experts, problem, fmt, mode))
     return LayerPlan(device, problem, experts=experts, a2a=a2a, format=fmt, format_reason=why,
-                     refused=tuple(refused), chunks=chunks, chunks_reason=chunks_reason,
+                     mode=mode, refused=tuple(refused), chunks=chunks,
+                     chunks_reason=chunks_reason,
                      in_flight=in_flight, in_flight_reason=in_flight_reason,
                      dispatch=dispatch)

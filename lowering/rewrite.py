@@ -38,16 +38,17 @@ from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
     A2A_OPS,
     EXPERTS_OPS,
-    FORMAT_OPS,
+    MASKED,
     QUANT_A2A_OPS,
     QUANT_EXPERTS_OPS,
-    QUANT_FORMAT_OPS,
+    ROWS,
+    TOKENS,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.graph_values import fake_value, meta_key
 from torch_moe_ops.lowering.overlap import has_independent_work, lower_in_chunks
-from torch_moe_ops.lowering.plan import LayerPlan, experts_op, plan_layer
+from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import full_args, named_args, op_overload
 
@@ -159,7 +160,7 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     plans = layer_plans(gm, spec)
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
-            plan.a2a.prepare(plan.format, *_example_args(node)[:7])
+            plan.a2a.prepare(plan.format, plan.mode, *_example_args(node)[:7])
     chains = _lower_chains(gm, plans)
     changed = bool(chains)
     for node, plan in plans.items():
@@ -239,13 +240,13 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
         ep_args = tuple(sent_args[name] for name in _EP_ARGS)
         items = list(dispatch.users)
         quant = plan.problem.quant
-        dispatch_op = FORMAT_OPS[plan.format][0]
-        # The namespace that moves this layer (a layer that trains may take another).
-        namespace = plan.namespace_for(dispatch_op)
-        # A format with a quantized dispatch of its own (`QUANT_FORMAT_OPS`: masked) sends its
-        # blocks in fp8 where the plan says so (`plan.dispatch_sides`); tokens never do.
+        fmt = plan.format
+        # The namespace that moves this layer (a layer that trains, or a mode of the
+        # transport's engine, may take another).
+        namespace = plan.namespace_for(fmt.dispatch)
+        # A format with a quantized dispatch of its own (masked) sends its blocks in fp8 where
+        # the plan says so (`plan.dispatch_sides`); tokens never do.
         fp8 = plan.dispatch.dtype != plan.problem.dtype
-        quant_dispatch = QUANT_FORMAT_OPS[plan.format][0] if fp8 else None
         quant_args = (quant.weights, quant.activations, quant.block_list) if fp8 else ()
         dispatch.meta["moe_dispatch_dtype"] = plan.dispatch
         lowered |= {dispatch, experts, combine}
@@ -254,23 +255,23 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
         names = list(rows)
         weight_args = tuple(rows[name] for name in names[names.index("w13"):]
                             if name != "out_dtype")
-        format_experts = op_overload(plan.experts.namespace,
-                                     experts_op(plan.format, quant is not None))
+        format_experts = op_overload(plan.experts.namespace, fmt.experts_op(quant is not None))
         if plan.chunks > 1 or (plan.in_flight and has_independent_work(combine)):
             lower_in_chunks(gm, (dispatch, experts, combine),
                             (hidden, topk_weights, topk_ids, num_experts, *ep_args),
                             namespace, format_experts, weight_args, plan.chunks)
             continue
         # The dispatch node becomes the format's dispatch; its outputs, new getitems.
-        _retarget(dispatch, op_overload(namespace, quant_dispatch if fp8 else dispatch_op),
+        sent_by = fmt.quantized_dispatch if fp8 else fmt.dispatch
+        _retarget(dispatch, op_overload(namespace, sent_by),
                   (hidden, topk_weights, topk_ids, num_experts, *quant_args, *ep_args))
         with gm.graph.inserting_after(dispatch):
             sent = [gm.graph.call_function(operator.getitem, (dispatch, i))
                     for i in range(len(fake_value(dispatch)))]
         for item, value in zip(sent, fake_value(dispatch)):
             item.meta[meta_key(dispatch)] = value
-        experts_inputs, combine_inputs = _CHAINS[plan.format](sent, topk_weights, topk_ids)
-        if quant is not None and plan.format == "masked":
+        experts_inputs, combine_inputs = _CHAINS[fmt](sent, topk_weights, topk_ids)
+        if quant is not None and fmt is MASKED:
             # experts_masked_quant(x, x_scale, count, weights..., out_dtype): the scales
             # come last from a quantized dispatch.
             x_masked, count = experts_inputs
@@ -280,7 +281,7 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
             # experts / experts_masked, or experts_quant, which quantizes the tokens inside.
             experts_args = (*experts_inputs, *weight_args)
         _retarget(experts, format_experts, experts_args)
-        _retarget(combine, op_overload(namespace, FORMAT_OPS[plan.format][1]),
+        _retarget(combine, op_overload(namespace, fmt.combine),
                   (experts, *combine_inputs, num_experts, *ep_args))
         for item in items:
             gm.graph.erase_node(item)
@@ -291,11 +292,11 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
 # op before the weights, and those of its combine between the experts' output and E.
 _CHAINS = {
     # x_tokens, topk_weights_tokens, topk_ids_tokens -> experts; combine_tokens(y, topk_ids).
-    "tokens": lambda sent, topk_weights, topk_ids: (sent, (topk_ids,)),
+    TOKENS: lambda sent, topk_weights, topk_ids: (sent, (topk_ids,)),
     # x_masked, count_experts -> experts_masked; combine_masked(y, src_info, layout_range,
     # topk_weights, topk_ids).
-    "masked": lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:4], topk_weights,
-                                                               topk_ids)),
+    MASKED: lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:4], topk_weights,
+                                                             topk_ids)),
 }
 
 
@@ -342,7 +343,7 @@ def _send_quantized(gm: fx.GraphModule, dispatch: fx.Node, readers: list[fx.Node
     ``x_scale``), and each of ``readers`` reads its fp8 ``x_rows`` with ``x_scale``,
     returning the activation dtype."""
     quant = problem.quant
-    op = op_overload(namespace, QUANT_A2A_OPS[0])
+    op = op_overload(namespace, ROWS.quantized_dispatch)
     # dispatch_quant: dispatch's arguments, the quantization's among them.
     args = {**_node_args(dispatch), "weight_format": quant.weights,
             "activation_format": quant.activations, "block_size": quant.block_list}

@@ -51,7 +51,7 @@ from ep_problems import (
 )
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels.rows import masked_valid
-from torch_moe_ops.backends.deepep import fp8_transport_reason
+from torch_moe_ops.backends.deepep import ROWS_NAMESPACES, fp8_transport_reason
 from torch_moe_ops.backends.registry import REGISTRY
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.lowering.rewrite import moe_op_sequence
@@ -103,7 +103,8 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
                                               *(w[local] for w in full))
     capacity = max_tokens * min(top_k, num_local) - capacity_drop
     ep_args = (world_size, group, max_tokens)
-    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe_deepep.dispatch(
+    rows_ops = getattr(torch.ops, deepep.ROWS_NAMESPACES[mode])
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = rows_ops.dispatch(
         hidden_TH, weights_TK, ids_NK[mine], num_experts, *ep_args, capacity)
     assert x_RH.shape == (world_size * capacity, H)
     offset = 0
@@ -112,7 +113,7 @@ def _check_ops(rank, world_size, deepep, mode, top_k, num_local, route, capacity
         offset += count
     assert (expert_R[offset:] == -1).all() and (src_R[offset:] == -1).all()
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
-    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
+    out_TH = rows_ops.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     out_TH.backward(grad_NH[mine])
 
     assert_rank_matches(out_TH, [hidden_TH, weights_TK, *experts], ref_NH, ref_leaves, mine,
@@ -172,10 +173,9 @@ def _compiled_cases(rank, world_size, inner):
     idle rank's collectives must survive though their outputs are empty."""
     deepep = deepep_emulator.install()
     group = dist.group.WORLD
-    for mode, max_tokens in (("normal", M_NORMAL), ("low_latency", M_LOW_LATENCY)):
+    # The plan takes normal mode where low-latency mode cannot run the layer.
+    for mode, max_tokens in (("normal", M_NOT_LOW_LATENCY), ("low_latency", M_LOW_LATENCY)):
         torch._dynamo.reset()
-        deepep.communicator(group.group_name, H, 4 * world_size, 2, max_tokens, torch.bfloat16,
-                            mode=mode, device="cpu")
         torch.manual_seed(5)
         singles = [tmo.MoE(_moe_config(world_size, 1, max_tokens), dtype=torch.bfloat16)
                    for _ in range(2)]
@@ -197,13 +197,39 @@ def _compiled_cases(rank, world_size, inner):
         out_TH.float().square().sum().backward()
         check_bf16_out(out_TH, ref_NH[mine].detach())
         check_bf16_grad(x_TH.grad, x_ref.grad[mine])
-        assert deepep.open_communicators()[0].buffer.calls
+        (comm,) = deepep.open_communicators()
+        assert comm.mode == mode and comm.buffer.calls
         deepep.close_all()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ops_match_single_process(world_size):
     run_on_ranks(world_size, _ops_cases)
+
+
+def _modes_cases(rank, world_size):
+    """Each mode's rows ops (`ROWS_NAMESPACES`) run that mode with only the other mode's
+    communicator of the layer's shape open: they open their own, and the other takes no call."""
+    deepep = deepep_emulator.install()
+    group, num_experts, top_k = dist.group.WORLD.group_name, 4 * world_size, 2
+    hidden_NH, weights_NK, ids_NK, _ = _full_problem(world_size, num_experts, top_k, "random")
+    mine = _my_tokens(rank, world_size)
+    ep_args = (world_size, group, M_LOW_LATENCY)
+    for mode, other in (("normal", "low_latency"), ("low_latency", "normal")):
+        open_before = deepep.communicator(group, H, num_experts, top_k, M_LOW_LATENCY,
+                                          torch.bfloat16, mode=other, device="cpu")
+        rows_ops = getattr(torch.ops, deepep.ROWS_NAMESPACES[mode])
+        x_RH, _, weight_R, src_R, _, combine_map_TK = rows_ops.dispatch(
+            hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts, *ep_args,
+            M_LOW_LATENCY * top_k)
+        rows_ops.combine(x_RH, weight_R, src_R, combine_map_TK, *ep_args)
+        ran = {comm.mode: comm for comm in deepep.open_communicators()}
+        assert not open_before.buffer.calls and ran[mode].buffer.calls, ran
+        deepep.close_all()
+
+
+def test_rows_ops_run_their_namespaces_mode_whatever_is_open():
+    run_on_ranks(2, _modes_cases)
 
 
 def test_compiled_layers_match_single_process():
@@ -368,7 +394,7 @@ def _check_masked_compiled(rank, world_size, deepep):
     with gradients it takes low-latency rows, without them the masked chain on the same
     low-latency communicator; both against the same layer in one process."""
     sharded, x_TH, trained, served = _trained_and_served(rank, world_size, M_MASKED)
-    assert "moe_deepep::dispatch\n" in trained and "masked" not in trained, trained
+    assert "moe_deepep_low_latency::dispatch\n" in trained and "masked" not in trained, trained
     assert served == "moe_reference::route\n" + "\n".join(MASKED_OPS), served
     assert {comm.mode for comm in deepep.open_communicators()} == {"low_latency"}
     # `tmo.explain` says so: the format, why, and one bf16 row per (token, slot) at most.
@@ -376,6 +402,7 @@ def _check_masked_compiled(rank, world_size, deepep):
         (report,) = tmo.explain(sharded, x_TH, a2a="deepep", experts="reference")
     text, row_bytes = str(report), M_MASKED * 2 * H * 2
     assert "format:  masked (the transport's decode layout, read where it arrives" in text, text
+    assert "mode:    low_latency (the masked format is its own layout)" in text, text
     assert (f"bytes each rank sends per call: dispatch {row_bytes:,}, combine {row_bytes:,}"
             in text), text
 
@@ -459,12 +486,12 @@ def _check_dispatch_quant(rank, world_size, mode, spec):
     args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], num_experts)
     static = (spec.weights, spec.activations, spec.block_list)
     deepep_cast = mode == "low_latency" and fp8_transport_reason(mode, spec, H) is None
-    assert_quantized_dispatch(torch.ops.moe_deepep.dispatch(*args, *ep_args),
-                              torch.ops.moe_deepep.dispatch_quant(*args, *static, *ep_args),
+    rows_ops = getattr(torch.ops, ROWS_NAMESPACES[mode])
+    assert_quantized_dispatch(rows_ops.dispatch(*args, *ep_args),
+                              rows_ops.dispatch_quant(*args, *static, *ep_args),
                               spec, one_fp8_step=deepep_cast)
     if spec is QUANT_SPECS["fp8_group"]:
-        torch.library.opcheck(torch.ops.moe_deepep.dispatch_quant.default,
-                              (*args, *static, *ep_args))
+        torch.library.opcheck(rows_ops.dispatch_quant.default, (*args, *static, *ep_args))
 
 
 # The layers' sizes per mode: normal mode where low-latency mode cannot run the layer.
@@ -510,8 +537,8 @@ def _check_quantized_layer(rank, world_size, deepep, mode, spec, reads_fp8=True)
     if mode == "low_latency" and fp8_transport:
         expected = QUANT_MASKED_OPS
     elif reads_fp8:
-        expected = ("moe_deepep::dispatch_quant", "moe_reference::experts_rows_quant",
-                    "moe_deepep::combine")
+        expected = (f"{ROWS_NAMESPACES[mode]}::dispatch_quant",
+                    "moe_reference::experts_rows_quant", f"{ROWS_NAMESPACES[mode]}::combine")
     else:
         expected = ("moe_deepep::dispatch_tokens", "moe_reference::experts_quant",
                     "moe_deepep::combine_tokens")

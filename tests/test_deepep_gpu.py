@@ -127,15 +127,16 @@ def _local(rank: int) -> slice:
     return slice(rank * num_local, (rank + 1) * num_local)
 
 
-def _rows_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens, capacity):
-    """``moe_deepep::dispatch -> moe_reference::experts_rows -> moe_deepep::combine``:
-    the output and the rows' experts and counts."""
+def _rows_pipeline(hidden_TH, weights_TK, ids_TK, experts, mode, max_tokens, capacity):
+    """``dispatch -> moe_reference::experts_rows -> combine`` of ``mode``'s namespace
+    (`deepep.ROWS_NAMESPACES`): the output and the rows' experts and counts."""
     ep_args = (_world(), dist.group.WORLD.group_name, max_tokens)
-    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe_deepep.dispatch(
+    rows_ops = getattr(torch.ops, deepep.ROWS_NAMESPACES[mode])
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = rows_ops.dispatch(
         hidden_TH, weights_TK, ids_TK, E, *ep_args, capacity)
     assert x_RH.shape == (_world() * capacity, H)
     y_RH = torch.ops.moe_reference.experts_rows(x_RH, expert_R, count_E, *experts, *STATIC)
-    out_TH = torch.ops.moe_deepep.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
+    out_TH = rows_ops.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
     return out_TH, expert_R, count_E
 
 
@@ -148,7 +149,7 @@ def _check_rows_layout(expert_R: torch.Tensor, count_E: torch.Tensor) -> None:
     assert (expert_R[offset:] == -1).all()
 
 
-def _check_ops(rank, route, max_tokens, capacity):
+def _check_ops(rank, route, mode, max_tokens, capacity):
     """Outputs and gradients of this rank's tokens and experts against
     ``moe_reference::experts`` on all tokens."""
     hidden_NH, weights_NK, ids_NK, full = _full_problem(7, route)
@@ -163,7 +164,7 @@ def _check_ops(rank, route, max_tokens, capacity):
     hidden_TH, weights_TK, *experts = leaves(hidden_NH[mine], weights_NK[mine],
                                               *(w[local] for w in full))
     out_TH, expert_R, count_E = _rows_pipeline(hidden_TH, weights_TK, ids_NK[mine], experts,
-                                               max_tokens, capacity)
+                                               mode, max_tokens, capacity)
     _check_rows_layout(expert_R, count_E)
     out_TH.backward(grad_NH[mine])
 
@@ -171,11 +172,11 @@ def _check_ops(rank, route, max_tokens, capacity):
                         local, check_bf16_out, check_bf16_grad)
 
 
-def _check_graph(rank, max_tokens):
+def _check_graph(rank, mode, max_tokens):
     """dispatch -> experts_rows -> combine captured once in a CUDA graph and replayed on new
     inputs (`check_graph_replays`): the reference's output."""
     capacity = max_tokens * min(K, E // _world())
-    check_graph_replays(lambda *args: _rows_pipeline(*args, max_tokens, capacity)[0],
+    check_graph_replays(lambda *args: _rows_pipeline(*args, mode, max_tokens, capacity)[0],
                         _full_problem, _mine(rank), _local(rank), STATIC)
 
 
@@ -212,8 +213,10 @@ def _check_module(rank, max_tokens):
     x_TH = x_NH[mine].clone().requires_grad_()
     out_TH = compiled(x_TH)
     out_TH.float().square().sum().backward()
-    # A layer that trains takes the rows format (the tokens ops carry no gradient).
-    assert "moe_deepep::dispatch\n" in sequences[-1], sequences[-1]
+    # A layer that trains takes the rows format (the tokens ops carry no gradient), in the
+    # mode its plan takes.
+    mode = deepep.choose_mode(_world(), H, K, max_tokens)
+    assert f"{deepep.ROWS_NAMESPACES[mode]}::dispatch\n" in sequences[-1], sequences[-1]
 
     check_bf16_out(out_TH, ref_NH[mine].detach())
     check_bf16_grad(x_TH.grad, x_ref.grad[mine])
@@ -254,18 +257,19 @@ def _no_handles_left() -> None:
 
 
 def _run_normal(rank, world_size):
-    group = dist.group.WORLD.group_name
-    # max_tokens_per_rank this small would take the low-latency kernels: fix the mode.
-    comm = deepep.communicator(group, H, E, K, M_NORMAL, torch.bfloat16, mode="normal")
-    assert comm.mode == "normal"
+    # moe_deepep's rows ops run normal mode at this size too, where a layer's plan would
+    # take the low-latency kernels.
     worst = M_NORMAL * min(K, E // _world())
     for route in ("random", "one_rank"):
-        _check_ops(rank, route, M_NORMAL, worst)
+        _check_ops(rank, route, "normal", M_NORMAL, worst)
+    (comm,) = deepep.open_communicators()
+    assert comm.mode == "normal", comm
     # A capacity below the worst case that the routing still fits.
-    _check_ops(rank, "random", M_NORMAL, worst - 1)
+    _check_ops(rank, "random", "normal", M_NORMAL, worst - 1)
     _no_handles_left()
-    _check_graph(rank, M_NORMAL)
-    _check_module(rank, M_NORMAL)
+    _check_graph(rank, "normal", M_NORMAL)
+    # A layer that trains where low-latency mode cannot run it: rows, on normal mode.
+    _check_module(rank, M_NOT_LOW_LATENCY)
     # Without gradients, where low-latency mode cannot run it: tokens, on normal mode.
     _check_reduce_overhead(rank, M_NOT_LOW_LATENCY, TOKENS_OPS)
     _no_handles_left()
@@ -276,12 +280,12 @@ def _run_normal(rank, world_size):
 def _run_low_latency(rank, world_size):
     worst = M_LOW_LATENCY * min(K, E // _world())
     for route in ("random", "one_rank"):
-        _check_ops(rank, route, M_LOW_LATENCY, worst)
+        _check_ops(rank, route, "low_latency", M_LOW_LATENCY, worst)
     # max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS and H among its sizes: low-latency.
     (comm,) = deepep.open_communicators()
     assert comm.mode == "low_latency", comm
-    _check_ops(rank, "random", M_LOW_LATENCY, worst - 1)
-    _check_graph(rank, M_LOW_LATENCY)
+    _check_ops(rank, "random", "low_latency", M_LOW_LATENCY, worst - 1)
+    _check_graph(rank, "low_latency", M_LOW_LATENCY)
     _check_module(rank, M_LOW_LATENCY)
     # Without gradients at decode size: the masked format, on the same low-latency kernels.
     _check_reduce_overhead(rank, M_LOW_LATENCY, MASKED_OPS)
@@ -367,20 +371,21 @@ def test_masked_format_matches_single_process(world_size):
 
 
 def _check_dispatch_quant(rank, mode, max_tokens):
-    """``moe_deepep::dispatch_quant`` on DeepEP against ``moe_deepep::dispatch`` then the
-    oracle's quantizer, in every format: bit for bit, or within one e4m3 step where
+    """``dispatch_quant`` of ``mode``'s namespace on DeepEP against its ``dispatch`` then
+    the oracle's quantizer, in every format: bit for bit, or within one e4m3 step where
     DeepEP's low-latency kernels cast (`deepep.fp8_transport_reason`)."""
     hidden_NH, weights_NK, ids_NK, _ = _full_problem(7, "random")
     mine = _mine(rank)
     ep_args = (_world(), dist.group.WORLD.group_name, max_tokens,
                max_tokens * min(K, E // _world()))
     args = (hidden_NH[mine], weights_NK[mine], ids_NK[mine], E)
+    rows_ops = getattr(torch.ops, deepep.ROWS_NAMESPACES[mode])
     for spec in QUANT_SPECS.values():
         deepep_cast = mode == "low_latency" and deepep.fp8_transport_reason(mode, spec, H) is None
         assert_quantized_dispatch(
-            torch.ops.moe_deepep.dispatch(*args, *ep_args),
-            torch.ops.moe_deepep.dispatch_quant(*args, spec.weights, spec.activations,
-                                                spec.block_list, *ep_args),
+            rows_ops.dispatch(*args, *ep_args),
+            rows_ops.dispatch_quant(*args, spec.weights, spec.activations, spec.block_list,
+                                    *ep_args),
             spec, one_fp8_step=deepep_cast)
 
 
@@ -409,9 +414,10 @@ def _check_quantized_module(rank, max_tokens, name, experts, compile_mode):
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
             assert_close_scaled(out_TH, single(x_NH)[_mine(rank)], 2e-2, 2e-2)
-    expected = ("moe_deepep::dispatch_quant", f"moe_{experts}::experts_rows_quant",
-                "moe_deepep::combine")
-    if (deepep.choose_mode(_world(), H, K, max_tokens) == "low_latency"
+    mode = deepep.choose_mode(_world(), H, K, max_tokens)
+    expected = (f"{deepep.ROWS_NAMESPACES[mode]}::dispatch_quant",
+                f"moe_{experts}::experts_rows_quant", f"{deepep.ROWS_NAMESPACES[mode]}::combine")
+    if (mode == "low_latency"
             and deepep.fp8_transport_reason("low_latency", QUANT_SPECS[name], H) is None):
         expected = ("moe_deepep::dispatch_masked_quant", f"moe_{experts}::experts_masked_quant",
                     "moe_deepep::combine_masked")

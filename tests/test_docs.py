@@ -25,7 +25,7 @@ def _section(text: str, heading: str) -> str:
 def test_architecture_describes_every_format():
     formats = _section(ARCHITECTURE, "Formats")
     described = set(re.findall(r"^- (\w+)", formats, re.MULTILINE))
-    assert {fmt.capitalize() for fmt in FORMATS} <= described, described
+    assert {fmt.name.capitalize() for fmt in FORMATS} <= described, described
 
 
 def test_backends_overview_names_every_backend_and_format():
@@ -35,7 +35,7 @@ def test_backends_overview_names_every_backend_and_format():
         for name in backends:
             assert f"``{name}``" in overview, (kind, name)
     for fmt in FORMATS:
-        assert re.search(rf"\b{fmt}\b", overview), fmt
+        assert re.search(rf"\b{fmt.name}\b", overview), fmt
 
 
 def test_the_code_cites_only_documents_of_the_repository():

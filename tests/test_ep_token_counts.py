@@ -82,7 +82,7 @@ def _check_capacity(rank, world_size, a2a):
                                     ep_capacity=M), ep_group=dist.group.WORLD)
     sharded.load_full_weights(single.state_dict())
     (report,) = tmo.explain(sharded, torch.randn(2, H), a2a=a2a)
-    assert report.plan.format == "rows", str(report)
+    assert report.plan.format.name == "rows", str(report)
     assert f"cannot keep ep_capacity={M}" in report.plan.format_reason
     compiled = torch.compile(sharded, backend=tmo.backend(a2a=a2a, inner="aot_eager"),
                              fullgraph=True)

@@ -26,7 +26,7 @@ from torch_moe_ops.backends.common.transport import token_positions, token_routi
 from torch_moe_ops.backends.flashinfer import a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as sizes
 from torch_moe_ops.backends.flashinfer.a2a import bookkeeping
-from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.backends.registry import MASKED, REGISTRY, ROWS, TOKENS, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 from torch_moe_ops.lowering import rewrite
 from torch_moe_ops.lowering.plan import plan_layer
@@ -97,25 +97,25 @@ def test_supports_explains_every_no_here():
 
 def test_the_formats_follow_from_the_ops_each_namespace_defines():
     flashinfer = REGISTRY.a2a["flashinfer"]
-    assert flashinfer.formats == ("tokens", "rows")
+    assert flashinfer.formats == (TOKENS, ROWS)
     # Its receive buffers are the workspace's: its tokens ops serve inference, and those of
     # its training namespace, which copy the buffers out, train.
-    assert flashinfer.trains("tokens") and flashinfer.trains("rows")
-    assert flashinfer.namespace_of("tokens", False) == a2a.NAMESPACE
-    assert flashinfer.namespace_of("tokens", True) == a2a.TRAINING_NAMESPACE
-    assert flashinfer.namespace_of("rows", True) == a2a.NAMESPACE
+    assert flashinfer.trains(TOKENS) and flashinfer.trains(ROWS)
+    assert flashinfer.namespace_of(TOKENS, False) == a2a.NAMESPACE
+    assert flashinfer.namespace_of(TOKENS, True) == a2a.TRAINING_NAMESPACE
+    assert flashinfer.namespace_of(ROWS, True) == a2a.NAMESPACE
     assert not any(hasattr(torch.ops.moe_flashinfer_a2a, op)
                    for op in ("dispatch_tokens_backward", "combine_tokens_backward"))
     for name in ("all_to_all", "allgather"):
-        assert REGISTRY.a2a[name].formats == ("tokens", "rows")
-        assert REGISTRY.a2a[name].trains("tokens")
+        assert REGISTRY.a2a[name].formats == (TOKENS, ROWS)
+        assert REGISTRY.a2a[name].trains(TOKENS)
     # DeepEP's tokens format keeps its handle for the next combine only, its masked blocks
     # are its low-latency receive buffer: inference.
     deepep = REGISTRY.a2a["deepep"]
-    assert deepep.formats == ("masked", "tokens", "rows")
-    assert not deepep.trains("masked") and not deepep.trains("tokens") and deepep.trains("rows")
+    assert deepep.formats == (MASKED, TOKENS, ROWS)
+    assert not deepep.trains(MASKED) and not deepep.trains(TOKENS) and deepep.trains(ROWS)
     reads_masked = {"reference", "triton", "grouped_mm"}
-    assert all(b.formats == (("masked",) if name in reads_masked else ()) + ("tokens", "rows")
+    assert all(b.formats == ((MASKED,) if name in reads_masked else ()) + (TOKENS, ROWS)
                for name, b in REGISTRY.experts.items())
     with pytest.raises(ValueError,
                        match="namespace 'moe_reference' must define the ops of a format"):
@@ -148,7 +148,7 @@ def test_the_plan_takes_tokens_and_the_trainable_ops_for_layers_that_train(
         runs_here, experts, problem, namespace):
     plan = plan_layer(BackendSpec(experts=experts, a2a="flashinfer"), problem,
                       torch.device("cpu"))
-    assert plan.format == "tokens" and plan.experts.name == experts
+    assert plan.format.name == "tokens" and plan.experts.name == experts
     assert all(plan.namespace_for(op) == namespace
                for op in ("dispatch_tokens", "combine_tokens", "dispatch_tokens_backward"))
     # The rows ops (a quantized layer of another experts backend) stay where they are.

@@ -273,7 +273,7 @@ def _check_explain(rank):
     sharded = tmo.MoE(_moe_config(_world()), ep_group=dist.group.WORLD)
     x_TH = torch.randn(TOKENS_PER_RANK[_world()][rank], H)
     (report,) = tmo.explain(sharded, x_TH, a2a="flashinfer")
-    assert (report.plan.a2a.name, report.plan.format) == ("flashinfer", "tokens")
+    assert (report.plan.a2a.name, report.plan.format.name) == ("flashinfer", "tokens")
     assert report.plan.problem.training
     assert ("trains through moe_flashinfer_a2a_trainable's ops, which copy the receive buffers "
             "out of the transport's memory") in str(report), str(report)

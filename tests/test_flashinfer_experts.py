@@ -47,7 +47,7 @@ from torch_moe_ops.backends.dispatch_dtype import (
 )
 from torch_moe_ops.backends.flashinfer import cutlass_module, cutlass_symbols, library, tuning
 from torch_moe_ops.backends.flashinfer import experts as backend
-from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.backends.registry import REGISTRY, ROWS, TOKENS, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 
 BF16_BOUND = 1e-2
@@ -667,7 +667,7 @@ def test_build_without_flashinfer_says_why(monkeypatch):
 
 def test_registry_row():
     flashinfer, others = REGISTRY.experts["flashinfer"], REGISTRY.experts
-    assert flashinfer.namespace == "moe_flashinfer" and flashinfer.formats == ("tokens", "rows")
+    assert flashinfer.namespace == "moe_flashinfer" and flashinfer.formats == (TOKENS, ROWS)
     assert flashinfer.priority < min(others["triton"].priority, others["grouped_mm"].priority)
     assert flashinfer.backward is None and flashinfer.quantized_rows == ()
     with pytest.raises(ValueError, match="experts backend 'flashinfer' is not available: "
@@ -703,7 +703,7 @@ def test_expert_parallel_layers_take_the_tokens_format(monkeypatch, a2a, spec):
                     intermediate_size=768, top_k=8, ep_size=2, max_tokens_per_rank=64,
                     training=False, quant=spec)
     plan = plan_layer(BackendSpec(experts="flashinfer", a2a=a2a), layer, CPU)
-    assert plan.format == "tokens", plan.format_reason
+    assert plan.format.name == "tokens", plan.format_reason
 
 
 # On an sm90 GPU with FlashInfer's module built.

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from torch_moe_ops.backends.registry import REGISTRY, Problem
+from torch_moe_ops.backends.registry import FORMATS, MASKED, REGISTRY, ROWS, TOKENS, Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 from torch_moe_ops.lowering.plan import plan_layer
 
@@ -56,12 +56,12 @@ def deepep_runs_here(monkeypatch):
         "quantized_prefill", "three_ranks"])
 def test_deepep_layers_take_the_format_its_engine_runs(deepep_runs_here, fields, fmt, why):
     plan = plan_layer(BackendSpec(a2a="deepep", experts="reference"), _problem(**fields), CPU)
-    assert plan.format == fmt and why in plan.format_reason, plan
+    assert plan.format.name == fmt and why in plan.format_reason, plan
 
 
 def test_experts_that_do_not_read_masked_blocks_take_tokens_and_say_so(deepep_runs_here):
     plan = plan_layer(BackendSpec(a2a="deepep", experts="cpu"), _problem(), CPU)
-    assert plan.format == "tokens" and plan.format_reason == "cpu does not read masked", plan
+    assert plan.format.name == "tokens" and plan.format_reason == "cpu does not read masked", plan
 
 
 @pytest.mark.parametrize("a2a", ["all_to_all", "allgather"])
@@ -69,7 +69,7 @@ def test_experts_that_do_not_read_masked_blocks_take_tokens_and_say_so(deepep_ru
 def test_torch_distributed_layers_take_tokens_training_or_not(a2a, training):
     plan = plan_layer(BackendSpec(a2a=a2a, experts="reference"), _problem(training=training),
                       CPU)
-    assert (plan.a2a.name, plan.format, plan.experts.name) == (a2a, "tokens", "reference")
+    assert (plan.a2a.name, plan.format.name, plan.experts.name) == (a2a, "tokens", "reference")
 
 
 def test_the_auto_candidates_refused_are_listed_with_their_reasons():
@@ -154,4 +154,39 @@ def test_deepep_refuses_normal_mode_over_hosts(deepep_runs_here):
         plan_layer(BackendSpec(a2a="deepep", experts="reference"), prefill, CPU)
     decode = plan_layer(BackendSpec(a2a="deepep", experts="reference"),
                         dataclasses.replace(prefill, max_tokens_per_rank=64), CPU)
-    assert decode.format == "masked", decode
+    assert decode.format.name == "masked", decode
+
+
+@pytest.mark.parametrize("fields, mode, namespace, why", [
+    ({}, "low_latency", "moe_deepep", "the masked format is its own layout"),
+    ({"max_tokens_per_rank": 512}, "normal", "moe_deepep", "the tokens format runs normal"),
+    ({"training": True}, "low_latency", "moe_deepep_low_latency", "64) <= 128: a decode size"),
+    ({"training": True, "max_tokens_per_rank": 512}, "normal", "moe_deepep",
+     "max_tokens_per_rank (512) is not a decode size"),
+    # 2 * 7 positions: not a multiple of 4, which low-latency mode needs.
+    ({"training": True, "max_tokens_per_rank": 7}, "normal", "moe_deepep",
+     "low-latency mode cannot run it: DeepEP's low-latency kernels need ep_size"),
+], ids=["masked", "tokens", "decode_rows", "prefill_rows", "rows_low_latency_cannot_run"])
+def test_the_plan_fixes_deepeps_mode_and_the_namespace_that_runs_it(deepep_runs_here, fields,
+                                                                    mode, namespace, why):
+    plan = plan_layer(BackendSpec(a2a="deepep", experts="reference"), _problem(**fields), CPU)
+    assert (plan.mode.name, plan.mode.namespace) == (mode, namespace) and why in plan.mode.reason
+    # Every transport op of the layer runs in the mode's namespace: the op names the mode.
+    assert {plan.namespace_for(op) for op in plan.format.a2a_ops} == {namespace}
+
+
+def test_transports_of_one_mode_have_none_in_their_plan():
+    plan = plan_layer(BackendSpec(a2a="all_to_all", experts="reference"), _problem(), CPU)
+    assert plan.mode is None and plan.namespace_for("dispatch_tokens") == "moe_all_to_all"
+
+
+def test_a_format_names_the_ops_that_move_and_read_it():
+    assert [fmt.name for fmt in FORMATS] == ["masked", "tokens", "rows"]
+    assert (TOKENS.transport_ops, TOKENS.experts_op(False), TOKENS.experts_op(True)) == (
+        ("dispatch_tokens", "combine_tokens"), "experts", "experts_quant")
+    assert MASKED.a2a_ops == ("dispatch_masked", "combine_masked", "dispatch_masked_quant")
+    assert ROWS.a2a_ops == ("dispatch", "combine", "dispatch_backward", "combine_backward",
+                            "dispatch_quant")
+    assert str(ROWS) == "rows" and not MASKED.training
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ROWS.dispatch = "dispatch_tokens"

@@ -149,7 +149,7 @@ def _check_explain(rank, world_size, a2a):
     sharded = tmo.MoE(cfg, ep_group=dist.group.WORLD)
     x_TH = torch.randn(TOKENS_PER_RANK[world_size][rank], H)
     (report,) = tmo.explain(sharded, x_TH, a2a=a2a)
-    assert (report.plan.a2a.name, report.plan.format) == (a2a, "tokens")
+    assert (report.plan.a2a.name, report.plan.format.name) == (a2a, "tokens")
     assert report.plan.problem.training
     text = str(report)
     peers = world_size - 1

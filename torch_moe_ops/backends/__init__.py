@@ -70,6 +70,7 @@ from torch_moe_ops.backends.registry import (
     TOKENS_OPS,
     A2ABackend,
     BackendTable,
+    EagerChoices,
     Problem,
 )
 from torch_moe_ops.config import BackendSpec
@@ -125,10 +126,16 @@ def default_spec(problem: Problem) -> BackendSpec:
     return DEFAULT_EP_SPEC if (problem.ep_size or 1) > 1 else DEFAULT_SPEC
 
 
+# Each eager call's backend, chosen once per (op, problem, device): `supports` checks are not
+# run again on every call.
+_EAGER_CHOICES = EagerChoices(REGISTRY, lambda op_name, problem, device: namespace_for(
+    op_name, default_spec(problem), device, problem))
+
+
 def _forward_to_default(op_name: str):
     def kernel(*args):
         problem = problem_of(op_name, args)
-        namespace = namespace_for(op_name, default_spec(problem), args[0].device, problem)
+        namespace = _EAGER_CHOICES.namespace(op_name, problem, args[0].device)
         # The chosen backend's kernel itself where it has one: this runs below the
         # generic op's autograd already, and a second trip through the dispatcher
         # and torch.library's autograd wrapper cost 50-70 us per eager call.

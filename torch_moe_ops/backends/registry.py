@@ -10,15 +10,15 @@ those that send rows quantized to fp8 ``dispatch_quant``. Route backends
 implement ``route``; its gradient is the op contract's formula on the selection
 the backend made (`torch_moe_ops.ops.route`), whichever backend ran it.
 
-Formats are declared by what a namespace defines (`FORMAT_OPS`): an a2a backend produces
-the masked format (`ops.masked`) where it defines ``dispatch_masked`` and ``combine_masked``,
-the tokens format (`ops.tokens`) where it defines ``dispatch_tokens`` and ``combine_tokens``
-and the rows format (`ops.rows`) where it defines ``dispatch`` and ``combine``; an experts
-backend consumes masked blocks through its ``experts_masked`` op, tokens through its
-``experts`` op (the receive buffers as they are, ids local) and rows through
-``experts_rows``. A format trains where the a2a namespace defines its gradient ops too
-(`TRAINING_OPS`; the masked format has none), or where its ``training_namespace`` defines
-the format's ops and their gradient ops: a transport whose buffers are its own memory hands
+Formats are declared by what a namespace defines (each `Format` names its ops): an a2a
+backend produces the masked format (`ops.masked`) where it defines ``dispatch_masked`` and
+``combine_masked``, the tokens format (`ops.tokens`) where it defines ``dispatch_tokens``
+and ``combine_tokens`` and the rows format (`ops.rows`) where it defines ``dispatch`` and
+``combine``; an experts backend consumes masked blocks through its ``experts_masked`` op,
+tokens through its ``experts`` op (the receive buffers as they are, ids local) and rows
+through ``experts_rows``. A format trains where the a2a namespace defines its gradient ops
+too (`Format.training`; the masked format has none), or where its ``training_namespace``
+defines the format's ops and their gradient ops: a transport whose buffers are its own memory hands
 them out as they are to layers without gradients, and copies them out for layers that
 train. The lowering picks one format per layer (`FORMATS` in order of preference), and for
 a layer that trains the namespace that trains in it (`A2ABackend.namespace_of`).
@@ -30,7 +30,9 @@ problem from each node of the graph; `available_backends` knows only the dtype.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -49,27 +51,67 @@ QUANT_EXPERTS_OPS = ("experts_quant", "experts_rows_quant", "experts_masked_quan
 A2A_OPS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 # An a2a backend sends rows quantized to fp8 exactly where its namespace defines these.
 QUANT_A2A_OPS = ("dispatch_quant",)
-# Quantized layers: per format, what an a2a namespace defines to send its activations in
-# fp8 and what an experts namespace defines to read them (with quantized weights). The
-# tokens format has neither: quantized layers take another.
-QUANT_FORMAT_OPS = {"masked": ("dispatch_masked_quant", "experts_masked_quant"),
-                    "rows": ("dispatch_quant", "experts_rows_quant")}
-# The formats between dispatch and combine, best first (the wire is the cost: tokens cross
-# once per rank that needs them); what an a2a namespace defines to produce each, what an
-# experts namespace defines to consume it, and what an a2a namespace defines for its gradient.
-# The masked format (DeepEP low-latency's per-expert blocks) comes first where a transport
-# produces it: the experts read its receive buffer where it is, and a transport makes it
-# only where its engine's own layout is that (`A2ABackend.format_reason` says where not).
-# A format without gradient ops in `TRAINING_OPS` serves inference only.
-FORMATS = ("masked", "tokens", "rows")
-FORMAT_OPS = {"masked": ("dispatch_masked", "combine_masked"),
-              "tokens": ("dispatch_tokens", "combine_tokens"), "rows": ("dispatch", "combine")}
-CONSUMER_OPS = {"masked": "experts_masked", "tokens": "experts", "rows": "experts_rows"}
-TRAINING_OPS = {"tokens": ("dispatch_tokens_backward", "combine_tokens_backward"),
-                "rows": ("dispatch_backward", "combine_backward")}
-TOKENS_OPS = FORMAT_OPS["tokens"] + TRAINING_OPS["tokens"]
-# The transport ops of the masked format, its quantized dispatch among them.
-MASKED_OPS = (*FORMAT_OPS["masked"], QUANT_FORMAT_OPS["masked"][0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A format between dispatch and combine, named by the ops that move and read it.
+
+    An a2a namespace produces it where it defines ``dispatch`` and ``combine``, and carries
+    its gradient where it defines ``training`` too (none: it serves inference only); an
+    experts namespace reads it through ``experts``, or with quantized weights through
+    ``quantized_experts``. ``quantized_dispatch`` sends it in fp8 with its scales (None: it
+    crosses in the activations' dtype, and a quantized layer's experts quantize it inside).
+    """
+
+    name: str
+    dispatch: str
+    combine: str
+    experts: str
+    quantized_experts: str
+    quantized_dispatch: str | None = None
+    training: tuple[str, ...] = ()
+
+    @property
+    def transport_ops(self) -> tuple[str, str]:
+        """What an a2a namespace defines to produce it: ``(dispatch, combine)``."""
+        return self.dispatch, self.combine
+
+    @property
+    def a2a_ops(self) -> tuple[str, ...]:
+        """Every a2a op that moves it: dispatch and combine, their gradients, the quantized
+        dispatch."""
+        quantized = () if self.quantized_dispatch is None else (self.quantized_dispatch,)
+        return (*self.transport_ops, *self.training, *quantized)
+
+    def experts_op(self, quantized: bool) -> str:
+        """The experts op that reads it, with quantized weights where ``quantized``."""
+        return self.quantized_experts if quantized else self.experts
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Per-expert blocks as DeepEP's low-latency mode delivers them (`ops.masked`), read where they
+# arrived; sent in fp8 by the transport's own cast. No gradient.
+MASKED = Format("masked", "dispatch_masked", "combine_masked", "experts_masked",
+                "experts_masked_quant", quantized_dispatch="dispatch_masked_quant")
+# Each token once per rank that holds one of its experts (`ops.tokens`): the receive buffers
+# are the experts' input as they are (``experts``); a quantized layer's experts quantize
+# them inside (``experts_quant``).
+TOKENS = Format("tokens", "dispatch_tokens", "combine_tokens", "experts", "experts_quant",
+                training=("dispatch_tokens_backward", "combine_tokens_backward"))
+# One row per (token, slot), sorted by expert (`ops.rows`); sent in fp8 by ``dispatch_quant``.
+ROWS = Format("rows", "dispatch", "combine", "experts_rows", "experts_rows_quant",
+              quantized_dispatch="dispatch_quant",
+              training=("dispatch_backward", "combine_backward"))
+# The formats, best first (the wire is the cost: tokens cross once per rank that needs them).
+# The masked format comes first where a transport produces it: the experts read its receive
+# buffer where it is, and a transport makes it only where its engine's own layout is that
+# (`A2ABackend.format_reason` says where not).
+FORMATS = (MASKED, TOKENS, ROWS)
+TOKENS_OPS = TOKENS.a2a_ops
+MASKED_OPS = MASKED.a2a_ops
 # What an a2a namespace defines to move the tokens format in chunks, each transfer issued and
 # waited apart (`ops.tokens_in_flight`; ``combine_tokens_finish`` where its returned rows are
 # summed at home).
@@ -163,11 +205,14 @@ class ExpertsBackend:
     backward: SupportsFn | None = None
     training_priority: int | None = None
     quantized_rows: tuple[str, ...] = ()
+    # The environment variables its ``supports`` reads (a choice made holds while they keep
+    # their values: `EagerChoices`).
+    environment: tuple[str, ...] = ()
 
     @property
-    def formats(self) -> tuple[str, ...]:
+    def formats(self) -> tuple[Format, ...]:
         """The formats (`FORMATS`) whose dispatch output its ops read."""
-        return tuple(f for f in FORMATS if defines(self.namespace, CONSUMER_OPS[f]))
+        return tuple(f for f in FORMATS if defines(self.namespace, f.experts))
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         """``supports``, after the rule every experts backend shares: quantized
@@ -183,17 +228,29 @@ class ExpertsBackend:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransportMode:
+    """The mode of a transport's engine that moves one layer (DeepEP's ``"normal"`` or
+    ``"low_latency"``), fixed when the layer is planned: ``namespace`` holds the ops that
+    run that mode (the op schemas have no mode), ``reason`` says why it was taken."""
+
+    name: str
+    namespace: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class A2ABackend:
     """An all-to-all backend; the formats it produces follow from the ops its namespace
-    defines (`FORMAT_OPS`)."""
+    defines (`Format.transport_ops`)."""
 
     name: str
     namespace: str
     supports: SupportsFn
     description: str
-    # ``prepare(format, hidden, topk_weights, topk_ids, num_experts, ep_size, group_name,
-    # max_tokens_per_rank)`` (the planned format and a dispatch's arguments, fake tensors):
-    # opens the transport state a layer of those sizes needs in that format. The lowering
+    # ``prepare(format, mode, hidden, topk_weights, topk_ids, num_experts, ep_size,
+    # group_name, max_tokens_per_rank)`` (the planned `Format`, `TransportMode` or None, and a
+    # dispatch's arguments, fake tensors): opens the transport state a layer of those sizes
+    # needs in that format and mode. The lowering
     # calls it when it plans the layer, on every rank alike and outside any captured region
     # (CUDA graphs, or the memory pool of their warm-up runs, which state made there would
     # outlive).
@@ -201,32 +258,37 @@ class A2ABackend:
     # ``format_reason(format, problem)``: why this backend cannot move ``problem``'s layer in
     # ``format`` although it defines its ops (a mode of its engine that does not run the
     # shape), or None; absent where every format it defines runs every layer ``supports``.
-    format_reason: Callable[[str, Problem], str | None] | None = None
+    format_reason: Callable[[Format, Problem], str | None] | None = None
+    # ``mode_of(format, problem)``: the `TransportMode` its engine moves ``problem``'s layer
+    # in, in a format it can move it in; absent where its engine has one mode.
+    mode_of: Callable[[Format, Problem], TransportMode] | None = None
     # Where its ops for layers that train live, for the formats whose ops (and their gradient
     # ops) it defines: a transport whose ops in ``namespace`` hand out its own memory, which
     # the next dispatch overwrites, copies the buffers out there. None: ``namespace`` serves
     # both.
     training_namespace: str | None = None
+    # The environment variables its ``supports`` reads (`ExpertsBackend.environment`).
+    environment: tuple[str, ...] = ()
 
     @property
-    def formats(self) -> tuple[str, ...]:
+    def formats(self) -> tuple[Format, ...]:
         """The formats (`FORMATS`, best first) its dispatch can produce."""
         return tuple(f for f in FORMATS
-                     if all(defines(self.namespace, op) for op in FORMAT_OPS[f]))
+                     if all(defines(self.namespace, op) for op in f.transport_ops))
 
-    def namespace_of(self, fmt: str | None, training: bool) -> str:
+    def namespace_of(self, fmt: Format | None, training: bool) -> str:
         """The namespace whose ops move a layer in ``fmt`` (None: one device), ``training``
         or not."""
         trainer = self.training_namespace
-        if (training and fmt in TRAINING_OPS and trainer is not None
-                and all(defines(trainer, op) for op in FORMAT_OPS[fmt] + TRAINING_OPS[fmt])):
+        if (training and fmt is not None and fmt.training and trainer is not None
+                and all(defines(trainer, op) for op in fmt.transport_ops + fmt.training)):
             return trainer
         return self.namespace
 
-    def trains(self, fmt: str) -> bool:
+    def trains(self, fmt: Format) -> bool:
         """Whether its transport in ``fmt`` carries gradients."""
-        return fmt in TRAINING_OPS and all(defines(self.namespace_of(fmt, True), op)
-                                           for op in TRAINING_OPS[fmt])
+        return bool(fmt.training) and all(defines(self.namespace_of(fmt, True), op)
+                                          for op in fmt.training)
 
     @property
     def overlaps(self) -> bool:
@@ -257,6 +319,8 @@ class RouteBackend:
     supports: SupportsFn
     priority: int
     description: str
+    # The environment variables its ``supports`` reads (`ExpertsBackend.environment`).
+    environment: tuple[str, ...] = ()
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         return self.supports(spec, problem, device)
@@ -301,13 +365,59 @@ class BackendTable(list):
         return "\n".join([*lines, auto, UNSUPPORTED_FORMATS])
 
 
+class _Backends(collections.UserDict):
+    """One kind's backends by name: any change to it (a registration, a backend replaced)
+    calls ``changed``, so that choices made on the backends before are made again."""
+
+    def __init__(self, backends: dict, changed: Callable[[], None]) -> None:
+        self._changed = changed
+        super().__init__(backends)
+
+    def __setitem__(self, name: str, backend) -> None:
+        super().__setitem__(name, backend)
+        self._changed()
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(name)
+        self._changed()
+
+
 class Registry:
-    """The backends known to this process, filled when `torch_moe_ops.backends` is imported."""
+    """The backends known to this process, filled when `torch_moe_ops.backends` is imported.
+
+    ``generation`` counts the changes to its backends (registrations, a backend replaced or
+    removed, a kind's table replaced) and the calls of `changed`: a choice made in one
+    generation holds in it (`EagerChoices`).
+    """
 
     def __init__(self) -> None:
+        self.generation = 0
+        # The generation the variables of `environment` were listed in, and the variables.
+        self._variables: tuple[int, tuple[str, ...]] = (-1, ())
         self.experts: dict[str, ExpertsBackend] = {}
         self.a2a: dict[str, A2ABackend] = {}
         self.route: dict[str, RouteBackend] = {}
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _KINDS:
+            value = _Backends(value, self.changed)
+            self.changed()
+        super().__setattr__(name, value)
+
+    def changed(self) -> None:
+        """Say that what a backend's ``supports`` answers may have changed (a module it
+        needs was built in this process): choices made before are made again."""
+        self.generation += 1
+
+    def environment(self) -> tuple[str | None, ...]:
+        """The values of the environment variables the registered backends' ``supports``
+        read (each backend's ``environment``)."""
+        if self._variables[0] != self.generation:
+            # Listed once per generation: every eager call of an op asks.
+            self._variables = (self.generation, tuple(dict.fromkeys(
+                variable for backends in (self.experts, self.a2a, self.route)
+                for backend in backends.values() for variable in backend.environment)))
+        return tuple(map(os.environ.get, self._variables[1]))
 
     def register_experts(self, backend: ExpertsBackend) -> None:
         """Register ``backend``; it has a ``backward`` exactly where its namespace
@@ -324,7 +434,7 @@ class Registry:
         if not backend.formats:
             raise ValueError(f"a2a backend {backend.name!r}: namespace {backend.namespace!r} "
                              "must define the ops of a format ("
-                             + "; ".join(f"{f}: {', '.join(ops)}" for f, ops in FORMAT_OPS.items())
+                             + "; ".join(f"{f}: {', '.join(f.transport_ops)}" for f in FORMATS)
                              + "), it defines none")
         self.a2a[backend.name] = backend
 
@@ -430,6 +540,41 @@ class Registry:
     def _why_not(backends, spec, problem, device) -> str:
         return "; ".join(f"{n}: {b.why_not(spec, problem, device)}"
                          for n, b in backends.items())
+
+
+# The attributes of `Registry` that hold one kind's backends each.
+_KINDS = ("experts", "a2a", "route")
+
+
+class EagerChoices:
+    """The namespace whose op runs each eager call of a generic op, chosen once per
+    ``(op_name, problem, device)`` by ``choose(op_name, problem, device)`` (a ValueError it
+    raises is raised again on the next call: nothing is kept).
+
+    What a choice reads besides its key: the registry's backends and the environment
+    variables their ``supports`` read (`Registry.environment`); a change to either empties
+    the cache. The machine itself (its GPUs, what is installed) is taken as fixed for the
+    life of the process, as `Registry.changed` says where it is not.
+    """
+
+    def __init__(self, registry: Registry,
+                 choose: Callable[[str, Problem, torch.device], str]) -> None:
+        self._registry = registry
+        self._choose = choose
+        self._state: tuple = ()
+        self._chosen: dict[tuple[str, Problem, torch.device], str] = {}
+
+    def namespace(self, op_name: str, problem: Problem, device: torch.device) -> str:
+        """``choose(op_name, problem, device)``, computed once per key and state."""
+        state = (self._registry.generation, self._registry.environment())
+        if state != self._state:
+            self._chosen.clear()
+            self._state = state
+        key = (op_name, problem, device)
+        namespace = self._chosen.get(key)
+        if namespace is None:
+            namespace = self._chosen[key] = self._choose(op_name, problem, device)
+        return namespace
 
 
 REGISTRY = Registry()

@@ -1,6 +1,6 @@
 """The masked format, DeepEP low-latency's own layout: rows of each local expert in a block
 of static size, with a device-side count of the rows that are real
-(`backends.registry.FORMAT_OPS`).
+(`backends.registry.MASKED`).
 
 Legend: T tokens (this rank's), H hidden size, I expert intermediate size, F = 2 * I,
 K experts per token, E experts held here (``E_l`` across ranks), C rows per expert (``P * M``

@@ -1,5 +1,5 @@
 """The tokens format, the wire format across ranks: what an a2a backend's dispatch hands an
-experts backend's ``experts`` op (`backends.registry.FORMAT_OPS`).
+experts backend's ``experts`` op (`backends.registry.TOKENS`).
 
 Legend: T tokens (this rank's), H hidden size, K experts per token, E experts (all
 ranks), P ranks (``ep_size``), M = ``max_tokens_per_rank``, N = P * M receive positions.

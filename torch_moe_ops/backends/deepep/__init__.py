@@ -8,12 +8,15 @@
 - tokens (`tokens`: ``moe::dispatch_tokens`` / ``moe::combine_tokens``), DeepEP's normal
   mode at its worst-case token count, for layers without gradients;
 - rows (`rows`: ``moe::dispatch``, ``moe::dispatch_quant``, ``moe::combine`` and their
-  gradients), in normal mode (`normal`) or, for decode batches, low-latency mode
-  (`low_latency`), as `modes` chooses: layers that train, and quantized layers.
+  gradients), in normal mode (`normal`, namespace ``moe_deepep``) or, for decode batches,
+  low-latency mode (`low_latency`, namespace ``moe_deepep_low_latency``): layers that train,
+  and quantized layers.
 
+The mode is the layer plan's (`supports.mode_of`, which ``tmo.explain`` prints): the lowered
+graph names the namespace of the mode's ops, and they run that mode whatever else is open.
 State lives in one `buffer.DeepEPCommunicator` per (group, layer shape, mode), created by
-the first eager call or by `communicator` (which also fixes a layer's rows mode by hand:
-call it on every rank before the layer's first call), closed by `close_all` (collective).
+the first eager call, when the layer is compiled (`prepare`) or by `communicator`, closed by
+`close_all` (collective).
 Every op carries an ordered effect: ``torch.compile`` neither drops one whose outputs are
 empty (an idle rank's ``[0, H]``) nor moves it past another, so every rank runs them in
 the same order. Normal mode runs on the ranks of one host only (2, 4 or 8): its dispatch
@@ -38,49 +41,46 @@ from torch_moe_ops.backends.deepep.buffer import (
 from torch_moe_ops.backends.deepep.modes import (
     LOW_LATENCY,
     LOW_LATENCY_MAX_TOKENS,
+    NAMESPACE,
     NORMAL,
+    NVSHMEM_QP_DEPTH_ENV,
+    ROWS_NAMESPACES,
     choose_mode,
     fp8_transport_reason,
     low_latency_mode_reason,
     normal_mode_reason,
 )
-from torch_moe_ops.backends.deepep.supports import format_reason, supports
+from torch_moe_ops.backends.deepep.supports import format_reason, mode_of, supports
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
 from torch_moe_ops.ops import define_backend_ops
 
-NAMESPACE = "moe_deepep"
-# The mode each format runs; rows run the mode `choose_mode` gives the layer.
-FORMAT_MODES = {"tokens": NORMAL, "masked": LOW_LATENCY}
-
 # The tokens and masked ops have no gradient ops (`tokens`, `masked` say why): a layer that
 # trains takes rows. Quantized layers have no gradient in any format.
-define_backend_ops(NAMESPACE, {"dispatch": rows.dispatch, "combine": rows.combine,
-                               "dispatch_backward": rows.dispatch_backward,
-                               "combine_backward": rows.combine_backward,
-                               "dispatch_quant": rows.dispatch_quant,
+define_backend_ops(NAMESPACE, {**rows.kernels(NORMAL),
                                "dispatch_tokens": tokens.dispatch_tokens,
                                "combine_tokens": tokens.combine_tokens,
                                "dispatch_masked": masked.dispatch_masked,
                                "dispatch_masked_quant": masked.dispatch_masked_quant,
                                "combine_masked": masked.combine_masked})
+define_backend_ops(ROWS_NAMESPACES[LOW_LATENCY], rows.kernels(LOW_LATENCY))
 
-def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
-            max_tokens_per_rank) -> None:
-    """The layer's communicator in the mode its format runs (tokens: normal mode, masked:
-    low-latency mode), opened
-    when the layer is compiled: made in a warm-up run of ``mode="reduce-overhead"``, its
-    tensors would stay in the CUDA graphs' memory pool."""
+
+def prepare(fmt, mode, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
+            group_name, max_tokens_per_rank) -> None:
+    """The layer's communicator in the mode its plan took (``mode``, `supports.mode_of`),
+    opened when the layer is compiled: made in a warm-up run of ``mode="reduce-overhead"``,
+    its tensors would stay in the CUDA graphs' memory pool."""
     if hidden_TH.device.type != "cuda":
         return
     with on(hidden_TH.device):
         communicator(group_name, hidden_TH.shape[1], num_experts, topk_ids_TK.shape[1],
-                     max_tokens_per_rank, hidden_TH.dtype,
-                     mode=FORMAT_MODES.get(fmt, "auto"), device=hidden_TH.device)
+                     max_tokens_per_rank, hidden_TH.dtype, mode=mode.name,
+                     device=hidden_TH.device)
 
 
 REGISTRY.register_a2a(A2ABackend(
     name="deepep", namespace=NAMESPACE, supports=supports, prepare=prepare,
-    format_reason=format_reason,
+    format_reason=format_reason, mode_of=mode_of, environment=(NVSHMEM_QP_DEPTH_ENV,),
     description=(f"DeepEP: for max_tokens_per_rank <= {LOW_LATENCY_MAX_TOKENS}, masked "
                  f"format on low-latency mode, else tokens format on normal mode (worst-case "
                  f"static receive, NVLink/RDMA), both without gradients; rows in normal mode "
@@ -88,6 +88,6 @@ REGISTRY.register_a2a(A2ABackend(
                  f"mode")))
 
 __all__ = ["LOW_LATENCY", "LOW_LATENCY_MAX_TOKENS", "NAMESPACE", "NORMAL", "NOT_INSTALLED",
-           "DeepEPCommunicator", "choose_mode", "close_all", "communicator",
+           "ROWS_NAMESPACES", "DeepEPCommunicator", "choose_mode", "close_all", "communicator",
            "fp8_transport_reason", "low_latency_mode_reason", "normal_mode_reason",
            "open_communicators", "supports"]

@@ -212,19 +212,6 @@ def _key(group_name, hidden_size, num_experts, top_k, max_tokens_per_rank, dtype
     return (group_name, hidden_size, num_experts, top_k, max_tokens_per_rank, str(dtype), mode)
 
 
-def _open_mode(shape: tuple, mode: str, ep_size: int) -> str | None:
-    """The mode ``mode="auto"`` finds open for ``shape``: the only one open, or where both
-    are, `choose_mode`'s (a mode fixed by hand, or opened by the tokens format, which runs
-    normal mode, serves the rows format too)."""
-    opened = [m for m in (NORMAL, LOW_LATENCY) if _key(*shape, m) in _COMMUNICATORS]
-    if mode != "auto" or not opened:
-        return None
-    if len(opened) == 1:
-        return opened[0]
-    _, hidden_size, _, top_k, max_tokens_per_rank, _ = shape
-    return choose_mode(ep_size, hidden_size, top_k, max_tokens_per_rank)
-
-
 def communicator(group_name: str, hidden_size: int, num_experts: int, top_k: int,
                  max_tokens_per_rank: int, dtype: torch.dtype = DTYPE, mode: str = "auto",
                  device: torch.device | str | None = None) -> DeepEPCommunicator:
@@ -232,15 +219,15 @@ def communicator(group_name: str, hidden_size: int, num_experts: int, top_k: int
 
     Creating one is collective (DeepEP exchanges buffer handles over the group) and
     cannot happen inside CUDA graph capture: every rank calls this, or runs the
-    layer once eagerly, before capturing. ``mode`` ("normal", "low_latency") fixes the
-    mode; "auto" takes one open for this shape, else `choose_mode`'s. A shape may have
-    one communicator of each mode open (the tokens format always runs normal mode).
+    layer once eagerly, before capturing. ``mode`` ("normal", "low_latency") is the mode
+    the layer's ops run (its plan fixes it: `supports.mode_of`); "auto" is the one its rows
+    run (`choose_mode`). A shape may have one communicator of each mode open; which one an
+    op uses follows from the op (`modes.ROWS_NAMESPACES`), never from what is open.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     shape = (group_name, hidden_size, num_experts, top_k, max_tokens_per_rank, dtype)
     ep_size = collectives.group_of(group_name).size()
-    mode = _open_mode(shape, mode, ep_size) or mode
     if mode == "auto":
         mode = choose_mode(ep_size, hidden_size, top_k, max_tokens_per_rank)
     existing = _COMMUNICATORS.get(_key(*shape, mode))
@@ -303,7 +290,7 @@ def check_tensor(name: str, t: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def dispatching(name: str, x: torch.Tensor, top_k: int, num_experts: int, ep_size: int,
-                group_name: str, max_tokens_per_rank: int, mode: str = "auto"):
+                group_name: str, max_tokens_per_rank: int, mode: str):
     """The communicator of ``x``'s layer shape in ``mode``, opened on first use
     (`communicator`; ``x`` checked as the activations argument ``name``, this rank checked
     in ``group_name``), with ``x``'s device current: where a dispatch runs."""

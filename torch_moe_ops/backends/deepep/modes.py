@@ -1,9 +1,12 @@
 """Which of DeepEP's two modes runs a layer, and what each mode's kernels take.
 
-The mode is fixed per layer by its static arguments (the op schemas have no mode):
-low-latency when ``M <= LOW_LATENCY_MAX_TOKENS`` (decode batches) and DeepEP's
-low-latency kernels take the shape, normal otherwise; the tokens format always runs
-normal mode. Legend: P ranks, H hidden size, K experts per token, M = max_tokens_per_rank.
+The mode is fixed per layer when the layer is planned, from its sizes (`supports.mode_of`):
+the masked format runs low-latency mode and the tokens format normal mode; the rows format
+low-latency mode when ``M <= LOW_LATENCY_MAX_TOKENS`` (decode batches) and DeepEP's
+low-latency kernels take the shape, normal otherwise (`chosen_mode`). The op schemas have no
+mode: each mode's rows ops live in a namespace of their own (`ROWS_NAMESPACES`), which the
+plan points the layer at, so an op runs its mode whatever communicators are open.
+Legend: P ranks, H hidden size, K experts per token, M = max_tokens_per_rank.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from torch_moe_ops.config import QuantSpec
 
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 MODES = ("auto", NORMAL, LOW_LATENCY)
+# The backend's namespace: normal mode's rows and tokens, low-latency mode's masked blocks.
+NAMESPACE = "moe_deepep"
+# Where each mode's rows ops live.
+ROWS_NAMESPACES = {NORMAL: NAMESPACE, LOW_LATENCY: "moe_deepep_low_latency"}
 # Decode batches up to this many tokens per rank take the low-latency kernels
 # (DeepEP recommends < 256; their buffers grow as E * M * H).
 LOW_LATENCY_MAX_TOKENS = 128
@@ -29,6 +36,8 @@ NORMAL_MAX_LOCAL_EXPERTS = 1024
 # Intranode dispatch stages half a bf16 token (H bytes) and an 8-byte mbarrier in 8 KiB
 # of shared memory per warp (its TMA path, sm90 builds).
 NORMAL_MAX_HIDDEN = 8176
+# NVSHMEM's queue depth, which bounds the messages of one low-latency exchange.
+NVSHMEM_QP_DEPTH_ENV = "NVSHMEM_QP_DEPTH"
 LOW_LATENCY_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 LOW_LATENCY_MAX_TOP_K = 11
 DTYPE = torch.bfloat16
@@ -78,22 +87,32 @@ def low_latency_mode_reason(ep_size: int | None, hidden_size: int | None, top_k:
         return (f"DeepEP's low-latency kernels need ep_size * max_tokens_per_rank to be a "
                 f"multiple of 4, got {ep_size} * {max_tokens_per_rank}")
     if max_tokens_per_rank is not None:
-        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+        depth = int(os.environ.get(NVSHMEM_QP_DEPTH_ENV, "1024"))
         if 2 * (max_tokens_per_rank + 1) > depth:
             return (f"DeepEP's low-latency mode needs NVSHMEM_QP_DEPTH >= 2 * "
                     f"(max_tokens_per_rank + 1) = {2 * (max_tokens_per_rank + 1)}, got {depth}")
     return None
 
 
+def chosen_mode(ep_size: int | None, hidden_size: int | None, top_k: int | None,
+                max_tokens_per_rank: int | None) -> tuple[str, str]:
+    """``(mode, why)``: the mode a rows layer of this shape runs, low-latency for
+    ``max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS`` where its kernels take the shape,
+    normal otherwise."""
+    if max_tokens_per_rank is None or max_tokens_per_rank > LOW_LATENCY_MAX_TOKENS:
+        return NORMAL, (f"max_tokens_per_rank ({max_tokens_per_rank}) is not a decode size "
+                        f"(<= {LOW_LATENCY_MAX_TOKENS})")
+    reason = low_latency_mode_reason(ep_size, hidden_size, top_k, max_tokens_per_rank)
+    if reason is not None:
+        return NORMAL, f"low-latency mode cannot run it: {reason}"
+    return LOW_LATENCY, (f"max_tokens_per_rank ({max_tokens_per_rank}) <= "
+                         f"{LOW_LATENCY_MAX_TOKENS}: a decode size, which its kernels take")
+
+
 def choose_mode(ep_size: int | None, hidden_size: int | None, top_k: int | None,
                 max_tokens_per_rank: int | None) -> str:
-    """The mode ``mode="auto"`` takes: low-latency for ``max_tokens_per_rank <=
-    LOW_LATENCY_MAX_TOKENS`` where its kernels take the shape, normal otherwise."""
-    if (max_tokens_per_rank is not None and max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS
-            and low_latency_mode_reason(ep_size, hidden_size, top_k, max_tokens_per_rank)
-            is None):
-        return LOW_LATENCY
-    return NORMAL
+    """The mode a rows layer of this shape runs (`chosen_mode`), which ``mode="auto"`` opens."""
+    return chosen_mode(ep_size, hidden_size, top_k, max_tokens_per_rank)[0]
 
 
 def fp8_transport_reason(mode: str, spec: QuantSpec, hidden_size: int) -> str | None:

@@ -1,4 +1,5 @@
-"""Whether the ``deepep`` a2a backend runs a layer here (the registry's ``supports``)."""
+"""Whether the ``deepep`` a2a backend runs a layer here (the registry's ``supports``), in
+which formats (``format_reason``), and in which of DeepEP's modes (``mode_of``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
     LOW_LATENCY,
     LOW_LATENCY_MAX_TOKENS,
+    NAMESPACE,
+    NORMAL,
+    ROWS_NAMESPACES,
     choose_mode,
+    chosen_mode,
     fp8_transport_reason,
     low_latency_mode_reason,
     mode_reason,
     normal_mode_reason,
 )
+from torch_moe_ops.backends.registry import FORMATS, MASKED, TOKENS, Format, TransportMode
 from torch_moe_ops.ops.dispatch_quant import FP8_ACTIVATION_FORMATS
 
 
@@ -44,7 +50,7 @@ def supports(spec, problem, device) -> str | None:
     return shape_reason(problem)
 
 
-def format_reason(fmt: str, problem) -> str | None:
+def format_reason(fmt: Format, problem) -> str | None:
     """Why DeepEP cannot move ``problem``'s layer in format ``fmt`` (None: it can): masked
     blocks run low-latency mode where `choose_mode` gives it (decode sizes), tokens normal
     mode whatever the token count, rows the mode `choose_mode` gives."""
@@ -52,7 +58,7 @@ def format_reason(fmt: str, problem) -> str | None:
     if num_local is None and problem.num_experts is not None and problem.ep_size:
         num_local = problem.num_experts // problem.ep_size
     shape = (problem.ep_size, problem.hidden_size, problem.top_k)
-    if fmt == "masked":
+    if fmt is MASKED:
         if (problem.max_tokens_per_rank or 0) > LOW_LATENCY_MAX_TOKENS:
             reason = (f"DeepEP's low-latency mode serves decode batches, max_tokens_per_rank "
                       f"<= {LOW_LATENCY_MAX_TOKENS}, got {problem.max_tokens_per_rank}")
@@ -65,7 +71,7 @@ def format_reason(fmt: str, problem) -> str | None:
             if why is not None:
                 return f"its fp8 blocks travel through DeepEP's low-latency cast only: {why}"
         return None if reason is None else f"the masked format runs low-latency mode: {reason}"
-    if fmt == "tokens":
+    if fmt is TOKENS:
         reason = normal_mode_reason(*shape, num_local)
         return None if reason is None else f"the tokens format runs normal mode: {reason}"
     if problem.max_tokens_per_rank is None:
@@ -84,6 +90,20 @@ def shape_reason(problem) -> str | None:
     format where normal mode runs it, else rows; others take rows (masked blocks, in
     low-latency mode, serve decode layers without gradients where tokens would too)."""
     if problem.training is False and problem.quant is None:
-        reasons = [format_reason(fmt, problem) for fmt in ("masked", "tokens", "rows")]
+        reasons = [format_reason(fmt, problem) for fmt in FORMATS]
         return None if None in reasons else "; ".join(reasons)
     return format_reason("rows", problem)
+
+
+def mode_of(fmt: Format, problem) -> TransportMode:
+    """The mode DeepEP moves ``problem``'s layer in, in ``fmt``, and the namespace of the ops
+    that run it: masked blocks are low-latency mode's own layout, tokens travel on normal
+    mode (its static worst-case receive serves every token count), rows on the mode
+    `chosen_mode` gives their shape."""
+    if fmt is MASKED:
+        return TransportMode(LOW_LATENCY, NAMESPACE, "the masked format is its own layout")
+    if fmt is TOKENS:
+        return TransportMode(NORMAL, NAMESPACE, "the tokens format runs normal mode")
+    mode, why = chosen_mode(problem.ep_size, problem.hidden_size, problem.top_k,
+                            problem.max_tokens_per_rank)
+    return TransportMode(mode, ROWS_NAMESPACES[mode], why)

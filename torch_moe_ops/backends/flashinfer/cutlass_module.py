@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from torch_moe_ops.backends.flashinfer import cutlass_spec, cutlass_symbols, library
+from torch_moe_ops.backends.registry import REGISTRY
 
 BUILD_ENV = "TORCH_MOE_OPS_FLASHINFER_BUILD"
 BUILD_COMMAND = "python -m torch_moe_ops.backends.flashinfer build"
@@ -125,6 +126,8 @@ def build(verbose: bool = True) -> Path:
     spec = cutlass_spec.trimmed_spec()
     spec.build(verbose=verbose, need_lock=True)
     spec.load()
+    # Built, the backend runs where `not_built_reason` said it did not: choose again.
+    REGISTRY.changed()
     return spec.get_library_path()
 
 

@@ -287,4 +287,6 @@ REGISTRY.register_experts(ExpertsBackend(
     # Below triton and grouped_mm for "auto" until a benchmark shows it faster.
     priority=8,
     description="FlashInfer's CUTLASS fused MoE (bf16; fp8 128x128 weight blocks; mxfp4 "
-                "W4A16; sm90; forward only)"))
+                "W4A16; sm90; forward only)",
+    # Whether a first call may build its module (`cutlass_module.not_built_reason`).
+    environment=(cutlass_module.BUILD_ENV,)))

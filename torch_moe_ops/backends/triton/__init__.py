@@ -42,6 +42,8 @@ from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, op_overload
 
 NAMESPACE = "moe_triton"
 ROUTE_NAMESPACE = "moe_triton_route"
+# What `_device_reason` reads: on the CPU, Triton's kernels run under its interpreter only.
+INTERPRETER_ENV = ("TRITON_INTERPRET",)
 # fp8 (e4m3) conversions and tl.dot: Ada and newer.
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -68,7 +70,7 @@ def _device_reason(device, kind: str, named: bool) -> str | None:
     interpreter, and only for a backend the spec names (``kind='triton'``)."""
     if not TRITON_INSTALLED:
         return "triton is not installed (pip install triton)"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and os.environ.get(INTERPRETER_ENV[0]) != "1":
         return "needs a CUDA GPU (on the CPU only under TRITON_INTERPRET=1)"
     if device.type == "cpu" and not named:
         return f"the Triton interpreter is for tests: name {kind}='triton' to use it on the CPU"
@@ -180,9 +182,10 @@ REGISTRY.register_experts(ExpertsBackend(
     description="fused Triton kernels: align, GEMM + activation, GEMM + weighted sum",
     backward=grouped_gemm.supports if TRITON_INSTALLED else None,
     # Its experts_rows_quant reads rows that dispatch quantized (x_scale): fp8 dispatch.
-    quantized_rows=("fp8_token", "fp8_group")))
+    quantized_rows=("fp8_token", "fp8_group"), environment=INTERPRETER_ENV))
 REGISTRY.register_route(RouteBackend(
     name="triton", namespace=ROUTE_NAMESPACE, supports=route_supports, priority=5,
+    environment=INTERPRETER_ENV,
     description=(f"one Triton kernel: softmax, sigmoid or topk_softmax scores (+ correction "
                  f"bias), no expert groups, <= {route_limits.MAX_EXPERTS} experts, top_k <= "
                  f"{route_limits.MAX_TOP_K}")))

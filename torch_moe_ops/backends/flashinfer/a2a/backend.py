@@ -87,11 +87,11 @@ define_backend_ops(TRAINING_NAMESPACE, {
     "dispatch_tokens_backward": trainable_tokens.dispatch_tokens_backward,
     "combine_tokens_backward": trainable_tokens.combine_tokens_backward})
 
-def prepare(fmt, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size, group_name,
-            max_tokens_per_rank) -> None:
-    """The layer's communicator (one for both formats), opened when the layer is compiled:
-    made in a warm-up run of ``mode="reduce-overhead"``, its tensors would stay in the CUDA
-    graphs' memory pool."""
+def prepare(fmt, mode, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
+            group_name, max_tokens_per_rank) -> None:
+    """The layer's communicator (one for both formats, in its engine's one mode), opened
+    when the layer is compiled: made in a warm-up run of ``mode="reduce-overhead"``, its
+    tensors would stay in the CUDA graphs' memory pool."""
     communicator(group_name, hidden_TH.shape[1], topk_ids_TK.shape[1], max_tokens_per_rank,
                  hidden_TH.dtype, hidden_TH.device)
 
