@@ -51,7 +51,11 @@ setup(name="deep_gemm", ext_modules=[CUDAExtension(
                   f"{here}/third-party/fmt/include"],
     libraries=["cudart", "nvrtc"], library_dirs=[f"{CUDA_HOME}/lib64"],
     extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-Wno-psabi",
-                        "-Wno-deprecated-declarations", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"])],
+                        "-Wno-deprecated-declarations", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"],
+    # Its JIT parses includes with std::regex, which crashed (SIGSEGV compiling the pattern,
+    # torch 2.11+cu130 image, g++ 13.3) when the extension's libstdc++ references resolved
+    # to the process's: it keeps a libstdc++ of its own, bound and hidden inside it.
+    extra_link_args=["-static-libstdc++", "-Wl,-Bsymbolic", "-Wl,--exclude-libs,ALL"])],
     cmdclass={"build_ext": BuildExtension})
 EOF
   ) || { tail -40 "$DG_SRC/build.log"; return 1; }

@@ -66,7 +66,7 @@ if TRITON_INSTALLED:
         "experts_quant", "experts_rows_quant", "experts_masked_quant")})
 
 REGISTRY.register_experts(ExpertsBackend(
-    name="deepgemm", namespace=NAMESPACE, supports=supports, priority=25,
+    name="deepgemm", namespace=NAMESPACE, supports=supports, priority=15,
     description="DeepGEMM's fp8 grouped GEMMs (128 x 128 weight blocks, sm90; contiguous "
                 "and masked layouts)",
     quantized_rows=("fp8_group",)))
