@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from typing import Any
@@ -11,13 +12,33 @@ import torch
 from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.kernels.tracing import for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, Problem
-from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.config import QUANT_WEIGHT_FORMATS, BackendSpec, QuantSpec
 from torch_moe_ops.lowering.rewrite import expert_parallel, generic_op, lower
 
 INNER_COMPILERS = ("inductor", "eager", "aot_eager")
 # What `check_runs` tries, the device's usual dtype first (its error is the one raised).
 CHECK_DTYPES = {"cuda": (torch.bfloat16, torch.float16, torch.float32),
                 "cpu": (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def _choose_experts_for_some_format(spec: BackendSpec, problem: Problem,
+                                    device: torch.device) -> None:
+    """`Registry.choose_experts` for unquantized weights, else for any weight format (with its
+    default activations): the model's format is not known yet, and a backend may run quantized
+    layers only. Raises the unquantized problem's ValueError where none runs."""
+    try:
+        REGISTRY.choose_experts(spec, problem, device)
+        return
+    except ValueError as error:
+        first = error
+    for weights in QUANT_WEIGHT_FORMATS:
+        quantized = dataclasses.replace(problem, quant=QuantSpec(weights))
+        try:
+            REGISTRY.choose_experts(spec, quantized, device, "experts_quant")
+            return
+        except ValueError:
+            continue
+    raise first
 
 
 def check_runs(spec: BackendSpec, device: torch.device | str) -> None:
@@ -28,8 +49,8 @@ def check_runs(spec: BackendSpec, device: torch.device | str) -> None:
     quantization are checked when the model is compiled.
     """
     device = torch.device(device)
-    for kind, choose in (("experts", REGISTRY.choose_experts), ("a2a", REGISTRY.choose_a2a),
-                         ("route", REGISTRY.choose_route)):
+    for kind, choose in (("experts", _choose_experts_for_some_format),
+                         ("a2a", REGISTRY.choose_a2a), ("route", REGISTRY.choose_route)):
         errors = []
         for dtype in CHECK_DTYPES.get(device.type, CHECK_DTYPES["cuda"]):
             try:

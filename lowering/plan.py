@@ -243,7 +243,9 @@ def plan_layer(spec: BackendSpec, problem: Problem, device: torch.device,
         return LayerPlan(device, problem, route=route,
                          refused=tuple(_refusals("route", REGISTRY.route, spec, problem, device,
                                                  route.name)))
-    experts = REGISTRY.choose_experts(spec, problem, device)
+    # A quantized layer runs the quantized experts ops: backends with only those are candidates.
+    experts = REGISTRY.choose_experts(spec, problem, device,
+                                      "experts_quant" if problem.quant else "experts")
     refused = _refusals("experts", REGISTRY.experts, spec, problem, device, experts.name)
     a2a = REGISTRY.choose_a2a(spec, problem, device)
     if (problem.ep_size or 1) < 2:

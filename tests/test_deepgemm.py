@@ -229,7 +229,8 @@ def op_args(op_name, inputs) -> tuple:
     if not prequantized:
         return (x, None, *head, *inputs.weight_args(*STATIC))
     q, scale = quant.quantize_activations(x.reshape(-1, x.shape[-1]), inputs.spec)
-    return (q.view(x.shape), scale.view(*x.shape[:-1], -1), *head,
+    groups = x.shape[-1] // library.SCALE_BLOCK
+    return (q.view(x.shape), scale.view(*x.shape[:-1], groups), *head,
             *inputs.weight_args(*STATIC), x.dtype)
 
 

@@ -38,8 +38,8 @@ from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
-    from torch_moe_ops.backends.common.kernels import grouped_gemm
-    from torch_moe_ops.backends.triton import act_quant, configs, dequant, fused
+    from torch_moe_ops.backends.common.kernels import act_quant, grouped_gemm
+    from torch_moe_ops.backends.triton import configs, dequant, fused
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_moe_ops import quant
-from torch_moe_ops.backends.common.kernels import grouped_gemm
+from torch_moe_ops.backends.common.kernels import act_quant, grouped_gemm
 from torch_moe_ops.backends.common.kernels.sorting import rows_of_slots, sort_rows
 from torch_moe_ops.backends.deepgemm import library
 from torch_moe_ops.config import QuantSpec
@@ -53,8 +52,9 @@ def _check_runs(w13, w2, weight_format, activation_format, block_size) -> None:
 
 
 def quantize_groups(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_MK, scale_MG)``: fp8 with one fp32 scale per row and 128 columns."""
-    return quant.quantize_activations(x_MK, FP8_BLOCKS)
+    """``(q_MK, scale_MG)``: fp8 with one fp32 scale per row and 128 columns, in one Triton
+    launch (`quant.quantize_activations` bit for bit)."""
+    return act_quant.quantize_rows(x_MK, FP8_BLOCKS)
 
 
 def padded_rows(num_rows: int, num_experts: int, alignment: int) -> int:
@@ -172,17 +172,30 @@ def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, 
         scale_ECG = scale_XG.view(num_experts, rows_per_expert, -1)
     else:
         q_ECH, scale_ECG = x_ECH, x_scale
+    # DeepGEMM's masked GEMM reads blocks of a whole number of its M tiles (DeepEP's are:
+    # max tokens per rank times ranks); others are copied into such blocks.
+    rows = -(-rows_per_expert // library.SCALE_BLOCK) * library.SCALE_BLOCK
+    if rows != rows_per_expert:
+        q_ECH, scale_ECG = _padded_blocks(q_ECH, rows), _padded_blocks(scale_ECG, rows)
     # Decode sends a few rows to each expert: the tiles for that size (the result does not
     # depend on it).
     expected_rows = min(rows_per_expert, library.SCALE_BLOCK)
-    expert_X = _masked_experts(count_E, rows_per_expert)
+    expert_X = _masked_experts(count_E, rows)
     h_ECF = library.grouped_gemm_masked(q_ECH, scale_ECG, w13, w13_scale, count_E,
                                         expected_rows)
-    a_XI = grouped_gemm.bias_act_rows(h_ECF.view(num_experts * rows_per_expert, -1), b13_EF,
-                                      expert_X, act, alpha, limit)
+    a_XI = grouped_gemm.bias_act_rows(h_ECF.view(num_experts * rows, -1), b13_EF, expert_X,
+                                      act, alpha, limit)
     p_XI, scale_a_XG = quantize_groups(a_XI)
     y_ECH = library.grouped_gemm_masked(
-        p_XI.view(num_experts, rows_per_expert, -1),
-        scale_a_XG.view(num_experts, rows_per_expert, -1), w2, w2_scale, count_E, expected_rows)
+        p_XI.view(num_experts, rows, -1), scale_a_XG.view(num_experts, rows, -1), w2, w2_scale,
+        count_E, expected_rows)
     y_XH = grouped_gemm.finish_rows(y_ECH.view(-1, hidden_size), expert_X, b2_EH)
-    return y_XH.view(x_ECH.shape).to(out_dtype)
+    return y_XH.view(num_experts, rows, hidden_size)[:, :rows_per_expert].to(
+        out_dtype).contiguous()
+
+
+def _padded_blocks(x_ECX: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x_ECX`` with each expert's block extended to ``rows`` rows of zeros."""
+    padded = x_ECX.new_zeros((x_ECX.shape[0], rows, x_ECX.shape[2]))
+    padded[:, :x_ECX.shape[1]] = x_ECX
+    return padded
