@@ -63,9 +63,10 @@ def sm90(monkeypatch):
     return claim
 
 
-def problem(spec=FP8_BLOCK, dtype=torch.bfloat16, hidden=7168, inter=2048) -> Problem:
+def problem(spec=FP8_BLOCK, dtype=torch.bfloat16, hidden=7168, inter=2048, rows=None
+            ) -> Problem:
     return Problem(dtype, num_experts=256, num_local_experts=256, hidden_size=hidden,
-                   intermediate_size=inter, top_k=8, quant=spec)
+                   intermediate_size=inter, top_k=8, quant=spec, rows=rows)
 
 
 FORMAT_REASONS = {
@@ -94,7 +95,23 @@ WHY_NOT = {  # id: (what differs from an sm90 GPU, bf16, DeepSeek-V3's widths), 
              "needs bfloat16 activations (DeepGEMM writes bfloat16), got torch.float16"),
     "I": ({"inter": 1344}, ("needs hidden_size and intermediate_size divisible by 128, got "
                             "7168 and 1344")),
+    "decode": ({"rows": 16}, ("runs 128 routed rows, fewer than 4096: its layout pads each "
+                              "expert's rows to whole 128-row tiles, and the triton kernels "
+                              "are faster there")),
 }
+
+
+@pytest.mark.parametrize("rows", [None, 512, 16384])
+def test_supports_prefill_and_unknown_token_counts(sm90, rows):
+    # 512 tokens x top-8: 4096 routed rows; None: sizes not fixed (dynamic shapes).
+    assert BACKEND.why_not(BackendSpec(), problem(rows=rows), CUDA) is None
+
+
+def test_problem_reads_fixed_token_counts(quant_inputs):
+    from torch_moe_ops.backends.problems import problem_of
+
+    args = cpu_inputs(quant_inputs, num_tokens=9).args(*STATIC)
+    assert problem_of("experts_quant", args).rows == 9
 
 
 @pytest.mark.parametrize("case", list(WHY_NOT))
@@ -387,7 +404,8 @@ def test_gpu_compiled_module(generator):
     torch.manual_seed(0)
     moe = tmo.MoE(tmo.MoEConfig(hidden_size=512, intermediate_size=256, num_experts=16,
                                 top_k=4, quant=FP8_BLOCK), device="cuda", dtype=torch.bfloat16)
-    x = torch.randn((40, 512), generator=generator).to("cuda", torch.bfloat16)
+    # 1024 tokens x top-4: enough routed rows for `supports` (decode runs elsewhere).
+    x = torch.randn((1024, 512), generator=generator).to("cuda", torch.bfloat16)
     compiled = torch.compile(moe, backend=tmo.backend(experts="deepgemm"), fullgraph=True)
     with torch.no_grad():
         out, ref = compiled(x), moe(x)

@@ -58,9 +58,11 @@ def _problem_of(args: dict) -> Problem:
     top_k = None if routing is None else routing.shape[1]
     if "w13" in args:
         w13 = args["w13"]
+        rows = x.shape[0]
         return Problem(dtype=args.get("out_dtype") or x.dtype, num_local_experts=w13.shape[0],
                        hidden_size=x.shape[1], intermediate_size=w13.shape[1] // 2,
-                       top_k=top_k, activation=args["activation"], quant=quant)
+                       top_k=top_k, activation=args["activation"], quant=quant,
+                       rows=rows if isinstance(rows, int) else None)
     ep_size, num_experts = args["ep_size"], args.get("num_experts")
     return Problem(dtype=x.dtype, num_experts=num_experts,
                    num_local_experts=None if num_experts is None else num_experts // ep_size,

@@ -134,6 +134,8 @@ class Problem:
     ``num_expert_groups``, ``topk_groups`` and ``correction_bias`` (whether one
     is given) are the layer's routing, as ``moe::route`` receives it; the
     problem of a ``moe::route`` call has the router logits' dtype as ``dtype``.
+    ``rows``: the rows an experts op reads (tokens for ``experts``, routed rows for the
+    rows and masked formats) where the call's sizes are fixed, None where symbolic.
     """
 
     dtype: torch.dtype
@@ -153,6 +155,7 @@ class Problem:
     num_expert_groups: int | None = None
     topk_groups: int | None = None
     correction_bias: bool | None = None
+    rows: int | None = None
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dtype: torch.dtype) -> Problem:

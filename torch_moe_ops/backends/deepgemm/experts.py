@@ -95,14 +95,15 @@ def _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_E
     return library.grouped_gemm_contiguous(*quantize_groups(a_MI), w2, w2_scale, expert_M)
 
 
-def _to_layout(q_RH, scale_RG, position_R, num_padded):
-    """The sorted rows and their scales moved to the contiguous layout's ``M`` rows; the
-    rows between groups are left unwritten (DeepGEMM skips or never reads them)."""
-    q_MH = q_RH.new_empty((num_padded, q_RH.shape[1]))
-    scale_MG = scale_RG.new_empty((num_padded, scale_RG.shape[1]))
-    q_MH[position_R] = q_RH
-    scale_MG[position_R] = scale_RG
-    return q_MH, scale_MG
+def _to_layout(q_XH, scale_XG, source_R, position_R, num_padded):
+    """The contiguous layout's ``M`` rows: row ``position_R[r]`` is row ``source_R[r]`` of
+    ``q_XH`` (and its scales); the rows between groups copy row 0 (DeepGEMM skips them or
+    computes rows never read). A gather (each row read from its source) in place of a
+    scatter: torch's index_put on fp8 moved a byte a thread, 4 ms of a 17 ms DeepSeek-V3
+    layer at T=16384 on an H200."""
+    source_M = torch.zeros(num_padded, dtype=torch.int64, device=q_XH.device)
+    source_M[position_R] = source_R
+    return q_XH[source_M], scale_XG[source_M]
 
 
 def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w2_scale,
@@ -118,8 +119,7 @@ def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w
     position_R, expert_M = contiguous_layout(sorted_ids_R, count_E, library.row_alignment())
     # Tokens are quantized before they are gathered: K times fewer rows to scale.
     q_TH, scale_TG = quantize_groups(hidden_TH)
-    token_R = order_R // top_k
-    q_MH, scale_MG = _to_layout(q_TH[token_R], scale_TG[token_R], position_R,
+    q_MH, scale_MG = _to_layout(q_TH, scale_TG, order_R // top_k, position_R,
                                 expert_M.shape[0])
     y_MH = _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act,
                           alpha, limit)
@@ -141,7 +141,8 @@ def experts_rows_quant(x_RH, x_scale, expert_R, count_E, w13, w2, w13_scale, w2_
         return x_RH.new_empty(tuple(x_RH.shape), dtype=out_dtype)
     q_RH, scale_RG = quantize_groups(x_RH) if x_scale is None else (x_RH, x_scale)
     position_R, expert_M = contiguous_layout(expert_R, count_E, library.row_alignment())
-    q_MH, scale_MG = _to_layout(q_RH, scale_RG, position_R, expert_M.shape[0])
+    rows_R = torch.arange(q_RH.shape[0], device=q_RH.device)
+    q_MH, scale_MG = _to_layout(q_RH, scale_RG, rows_R, position_R, expert_M.shape[0])
     y_MH = _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act,
                           alpha, limit)
     return grouped_gemm.finish_rows(y_MH[position_R], expert_R, b2_EH).to(out_dtype)

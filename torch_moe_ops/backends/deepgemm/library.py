@@ -39,6 +39,9 @@ def missing() -> str | None:
 
 
 def _deep_gemm():
+    reason = missing()
+    if reason is not None:
+        raise RuntimeError(f"experts backend 'deepgemm' cannot run: {reason}")
     return importlib.import_module("deep_gemm")
 
 
