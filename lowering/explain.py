@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import torch
 from torch import fx
@@ -212,6 +213,12 @@ def explain(model: torch.nn.Module, *example_inputs, experts: str | None = None,
     Runs one forward (every rank of an expert-parallel model must call it); prints what the
     plans are of, then one block per layer. ``kwargs`` go to ``model`` too. Raises
     ValueError where the compile backend would.
+
+    Called any number of times, it leaves Dynamo's caches as it found them: nothing of it
+    counts towards the recompile limit of the user's compiled models or of later calls,
+    nor keeps ``model`` alive. One exception: where ``model`` has a graph break and is
+    compiled too, a frame after the break that both compile keeps explain's compilation
+    beside the user's (Dynamo drops a frame's cache whole or not at all).
     """
     asked = {key: value for key, value in (("experts", experts), ("a2a", a2a), ("route", route),
                                            ("dispatch_dtype", dispatch_dtype),
@@ -231,5 +238,21 @@ def explain(model: torch.nn.Module, *example_inputs, experts: str | None = None,
         found.extend(_reports(gm, source.spec))
         return gm.forward
 
-    torch.compile(source.module, backend=recording, fullgraph=False)(*example_inputs, **kwargs)
+    # Dynamo caches a compilation in the code object it compiled, and counts every
+    # backend's compilations of one code object towards its recompile limit: the frame
+    # explain compiles is a code object of this call's own, not the model's forward (which
+    # the user may compile too), and what Dynamo kept of it is dropped once it has run.
+    # Static sizes (but those marked dynamic): the sizes an earlier call saw, which Dynamo
+    # remembers by the frame's name and line, would make them symbolic.
+    call = types.FunctionType(_call_module.__code__.replace(), _call_module.__globals__)
+    try:
+        torch.compile(call, backend=recording, fullgraph=False, dynamic=False)(
+            source.module, example_inputs, kwargs)
+    finally:
+        torch_compat.discard_compiled(recording)
     return found
+
+
+def _call_module(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """The frame `explain` compiles, copied for each call: ``module(*args, **kwargs)``."""
+    return module(*args, **kwargs)

@@ -5,14 +5,17 @@ what the library relies on. Run on every torch in ``torch_compat.TESTED_ON``
 from __future__ import annotations
 
 import ast
+import gc
 import inspect
 import re
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._dynamo.testing import CompileCounter
 
 import torch_moe_ops  # noqa: F401  (defines the moe ops)
 from torch_moe_ops import torch_compat
@@ -180,6 +183,39 @@ def test_inductor_compiler_applies_mode_and_options():
     # reduce-overhead means CUDA graphs; the options come on top of the mode's.
     assert compile_graph.config["triton.cudagraphs"] is True
     assert compile_graph.config["reorder_for_peak_memory"] is False
+
+
+def _cache_entries(function) -> list:
+    return torch._dynamo.eval_frame._debug_get_cache_entry_list(function)
+
+
+def test_discard_compiled_drops_one_backends_compilations():
+    def double(x):
+        return x * 2
+
+    def triple(x):
+        return x * 3
+
+    x = torch.randn(3)
+    discarded, kept = CompileCounter(), CompileCounter()
+    torch.compile(double, backend=discarded)(x)
+    torch.compile(triple, backend=discarded)(x)
+    compiled_triple = torch.compile(triple, backend=kept)
+    compiled_triple(x)
+    assert (len(_cache_entries(double)), len(_cache_entries(triple))) == (1, 2)
+    torch_compat.discard_compiled(discarded)
+    # What only `discarded` compiled is gone; where another backend compiled too, all stays.
+    assert (len(_cache_entries(double)), len(_cache_entries(triple))) == (0, 2)
+    compiled_triple(x)
+    assert kept.frame_count == 1
+    # Dynamo holds `discarded` no more, once no code object's cache does.
+    alone = CompileCounter()
+    torch.compile(double, backend=alone)(x)
+    torch_compat.discard_compiled(alone)
+    alone_ref = weakref.ref(alone)
+    del alone
+    gc.collect()
+    assert alone_ref() is None
 
 
 @pytest.mark.parametrize("name", ["eager", "aot_eager"])

@@ -24,6 +24,7 @@ below_autograd           2.11, 2.13  test_below_autograd_skips_the_autograd_kern
 c10d_functional          2.11, 2.13  test_functional_collectives_take_the_group_by_name
 checkpoint_wrapper       2.13        test_checkpoint_wrapper_recomputes_and_keeps_the_state_dict
 compiled_module          2.11, 2.13  test_compiled_module_gives_the_module_and_its_backend
+discard_compiled         2.11, 2.13  test_discard_compiled_drops_one_backends_compilations
 flatten_mesh             2.13        test_flatten_mesh_joins_the_dims
 fsdp_shard_placement     2.13        test_fsdp_shard_placement_shards_over_another_mesh
 grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
@@ -58,7 +59,7 @@ runs them, tests/test_torch_compat.py and the import tests included):
   sm90 alone, so on the CPU a stand-in checked by torch's meta kernel takes its place.
 - backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
   version" tests of tests/test_flashinfer_experts.py.
-- lowering/explain.py (compiled_module): tests/test_explain.py.
+- lowering/explain.py (compiled_module, discard_compiled): tests/test_explain.py.
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
   lowering/compile.py (inductor_compiler, lookup_backend, backend_error):
   graph_tests/test_compile.py.
@@ -83,7 +84,7 @@ TESTED_ON = ("2.11", "2.13")
 
 __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode", "OpOverload",
            "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional",
-           "checkpoint_wrapper", "compiled_module", "flatten_mesh",
+           "checkpoint_wrapper", "compiled_module", "discard_compiled", "flatten_mesh",
            "fsdp_shard_placement", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
            "lookup_backend", "packet_name", "profiler_enabled", "register_ordered_effect",
            "resolve_process_group", "scaled_grouped_mm", "schema", "tensor_version"]
@@ -213,6 +214,34 @@ def compiled_module(module: torch.nn.Module):
     if isinstance(backend, torch._TorchCompileInductorWrapper):
         return module._orig_mod, backend, "inductor"
     return module._orig_mod, backend, getattr(backend, "__name__", repr(backend))
+
+
+def discard_compiled(backend) -> None:
+    """Drop what Dynamo keeps of the compilations with ``backend`` (the function or object
+    given to ``torch.compile``) once their code is no longer run: its reference to
+    ``backend`` (kept for ``torch._dynamo.reset``, and with it all ``backend`` holds), and
+    the cache of each code object that ``backend`` alone has entries in (its cache, guards,
+    automatic-dynamic sizes and compilation count: each counts towards the recompile limits
+    of a later compilation of that code). A code object that another backend compiled keeps
+    its cache whole, ``backend``'s entries included: Dynamo drops a code object's entries
+    all at once or none.
+
+    Dynamo records each code object it compiles (``convert_frame.input_codes``, weakly);
+    each cache entry holds what ``torch.compile`` wrapped the backend in, a
+    ``_TorchCompileWrapper`` whose ``compiler_fn`` is ``backend`` for a callable."""
+    from torch._dynamo import convert_frame, eval_frame
+
+    def compiles_with_backend(wrapper) -> bool:
+        return wrapper is backend or getattr(wrapper, "compiler_fn", None) is backend
+
+    for key, cached in list(eval_frame.cached_backends.items()):
+        if compiles_with_backend(cached):
+            del eval_frame.cached_backends[key]
+    for code_ref in list(convert_frame.input_codes.seen):
+        code = code_ref()
+        entries = eval_frame._debug_get_cache_entry_list(code) if code is not None else []
+        if entries and all(compiles_with_backend(entry.backend) for entry in entries):
+            torch._dynamo.reset_code(code)
 
 
 def lookup_backend(name: str):
