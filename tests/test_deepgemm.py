@@ -95,15 +95,18 @@ WHY_NOT = {  # id: (what differs from an sm90 GPU, bf16, DeepSeek-V3's widths), 
              "needs bfloat16 activations (DeepGEMM writes bfloat16), got torch.float16"),
     "I": ({"inter": 1344}, ("needs hidden_size and intermediate_size divisible by 128, got "
                             "7168 and 1344")),
-    "decode": ({"rows": 16}, ("runs 128 routed rows, fewer than 4096: its layout pads each "
-                              "expert's rows to whole 128-row tiles, and the triton kernels "
-                              "are faster there")),
+    "decode": ({"rows": 16}, ("runs 0.5 routed rows per expert on average, fewer than 128: its "
+                              "layout pads each expert's rows to whole 128-row tiles, and the "
+                              "triton kernels are faster there")),
+    "T=1024": ({"rows": 1024}, ("runs 32 routed rows per expert on average, fewer than 128: "
+                                "its layout pads each expert's rows to whole 128-row tiles, and "
+                                "the triton kernels are faster there")),
 }
 
 
-@pytest.mark.parametrize("rows", [None, 512, 16384])
+@pytest.mark.parametrize("rows", [None, 4096, 16384])
 def test_supports_prefill_and_unknown_token_counts(sm90, rows):
-    # 512 tokens x top-8: 4096 routed rows; None: sizes not fixed (dynamic shapes).
+    # 4096 tokens x top-8 over 256 experts: 128 rows an expert; None: sizes not fixed.
     assert BACKEND.why_not(BackendSpec(), problem(rows=rows), CUDA) is None
 
 
@@ -404,7 +407,7 @@ def test_gpu_compiled_module(generator):
     torch.manual_seed(0)
     moe = tmo.MoE(tmo.MoEConfig(hidden_size=512, intermediate_size=256, num_experts=16,
                                 top_k=4, quant=FP8_BLOCK), device="cuda", dtype=torch.bfloat16)
-    # 1024 tokens x top-4: enough routed rows for `supports` (decode runs elsewhere).
+    # 1024 tokens x top-4 over 16 experts: 256 rows an expert, enough for `supports`.
     x = torch.randn((1024, 512), generator=generator).to("cuda", torch.bfloat16)
     compiled = torch.compile(moe, backend=tmo.backend(experts="deepgemm"), fullgraph=True)
     with torch.no_grad():

@@ -20,10 +20,12 @@ from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import define_backend_ops
 
 NAMESPACE = "moe_deepgemm"
-# Below this many routed rows (decode), the contiguous layout's padding and the launches
-# around the GEMMs cost more than DeepGEMM's GEMMs save (H200, 2026-11-27: DeepSeek-V3 at
-# T=16, 128 routed rows: 2002 us against triton's 1078; at T=4096 ahead on Mixtral-8x7B).
-MIN_ROUTED_ROWS = 4096
+# Below this many routed rows per expert on average (one of DeepGEMM's 128-row M tiles), the
+# contiguous layout's padding to whole tiles and the launches around the GEMMs cost more than
+# DeepGEMM's GEMMs save (H200, 2026-11-27: DeepSeek-V3 at T=1024, 32 rows an expert: 4581 us
+# against vLLM's fp8 Triton kernel's 3376; at T=4096, 128 rows: 6170 against our triton's
+# 7375; Mixtral-8x7B at T=1024, 256 rows: 1100 against 1621).
+MIN_ROWS_PER_EXPERT = 128
 
 
 def format_reason(quant) -> str | None:
@@ -59,19 +61,21 @@ def supports(spec, problem, device) -> str | None:
     if None not in sizes and any(size % library.SCALE_BLOCK for size in sizes):
         return (f"needs hidden_size and intermediate_size divisible by {library.SCALE_BLOCK}, "
                 f"got {sizes[0]} and {sizes[1]}")
-    routed = routed_rows(problem)
-    if routed is not None and routed < MIN_ROUTED_ROWS:
-        return (f"runs {routed} routed rows, fewer than {MIN_ROUTED_ROWS}: its layout pads each "
-                f"expert's rows to whole 128-row tiles, and the triton kernels are faster there")
+    per_expert = rows_per_expert(problem)
+    if per_expert is not None and per_expert < MIN_ROWS_PER_EXPERT:
+        return (f"runs {per_expert:g} routed rows per expert on average, fewer than "
+                f"{MIN_ROWS_PER_EXPERT}: its layout pads each expert's rows to whole 128-row "
+                f"tiles, and the triton kernels are faster there")
     return None
 
 
-def routed_rows(problem) -> int | None:
-    """The rows the experts multiply: each token once per expert it is routed to (tokens
-    times top-k where the op reads tokens), or None where the count is not fixed."""
-    if problem.rows is None:
+def rows_per_expert(problem) -> float | None:
+    """The rows the experts multiply (each token once per expert it is routed to: tokens
+    times top-k where the op reads tokens) over the experts held here, or None where the
+    count is not fixed."""
+    if problem.rows is None or not problem.num_local_experts:
         return None
-    return problem.rows * (problem.top_k or 1)
+    return problem.rows * (problem.top_k or 1) / problem.num_local_experts
 
 
 if TRITON_INSTALLED:
