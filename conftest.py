@@ -73,3 +73,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if path and report.when == "call":
         with open(path, "a") as log:
             log.write(f"{report.duration:.2f}s call     {report.nodeid}\n")
+
+
+@pytest.fixture(autouse=True)
+def _backend_choices_end_with_the_test():
+    """Tests fake the machine (a GPU, a built module, an installed package) by patching
+    what the backends' ``supports`` read. The eager kernels' backend choices are cached for
+    a machine that does not change (`registry.EagerChoices`): none made under a test's
+    fakes may serve the tests after it."""
+    yield
+    from torch_moe_ops.backends.registry import REGISTRY
+
+    REGISTRY.changed()

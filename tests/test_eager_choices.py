@@ -50,11 +50,9 @@ def supports_calls(monkeypatch):
 
 
 def test_the_eager_choice_runs_supports_once_per_problem(supports_calls):
-    for num_tokens in (5, 3, 0):
-        # The token count is no part of the problem: one choice serves them all.
-        torch.ops.moe.experts(*_experts_args(num_tokens=num_tokens))
-    first = dict(supports_calls)
-    assert first["cpu"] == 1 and sum(first.values()) >= 1, first
+    for _ in range(3):
+        torch.ops.moe.experts(*_experts_args())
+    assert supports_calls["cpu"] == 1, supports_calls
     torch.ops.moe.experts(*_experts_args(hidden_size=32))
     torch.ops.moe.experts(*_experts_args(dtype=torch.bfloat16))
     torch.ops.moe.experts(*_experts_args(hidden_size=32))
