@@ -214,8 +214,10 @@ class ExpertsBackend:
 
     @property
     def formats(self) -> tuple[Format, ...]:
-        """The formats (`FORMATS`) whose dispatch output its ops read."""
-        return tuple(f for f in FORMATS if defines(self.namespace, f.experts))
+        """The formats (`FORMATS`) whose dispatch output its ops read, with unquantized or
+        quantized weights (a backend may run quantized layers only)."""
+        return tuple(f for f in FORMATS if defines(self.namespace, f.experts)
+                     or defines(self.namespace, f.quantized_experts))
 
     def why_not(self, spec: BackendSpec, problem: Problem, device: torch.device) -> str | None:
         """``supports``, after the rule every experts backend shares: quantized
