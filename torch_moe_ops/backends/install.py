@@ -1,6 +1,6 @@
 """How to install the libraries that the optional backends run on.
 
-``python -m torch_moe_ops.backends.install [deepep|flashinfer]`` prints the steps;
+``python -m torch_moe_ops.backends.install [deepep|deepgemm|flashinfer]`` prints the steps;
 `tmo.backend(..., device=...)` names this command when a backend it is given
 cannot run because its library is missing.
 """
@@ -30,6 +30,21 @@ With CUDA 13, put libcu++'s headers on the include path first:
 
     export CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl
     export NVCC_APPEND_FLAGS=-I/usr/local/cuda/include/cccl
+"""),
+    "deepgemm": ("deep_gemm", """\
+DeepGEMM (github.com/deepseek-ai/DeepGEMM), for the experts backend 'deepgemm' (fp8
+128 x 128 blocks on sm90). It is built from source with the CUDA toolkit (nvcc) and the
+torch it will run with; its kernels compile with nvcc on first use:
+
+    git clone --recursive https://github.com/deepseek-ai/DeepGEMM && cd DeepGEMM
+    git checkout 54e2261 && git submodule update --init   # 2.6.1, the API the backend calls
+    ./install.sh
+    python -c "import deep_gemm"
+
+Where its first kernel call dies with SIGSEGV inside std::regex (seen with torch 2.11
+built for CUDA 13 and g++ 13), link libstdc++ into its extension instead:
+scripts/build_deepgemm.sh in this repository does (-static-libstdc++ -Wl,-Bsymbolic
+-Wl,--exclude-libs,ALL), from a source archive, with no network.
 """),
     "flashinfer": ("flashinfer", f"""\
 FlashInfer, for the experts, a2a and route backends 'flashinfer' (CUDA sm90; routing sm89):

@@ -19,8 +19,8 @@ import importlib.util
 
 import torch
 
-INSTALL_HINT = ("DeepGEMM is built from source: scripts/build_deepgemm.sh (it needs nvcc and "
-                "CUTLASS's headers)")
+INSTALL_HINT = ("DeepGEMM is built from source: python -m torch_moe_ops.backends.install "
+                "deepgemm says how")
 # The block of the weight scales and the group of the activation scales DeepGEMM's sm90 fp8
 # kernels read.
 SCALE_BLOCK = 128
