@@ -58,7 +58,10 @@ def test_install_notes(capsys):
     assert install.main(["deepep"]) == 0
     assert "pip install --no-build-isolation" in capsys.readouterr().out
     assert install.main(["nccl"]) == 2
-    assert capsys.readouterr().err == "backend must be one of deepep, flashinfer, got nccl\n"
+    assert capsys.readouterr().err == ("backend must be one of deepep, deepgemm, flashinfer, got "
+                                       "nccl\n")
+    assert install.main(["deepgemm"]) == 0
+    assert "-static-libstdc++" in capsys.readouterr().out
 
 
 def test_flashinfer_install_note_gives_the_trimmed_module_build_time(capsys):
