@@ -193,3 +193,27 @@ def make_quant_inputs(generator: torch.Generator, spec: QuantSpec, **sizes) -> Q
 def quant_inputs(generator) -> Callable[..., QuantInputs]:
     """``quant_inputs(spec, **sizes)``: see `make_quant_inputs`."""
     return lambda spec, **kwargs: make_quant_inputs(generator, spec, **kwargs)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """``torch.cuda`` claims an sm90 GPU (sm set by ``sm90(major, minor)``)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def claim(major: int = 9, minor: int = 0):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major,
+                                                                                      minor))
+
+    claim()
+    return claim
+
+
+def why_not_after(backend, make_problem: Callable[..., object], sm90, changes: dict):
+    """``backend.why_not`` on ``make_problem(**changes)`` of a claimed sm90 GPU, where
+    ``changes`` may also name a ``device`` and another ``sm`` (``(major, minor)``)."""
+    from torch_moe_ops.config import BackendSpec
+
+    changes = dict(changes)
+    device = changes.pop("device", torch.device("cuda"))
+    sm90(*changes.pop("sm", (9, 0)))
+    return backend.why_not(BackendSpec(), make_problem(**changes), device)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import torch_moe_ops as tmo
+from conftest import why_not_after
 from torch_moe_ops import quant
 from torch_moe_ops.backends.deepgemm import experts as deepgemm_experts
 from torch_moe_ops.backends.deepgemm import library
@@ -49,18 +50,10 @@ def relative_error(out, ref) -> float:
 
 
 @pytest.fixture
-def sm90(monkeypatch):
-    """``torch.cuda`` claims an sm90 GPU (sm set by ``sm90(major, minor)``) and DeepGEMM
-    imports."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def sm90(sm90, monkeypatch):
+    """The shared ``sm90`` claim, with DeepGEMM importable."""
     monkeypatch.setattr(library, "missing", lambda: None)
-
-    def claim(major: int = 9, minor: int = 0):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major,
-                                                                                      minor))
-
-    claim()
-    return claim
+    return sm90
 
 
 def problem(spec=FP8_BLOCK, dtype=torch.bfloat16, hidden=7168, inter=2048, rows=None
@@ -120,10 +113,7 @@ def test_problem_reads_fixed_token_counts(quant_inputs):
 @pytest.mark.parametrize("case", list(WHY_NOT))
 def test_supports_says_why_not(sm90, case):
     changes, reason = WHY_NOT[case]
-    changes = dict(changes)
-    device = changes.pop("device", CUDA)
-    sm90(*changes.pop("sm", (9, 0)))
-    assert BACKEND.why_not(BackendSpec(), problem(**changes), device) == reason
+    assert why_not_after(BACKEND, problem, sm90, changes) == reason
 
 
 def test_supports_without_deepgemm(sm90, monkeypatch):

@@ -42,6 +42,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
+from conftest import why_not_after
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels import scaled_grouped_gemm
 from torch_moe_ops.backends.registry import REGISTRY, Problem
@@ -60,19 +61,6 @@ BACKEND = REGISTRY.experts["grouped_mm"]
 
 def relative_error(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    """``torch.cuda`` claims an sm90 GPU (sm set by ``sm90(major, minor)``)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-    def claim(major: int = 9, minor: int = 0):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major,
-                                                                                      minor))
-
-    claim()
-    return claim
 
 
 def problem(spec=FP8_CHANNEL, dtype=torch.bfloat16, hidden=4096, inter=1024,
@@ -121,10 +109,7 @@ WHY_NOT = {  # id: (what differs from an sm90 GPU, bf16, H=4096, I=1024, E=8), r
 @pytest.mark.parametrize("case", list(WHY_NOT))
 def test_supports_says_why_not(sm90, case):
     changes, reason = WHY_NOT[case]
-    changes = dict(changes)
-    device = changes.pop("device", CUDA)
-    sm90(*changes.pop("sm", (9, 0)))
-    assert BACKEND.why_not(BackendSpec(), problem(**changes), device) == reason
+    assert why_not_after(BACKEND, problem, sm90, changes) == reason
 
 
 def test_supports_without_scaled_grouped_mm(sm90, monkeypatch):
