@@ -54,6 +54,7 @@ from torch_moe_ops.routed_experts import (
     SCALE_TENSORS,
     experts_of_rank,
     keep_local_slice,
+    local_part,
     run_experts,
 )
 
@@ -154,7 +155,8 @@ class HFMoEBlock(nn.Module):
                                                           1.0 + self.jitter_noise)
         _, topk_weights_TK, topk_ids_TK = getattr(self, self.router_name)(x_TH)
         y_TH = run_experts(cfg, self.ep_group_name, x_TH, topk_weights_TK, topk_ids_TK,
-                           self.expert_weights(), self.expert_scales())
+                           tuple(local_part(w) for w in self.expert_weights()),
+                           self.expert_scales())
         if self.shared_expert_name is not None:
             shared_TH = getattr(self, self.shared_expert_name)(x_TH)
             if self.shared_expert_gate_name is not None:
