@@ -38,7 +38,7 @@ def gemms_seconds(shape: bench_experts.Shape, num_tokens: int, flush: torch.Tens
     and returns 0."""
     generator = torch.Generator(device="cuda").manual_seed(num_tokens)
     w13, w2, *_ = bench_experts.make_weights(shape, generator)
-    (w13_q, w13_s), (w2_q, w2_s) = (quant.quantize_weights(w, deepgemm_experts.FP8_BLOCKS)
+    (w13_q, w13_s), (w2_q, w2_s) = (quant.quantize_weights(w, library.FP8_BLOCKS)
                                     for w in (w13, w2))
     hidden_TH, _, topk_ids_TK, *_ = bench_experts.make_problem(shape, num_tokens, (w13, w2),
                                                                generator)
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
                 gemms_seconds(bench_experts.SHAPES[name], num_tokens, None)
         return
     ceilings = bench_experts.measure_ceilings()
-    fp8_rate = ceilings.flops_per_s(deepgemm_experts.FP8_BLOCKS)
+    fp8_rate = ceilings.flops_per_s(library.FP8_BLOCKS)
     flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     print(f"{'shape':<16}{'T':>7}{'DeepGEMM us':>13}{'TFLOP/s':>9}{'%fp8':>6}")
     for name in args.shapes.split(","):

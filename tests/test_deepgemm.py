@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import torch_moe_ops as tmo
-from conftest import why_not_after
+from conftest import FP8_CPU_OPCHECK_UTILS, why_not_after
 from torch_moe_ops import quant
 from torch_moe_ops.backends.deepgemm import experts as deepgemm_experts
 from torch_moe_ops.backends.deepgemm import library
@@ -82,7 +82,7 @@ def test_supports_says_which_formats_run(sm90, spec):
 
 
 WHY_NOT = {  # id: (what differs from an sm90 GPU, bf16, DeepSeek-V3's widths), reason
-    "cpu": ({"device": torch.device("cpu")}, "needs a CUDA GPU of sm90"),
+    "cpu": ({"device": torch.device("cpu")}, "needs a CUDA GPU of sm90, got device cpu"),
     "sm100": ({"sm": (10, 0)}, "needs sm90 (its fp32-scale kernels), got sm100"),
     "fp16": ({"dtype": torch.float16},
              "needs bfloat16 activations (DeepGEMM writes bfloat16), got torch.float16"),
@@ -314,9 +314,8 @@ def test_all_slots_skipped(quant_inputs, gemm_calls, op_name):
 @pytest.mark.parametrize("op_name", OP_NAMES)
 def test_opcheck_on_cpu(quant_inputs, gemm_calls, op_name):
     args = op_args(op_name, cpu_inputs(quant_inputs, bias=True))
-    # SchemaCheckMode needs float8 ops the CPU lacks (tests/test_opcheck.py says which).
-    utils = tuple(u for u in torch.library._OPCHECK_DEFAULT_UTILS if u != "test_schema")
-    torch.library.opcheck(op("moe_deepgemm", op_name).default, args, test_utils=utils)
+    torch.library.opcheck(op("moe_deepgemm", op_name).default, args,
+                          test_utils=FP8_CPU_OPCHECK_UTILS)
 
 
 @pytest.mark.triton

@@ -15,6 +15,19 @@ never from each other.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def import_failure(module: str, not_installed: str) -> str | None:
+    """Why the optional library ``module`` cannot be imported here (``not_installed`` where
+    it is absent, else the import's own error), or ``None`` where it can."""
+    if importlib.util.find_spec(module) is None:
+        return not_installed
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 (any import failure is the reason)
+        return f"import {module} failed: {type(error).__name__}: {error}"
+    return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.common.kernels import grouped_gemm
 from torch_moe_ops.backends.deepgemm import library
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.ops import define_backend_ops
@@ -28,31 +29,17 @@ NAMESPACE = "moe_deepgemm"
 MIN_ROWS_PER_EXPERT = 128
 
 
-def format_reason(quant) -> str | None:
-    """Why DeepGEMM's kernels cannot run weights and activations of ``quant`` (a
-    `QuantSpec`, or None for unquantized weights), or ``None``."""
-    from torch_moe_ops.backends.deepgemm.experts import FP8_BLOCKS
-
-    if quant is None:
-        return (f"runs quantized weights only ({FP8_BLOCKS.name}); bf16 layers run on the "
-                f"other backends")
-    if quant != FP8_BLOCKS:
-        return f"runs {FP8_BLOCKS.name} only (DeepGEMM's sm90 fp8 recipe), got {quant.name}"
-    return None
-
-
 def supports(spec, problem, device) -> str | None:
     """``None`` where DeepGEMM runs ``problem`` on ``device`` without a host sync, else why
     not (the registry's ``supports`` signature; ``spec`` is not read)."""
-    if not TRITON_INSTALLED:
-        return "its activation and gather kernels need triton (pip install triton)"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "needs a CUDA GPU of sm90"
+    reason = grouped_gemm.device_reason(device, gpu="a CUDA GPU of sm90")
+    if reason is not None:
+        return reason
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         # sm100's DeepGEMM kernels read e8m0 scales packed four to an int: another layout.
         return f"needs sm90 (its fp32-scale kernels), got sm{major}{minor}"
-    reason = format_reason(problem.quant) or library.missing()
+    reason = library.format_reason(problem.quant) or library.missing()
     if reason is not None:
         return reason
     if problem.dtype != torch.bfloat16:

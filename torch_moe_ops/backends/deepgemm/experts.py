@@ -34,17 +34,13 @@ from torch_moe_ops.backends.deepgemm import library
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.quant import rows_out_dtype
 
-# The one format these kernels run: what `__init__.format_reason` accepts.
-FP8_BLOCKS = QuantSpec("fp8_block", "fp8_group", (library.SCALE_BLOCK, library.SCALE_BLOCK))
-
 
 def _check_runs(w13, w2, weight_format, activation_format, block_size) -> None:
     """What `supports` asks of the weights, for a direct call of the ops."""
-    spec = QuantSpec.from_op_args(weight_format, activation_format, list(block_size))
-    if spec != FP8_BLOCKS:
-        raise ValueError(f"experts backend 'deepgemm' runs {FP8_BLOCKS.name} only, got "
-                         f"weight_format={weight_format!r}, activation_format="
-                         f"{activation_format!r}, block_size={list(block_size)}")
+    reason = library.format_reason(QuantSpec.from_op_args(weight_format, activation_format,
+                                                          list(block_size)))
+    if reason is not None:
+        raise ValueError(f"experts backend 'deepgemm' {reason}")
     hidden, inter = w2.shape[1], w2.shape[2]
     if hidden % library.SCALE_BLOCK or inter % library.SCALE_BLOCK:
         raise ValueError(f"experts backend 'deepgemm' needs H and I divisible by "
@@ -54,7 +50,7 @@ def _check_runs(w13, w2, weight_format, activation_format, block_size) -> None:
 def quantize_groups(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_MK, scale_MG)``: fp8 with one fp32 scale per row and 128 columns, in one Triton
     launch (`quant.quantize_activations` bit for bit)."""
-    return act_quant.quantize_rows(x_MK, FP8_BLOCKS)
+    return act_quant.quantize_rows(x_MK, library.FP8_BLOCKS)
 
 
 def padded_rows(num_rows: int, num_experts: int, alignment: int) -> int:

@@ -15,26 +15,35 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 
 import torch
+
+from torch_moe_ops.backends.common import import_failure
+from torch_moe_ops.config import QuantSpec
 
 INSTALL_HINT = ("DeepGEMM is built from source: python -m torch_moe_ops.backends.install "
                 "deepgemm says how")
 # The block of the weight scales and the group of the activation scales DeepGEMM's sm90 fp8
 # kernels read.
 SCALE_BLOCK = 128
+# The one format they run.
+FP8_BLOCKS = QuantSpec("fp8_block", "fp8_group", (SCALE_BLOCK, SCALE_BLOCK))
 
 
 @functools.cache
 def missing() -> str | None:
     """Why ``deep_gemm`` cannot be imported here, or ``None`` where it can."""
-    if importlib.util.find_spec("deep_gemm") is None:
-        return f"deep_gemm is not installed ({INSTALL_HINT})"
-    try:
-        importlib.import_module("deep_gemm")
-    except Exception as error:  # noqa: BLE001 (any import failure is the reason)
-        return f"import deep_gemm failed: {type(error).__name__}: {error}"
+    return import_failure("deep_gemm", f"deep_gemm is not installed ({INSTALL_HINT})")
+
+
+def format_reason(quant: QuantSpec | None) -> str | None:
+    """Why DeepGEMM's kernels cannot run weights and activations of ``quant`` (None for
+    unquantized weights), or ``None``."""
+    if quant is None:
+        return (f"runs quantized weights only ({FP8_BLOCKS.name}); bf16 layers run on the "
+                f"other backends")
+    if quant != FP8_BLOCKS:
+        return f"runs {FP8_BLOCKS.name} only (DeepGEMM's sm90 fp8 recipe), got {quant.name}"
     return None
 
 

@@ -4,10 +4,11 @@ first use; asking whether one is built never builds it."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import torch
+
+from torch_moe_ops.backends.common import import_failure
 
 INSTALL_HINT = "pip install flashinfer-python"
 
@@ -15,13 +16,7 @@ INSTALL_HINT = "pip install flashinfer-python"
 @functools.cache
 def missing() -> str | None:
     """Why ``flashinfer`` cannot be imported here, or ``None`` where it can."""
-    if importlib.util.find_spec("flashinfer") is None:
-        return f"flashinfer-python is not installed ({INSTALL_HINT})"
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as error:  # noqa: BLE001 (any import failure is the reason)
-        return f"import flashinfer failed: {type(error).__name__}: {error}"
-    return None
+    return import_failure("flashinfer", f"flashinfer-python is not installed ({INSTALL_HINT})")
 
 
 def device_reason(device: torch.device, min_capability: tuple[int, int] = (9, 0)) -> str | None:
