@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,20 @@ def why_not_after(backend, make_problem: Callable[..., object], sm90, changes: d
     device = changes.pop("device", torch.device("cuda"))
     sm90(*changes.pop("sm", (9, 0)))
     return backend.why_not(BackendSpec(), make_problem(**changes), device)
+
+
+# The benchmark scripts' folder: they import each other by name, as when a script runs.
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def benchmarks_importable(monkeypatch):
+    """The benchmarks' modules import each other by name, as when a script runs."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+
+# torch.library.opcheck's checks that run on float8 arguments on the CPU: SchemaCheckMode
+# compares inputs before and after with ops the CPU lacks for float8 (torch 2.13:
+# "mul_cpu_reduced_float" not implemented), so its mutation check cannot run there.
+FP8_CPU_OPCHECK_UTILS = tuple(u for u in torch.library._OPCHECK_DEFAULT_UTILS
+                              if u != "test_schema")

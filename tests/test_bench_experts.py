@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import BENCHMARKS
 from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.usefixtures("benchmarks_importable")
 SMOKE_FORMATS = ("bf16", "fp8_block", "fp8_channel", "mxfp4")
 # The quantized reference against the unquantized experts at the smoke widths
 # (H = 256, I = 128: few terms per dot product to average rounding out): what
@@ -31,10 +32,6 @@ QUANTIZATION_ERROR_BOUND = {"bf16": 1e-5, "fp8_block": 0.12, "fp8_channel": 0.12
 FP8_MODES = {"fp8_block": QuantSpec("fp8_block"), "fp8_channel": QuantSpec("fp8_channel")}
 
 
-@pytest.fixture(autouse=True)
-def benchmarks_importable(monkeypatch):
-    """The benchmarks' modules import each other by name, as when a script runs."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
-from conftest import why_not_after
+from conftest import FP8_CPU_OPCHECK_UTILS, why_not_after
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels import scaled_grouped_gemm
 from torch_moe_ops.backends.registry import REGISTRY, Problem
@@ -285,9 +285,8 @@ def test_all_slots_skipped(quant_inputs, gemm_calls):
 def test_opcheck_on_cpu(quant_inputs, gemm_calls, op_name, num_tokens):
     args = op_args(op_name, cpu_inputs(quant_inputs, "fp8_channel", num_tokens=num_tokens,
                                        bias=True))
-    # SchemaCheckMode needs float8 ops the CPU lacks (tests/test_opcheck.py says which).
-    utils = tuple(u for u in torch.library._OPCHECK_DEFAULT_UTILS if u != "test_schema")
-    torch.library.opcheck(op("moe_grouped_mm", op_name).default, args, test_utils=utils)
+    torch.library.opcheck(op("moe_grouped_mm", op_name).default, args,
+                          test_utils=FP8_CPU_OPCHECK_UTILS)
 
 
 @pytest.mark.triton

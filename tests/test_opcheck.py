@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import FP8_CPU_OPCHECK_UTILS
 from torch_moe_ops import quant
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import (
@@ -398,10 +399,7 @@ def test_opcheck(namespace, op_name, case, generator, expert_inputs, quant_input
     args = op_args(op_name, case, generator, expert_inputs, quant_inputs)
     utils = torch.library._OPCHECK_DEFAULT_UTILS
     if any(isinstance(a, torch.Tensor) and a.dtype == quant.FP8_DTYPE for a in args):
-        # SchemaCheckMode compares inputs before and after with ops the CPU lacks
-        # for float8 (torch 2.13: "mul_cpu_reduced_float" not implemented): its
-        # mutation check cannot run; the other three can.
-        utils = tuple(u for u in utils if u != "test_schema")
+        utils = FP8_CPU_OPCHECK_UTILS
     if op_name == "experts_masked_quant" or (op_name == "experts_masked"
                                               and case != "masked_full_bias"):
         # Output rows past the counts are unspecified (a backend may leave them unwritten):

@@ -14,7 +14,6 @@ columns, P = C / 2 packed bytes and G = C / 32 scale groups a row.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import torch
 from torch_moe_ops import quant
 from torch_moe_ops.config import QuantSpec
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.usefixtures("benchmarks_importable")
 # Triton kernels run on the GPU where there is one, else under the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MXFP4 = QuantSpec("mxfp4")
@@ -32,10 +31,6 @@ MXFP4 = QuantSpec("mxfp4")
 ODD_WIDTHS = dict(num_experts=2, top_k=2, hidden=320, inter=224)
 
 
-@pytest.fixture(autouse=True)
-def benchmarks_importable(monkeypatch):
-    """The benchmarks' modules import each other by name, as when a script runs."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
 
 
 @pytest.fixture
