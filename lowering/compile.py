@@ -100,6 +100,13 @@ class MoECompileBackend:
             self._compile = torch_compat.lookup_backend(inner)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        # Tracing runs the ops' autograd on fake values; under activation checkpointing
+        # those saves would count as the forward's, and the recomputation (which does not
+        # compile) would then save fewer.
+        with torch_compat.saved_tensor_hooks_off():
+            return self._lower_and_compile(gm, example_inputs)
+
+    def _lower_and_compile(self, gm: torch.fx.GraphModule, example_inputs):
         across_ranks = expert_parallel(gm)
         moe_layers = any(generic_op(node) for body in gm.modules()
                          if isinstance(body, torch.fx.GraphModule) for node in body.graph.nodes)

@@ -13,6 +13,10 @@
 #   NPROCS="2 4"                      world sizes of the benchmark (default: 2)
 #   TEST_SPLIT=1                      the 4-rank tests ([P4]) in a second pytest process
 #                                     beside the others (both bounded by TEST_SECONDS)
+#   TEST_LANES=N                      the multigpu tests dealt round-robin to N pytest
+#                                     processes side by side on the same GPUs (each
+#                                     bounded by TEST_SECONDS; Inductor's compile threads
+#                                     shared out), so that the suite fits one call
 #   TEST_SECONDS, BENCH_SECONDS,      bounds (the benchmarks' are per world size)
 #   TRAIN_BENCH_SECONDS
 #   PYTEST_ARGS, TEST_PATHS, BENCH_ARGS, TRAIN_BENCH_ARGS  passed on
@@ -64,7 +68,19 @@ run_tests() {  # name, extra pytest args
     >"$LOGS/tests_$1.status"
 }
 if [ "${TESTS:-1}" = 1 ]; then
-  if [ "${TEST_SPLIT:-0}" = 1 ]; then
+  if [ "${TEST_LANES:-1}" -gt 1 ]; then
+    python3 -m pytest -q --co -m multigpu -p no:cacheprovider ${PYTEST_ARGS:-} \
+      ${TEST_PATHS:-tests graph_tests} 2>/dev/null | grep '::' >"$LOGS/test_ids"
+    awk -v n="$TEST_LANES" -v dir="$LOGS" '{ print > (dir "/test_ids_" (NR - 1) % n) }' \
+      "$LOGS/test_ids"
+    echo "multigpu tests: $(wc -l <"$LOGS/test_ids") in $TEST_LANES lanes"
+    export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / TEST_LANES > 1 ? $(nproc) / TEST_LANES : 1 ))
+    for ids in "$LOGS"/test_ids_*; do
+      TEST_PATHS="$(tr '\n' ' ' <"$ids")" run_tests "lane${ids##*_}" &
+    done
+    wait
+    tests="$(cat "$LOGS"/tests_lane*.status | tr '\n' ';')"
+  elif [ "${TEST_SPLIT:-0}" = 1 ]; then
     run_tests P4 -k P4 & run_tests rest -k "not P4" & wait
     tests="$(cat "$LOGS"/tests_P4.status "$LOGS"/tests_rest.status | tr '\n' ';')"
   else
@@ -73,7 +89,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   fi
   cat "$LOGS"/tests_*.log >"$OUT/ep_tests.log"
   grep -E "^(FAILED|ERROR)|[0-9.]+s (call|setup)" "$OUT/ep_tests.log" | head -40
-  case "$tests" in *"rc=0"*"rc=0"*|"all rc=0"*) ;; *) status=1 ;; esac
+  case "$tests" in *rc=[1-9]*) status=1 ;; esac
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   for nproc in ${NPROCS:-2}; do

@@ -2,7 +2,8 @@
 (`torch_moe_ops.parallel.parallelize_moe`): four ranks, each with a quarter of the
 batch, train as one process does with the whole model on the whole batch (every
 step's loss, the gradients and the parameters after SGD steps), on meshes 2 x 2,
-1 x 4 and 4 x 1, eagerly and with each block compiled, with activation checkpointing;
+1 x 4 and 4 x 1, eagerly and with each block compiled, with activation checkpointing
+(compiled blocks too, with and without expert parallelism);
 and a ``torch.distributed.checkpoint`` saved on 2 x 2 loads on 1 x 4 and into
 one process's unsharded model, bit for bit.
 
@@ -32,7 +33,7 @@ WORLD_SIZE = 4
 # (mesh shape, model, compiled, activation checkpointing): the model with shared
 # experts and a correction bias, and the one with expert and router biases.
 CASES = (((2, 2), "deepseek", False, False), ((2, 2), "deepseek", True, False),
-         ((2, 2), "gpt_oss", False, True), ((1, 4), "gpt_oss", True, False),
+         ((2, 2), "gpt_oss", False, True), ((1, 4), "gpt_oss", True, True),
          ((4, 1), "deepseek", True, True))
 # The model that trained on 2 x 2 is the one saved.
 SAVED_CASE = CASES[0]

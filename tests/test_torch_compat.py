@@ -176,6 +176,17 @@ def test_resolve_process_group(world_of_one):
         torch_compat.resolve_process_group("no such group")
 
 
+def test_saved_tensor_hooks_off_while_compiling():
+    packed = []
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        with torch_compat.saved_tensor_hooks_off():
+            x.sin()
+        assert packed == []
+        x.sin()
+    assert len(packed) == 1
+
+
 def test_inductor_compiler_applies_mode_and_options():
     compile_graph = torch_compat.inductor_compiler("reduce-overhead",
                                                    {"reorder_for_peak_memory": False})

@@ -103,8 +103,8 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, blocks=None,
 
     ``fsdp_options`` (``mp_policy``, ``reshard_after_forward``, ...) go to every
     ``fully_shard``. With ``mesh["ep"].size() == 1`` the experts are parameters like the
-    others: plain FSDP over all ranks. Activation checkpointing and compiling together
-    need ``mesh["ep"].size() == 1`` (with expert parallelism, either one alone).
+    others: plain FSDP over all ranks. Activation checkpointing wraps the compiled block
+    (its recomputation runs the compiled forward again, all-to-alls included).
 
     Gradients: each rank's loss is taken as the mean over its own tokens. FSDP averages
     every gradient over all P ranks, the experts' too (their reduce-scatter runs over
@@ -123,12 +123,6 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, blocks=None,
         raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names={MESH_DIMS}, got "
                          f"{mesh.ndim}-D with mesh_dim_names={mesh.mesh_dim_names}")
     dp_mesh, ep_mesh = mesh["dp_shard"], mesh["ep"]
-    if activation_checkpoint and compile_backend is not None and ep_mesh.size() > 1:
-        # torch 2.13: traced inside the compiled block, the checkpoint takes the experts'
-        # DeviceMesh for a saved tensor; around it, its recomputation saves fewer tensors
-        # than the forward did.
-        raise ValueError("activation_checkpoint and compile_backend do not go together "
-                         "with mesh['ep'].size() > 1 yet: choose one")
     # Everything but the experts shards over every rank of the mesh.
     all_ranks = flatten_mesh(mesh)
     names = {module: name for name, module in model.named_modules()}

@@ -35,6 +35,7 @@ packet_name              2.11, 2.13  test_packet_name
 profiler_enabled         2.11, 2.13  test_profiler_enabled_follows_the_profiler
 register_ordered_effect  2.11, 2.13  test_ordered_effect_threads_a_token_through_the_traced_op
 resolve_process_group    2.11, 2.13  test_resolve_process_group
+saved_tensor_hooks_off   2.11, 2.13  test_saved_tensor_hooks_off_while_compiling
 scaled_grouped_mm        2.11, 2.13  test_scaled_grouped_mm_signature_and_output
 schema                   2.11, 2.13  test_schema_gives_names_and_defaults
 tensor_version           2.11, 2.13  test_tensor_version_counts_in_place_writes
@@ -62,7 +63,8 @@ runs them, tests/test_torch_compat.py and the import tests included):
 - lowering/explain.py (compiled_module, discard_compiled): tests/test_explain.py.
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
   lowering/compile.py (inductor_compiler, lookup_backend, backend_error):
-  graph_tests/test_compile.py.
+  graph_tests/test_compile.py; compile.py's saved_tensor_hooks_off:
+  tests/test_fsdp_ep.py's CPU test (a compiled block under activation checkpointing).
 - parallel.py (checkpoint_wrapper, flatten_mesh, fsdp_shard_placement):
   tests/test_fsdp_ep.py's CPU test, on torch 2.13 alone: an older FSDP2 lacks
   fsdp_shard_placement, and that test skips there.
@@ -87,7 +89,8 @@ __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode"
            "checkpoint_wrapper", "compiled_module", "discard_compiled", "flatten_mesh",
            "fsdp_shard_placement", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
            "lookup_backend", "packet_name", "profiler_enabled", "register_ordered_effect",
-           "resolve_process_group", "scaled_grouped_mm", "schema", "tensor_version"]
+           "resolve_process_group", "saved_tensor_hooks_off", "scaled_grouped_mm", "schema",
+           "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
@@ -143,6 +146,15 @@ def resolve_process_group(group_name: str):
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._resolve_process_group(group_name)
+
+
+def saved_tensor_hooks_off():
+    """A context in which the saved-tensor hooks that are active (activation
+    checkpointing's) do not fire: for compile-time tracing, whose saves of fake
+    values are no saves of the run (Dynamo defers the hooks so while it traces)."""
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+
+    return _disable_saved_tensors_hooks_during_tracing()
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
