@@ -74,6 +74,18 @@ that sum (transfers hidden under expert compute).
 where every token stays on its GPU: what the backend adds to FlashInfer's own round trip
 (its own kernels and host work), without the NVLink transfers that P = 2 adds to both.
 
+``--profile``: after each row's timed replays (so its times are the profile's own), a few
+more (``--profile-steps``, 5) under ``torch.profiler`` on every rank (CUDA activities; the
+smoke run profiles the CPU, its ops standing in for kernels and its threads for streams):
+per row a table in ``ep.md`` of the kernels per step by class (`kernel_profile.CLASSES`:
+NCCL / DeepEP / FlashInfer transport, Triton kernels by name, GEMMs, sort, reductions,
+copy/pack/gather/index, other), with count, us and the streams they ran on, and the time
+each class ran concurrently with a transport kernel; the step's busy time against its span
+and its timed wall time; where a transport ran, its time, the part of it that ran beside
+another kernel (overlap) and the rest (exposed). The rank with the longest span per step is
+shown. ``--profile-traces`` adds rank 0's chrome trace per row under ``OUT/traces``. DeepEP's
+own round trip (`peer_deepep`) is not profiled.
+
 Every collective is bounded by the process group's timeout (``--timeout-s``), and
 a case starts only while the run is within ``--budget-s`` (decided on all ranks
 alike); the rest are listed as skipped. Rank 0 writes ``ep.json``, ``ep.md`` and
@@ -100,6 +112,7 @@ import unittest.mock
 import warnings
 from collections.abc import Callable
 
+import kernel_profile
 import peer_deepep
 import torch
 import torch.distributed as dist
@@ -314,6 +327,51 @@ class Run:
                     times[i].append(marks[i].elapsed_time(marks[i + 1]) * 1e-3)
         return self.slowest([statistics.median(t) for t in times])
 
+    def profile(self, label: str, steps: list[Callable[[], object]],
+                wall_s: float) -> dict | None:
+        """With ``--profile``: ``--profile-steps`` more runs of ``steps`` in turn (after one
+        unprofiled run), under ``torch.profiler`` (CUDA activities; on the smoke path the
+        CPU's, its ops standing in for kernels), on every rank, after the timed replays (so
+        their times stay the profile's own). Each rank's kernels per step by class
+        (`kernel_profile.step_profile`, with ``wall_s``, the timed time of one run of
+        ``steps``); kept: the rank whose profiled span per step is the longest (``rank``),
+        with every rank's busy and span times. ``--profile-traces``: rank 0's chrome trace
+        goes to ``OUT/traces/<label>.json``. None without ``--profile``."""
+        if not self.args.profile:
+            return None
+        count = self.args.profile_steps
+        for step in steps:
+            step()
+        self.sync()
+        activity = (torch.profiler.ProfilerActivity.CPU if self.smoke
+                    else torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=[activity]) as prof:
+            for _ in range(count):
+                for step in steps:
+                    step()
+            self.sync()
+        try:
+            found, notes = kernel_profile.kernels(prof, device=not self.smoke)
+            mine = {**kernel_profile.step_profile(found, count, wall_s * 1e6), "notes": notes}
+        except Exception as error:  # noqa: BLE001 (the table says why; the run goes on)
+            mine = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+        if self.args.profile_traces and self.rank == 0:
+            folder = os.path.join(self.args.out, "traces")
+            os.makedirs(folder, exist_ok=True)
+            name = "".join(c if c.isalnum() or c in "=.-" else "_" for c in label)
+            prof.export_chrome_trace(os.path.join(folder, f"{name}.json"))
+        del prof
+        every: list[dict | None] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        rank = max(range(self.world), key=lambda r: every[r].get("span_us", -1.0))
+        return {"label": label, "rank": rank, **every[rank],
+                "by_rank": [{"busy_us": p.get("busy_us"), "span_us": p.get("span_us")}
+                            for p in every]}
+
+    def sync(self) -> None:
+        if not self.smoke:
+            torch.cuda.synchronize()
+
     def release(self) -> None:
         gc.collect()
         if not self.smoke:
@@ -327,6 +385,18 @@ def capacity_check_skipped():
     CUDA graph cannot capture): only for routing already checked to fit."""
     with unittest.mock.patch.object(collectives, "check_capacity", lambda *_, **__: None):
         yield
+
+
+def profiled(row: dict, profile: dict | None) -> dict:
+    """``row`` with ``profile`` (`Run.profile`) under its key, where there is one."""
+    if profile is not None:
+        row["profile"] = profile
+    return row
+
+
+def transport_label(row: dict) -> str:
+    return (f"transport {row['a2a']} {row['mode']} E={row['experts']} T={row['tokens']} "
+            f"C={row['capacity']}")
 
 
 def available_a2a(run: Run, sizes: Sizes) -> list[str]:
@@ -432,6 +502,7 @@ def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: i
         (total_s,) = run.time([replay_pair])
         row.update(dispatch_us=None, combine_us=None, total_us=total_s * 1e6,
                    gb_per_s=sent / total_s / 1e9 if sent else None)
+        profiled(row, run.profile(transport_label(row), [replay_pair], total_s))
         return row
     skip_check = capacity_check_skipped() if capacity < worst else contextlib.nullcontext()
     with skip_check:
@@ -444,6 +515,8 @@ def time_transport(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: i
     row.update(dispatch_us=dispatch_s * 1e6, combine_us=combine_s * 1e6,
                total_us=(dispatch_s + combine_s) * 1e6,
                gb_per_s=sent / (dispatch_s + combine_s) / 1e9 if sent else None)
+    profiled(row, run.profile(transport_label(row), [replay_dispatch, replay_combine],
+                              dispatch_s + combine_s))
     return row
 
 
@@ -456,10 +529,12 @@ def time_raw_all_to_all(run: Run, sizes: Sizes, rows_per_peer: int) -> dict:
     back, _ = run.capture(lambda: dist.all_to_all_single(back_QH, recv_QH, group=run.group))
     there_s, back_s = run.time([there, back])
     sent = 2 * (run.world - 1) * rows_per_peer * sizes.hidden * DTYPE_BYTES
-    return {"collective": "all_to_all_single x2", "rows_per_peer": rows_per_peer,
-            "there_us": there_s * 1e6, "back_us": back_s * 1e6,
-            "total_us": (there_s + back_s) * 1e6, "bytes_sent": sent,
-            "gb_per_s": sent / (there_s + back_s) / 1e9}
+    return profiled({"collective": "all_to_all_single x2", "rows_per_peer": rows_per_peer,
+                     "there_us": there_s * 1e6, "back_us": back_s * 1e6,
+                     "total_us": (there_s + back_s) * 1e6, "bytes_sent": sent,
+                     "gb_per_s": sent / (there_s + back_s) / 1e9},
+                    run.profile(f"raw all_to_all_single x2 rows_per_peer={rows_per_peer}",
+                                [there, back], there_s + back_s))
 
 
 def time_raw_gather_scatter(run: Run, sizes: Sizes, tokens: int) -> dict:
@@ -473,10 +548,12 @@ def time_raw_gather_scatter(run: Run, sizes: Sizes, tokens: int) -> dict:
                                                              group=run.group))
     there_s, back_s = run.time([there, back])
     sent = 2 * (run.world - 1) * tokens * sizes.hidden * DTYPE_BYTES
-    return {"collective": "all_gather + reduce_scatter", "rows_per_peer": tokens,
-            "there_us": there_s * 1e6, "back_us": back_s * 1e6,
-            "total_us": (there_s + back_s) * 1e6, "bytes_sent": sent,
-            "gb_per_s": sent / (there_s + back_s) / 1e9}
+    return profiled({"collective": "all_gather + reduce_scatter", "rows_per_peer": tokens,
+                     "there_us": there_s * 1e6, "back_us": back_s * 1e6,
+                     "total_us": (there_s + back_s) * 1e6, "bytes_sent": sent,
+                     "gb_per_s": sent / (there_s + back_s) / 1e9},
+                    run.profile(f"raw all_gather + reduce_scatter T={tokens}", [there, back],
+                                there_s + back_s))
 
 
 def round_trip_expected(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int,
@@ -527,10 +604,12 @@ def time_flashinfer_raw(run: Run, sizes: Sizes, case: tuple[int, int]) -> dict:
     replay, _ = run.capture(pair)
     (total_s,) = run.time([replay])
     sent = bytes_sent("flashinfer", run, sizes, tokens, 0)
-    return {"collective": "MoeAlltoAll dispatch + combine", "rows_per_peer": tokens,
-            "there_us": None, "back_us": None, "total_us": total_s * 1e6, "bytes_sent": sent,
-            "gb_per_s": sent / total_s / 1e9, "rel_err": error,
-            "workspace_bytes": workspace_bytes}
+    return profiled({"collective": "MoeAlltoAll dispatch + combine", "rows_per_peer": tokens,
+                     "there_us": None, "back_us": None, "total_us": total_s * 1e6,
+                     "bytes_sent": sent, "gb_per_s": sent / total_s / 1e9, "rel_err": error,
+                     "workspace_bytes": workspace_bytes},
+                    run.profile(f"raw MoeAlltoAll E={num_experts} T={tokens}", [replay],
+                                total_s))
 
 
 def low_latency_runs(run: Run, sizes: Sizes, num_experts: int, tokens: int) -> bool:
@@ -604,7 +683,7 @@ def time_tokens(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int,
     row.update(bytes_sent=sent, min_bytes=min_bytes(run, sizes, ids_TK, num_experts),
                check_in_graph=True, dispatch_us=None, combine_us=None,
                total_us=total_s * 1e6, gb_per_s=sent / total_s / 1e9)
-    return row
+    return profiled(row, run.profile(transport_label(row), [replay], total_s))
 
 
 def time_masked(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int) -> dict:
@@ -627,11 +706,12 @@ def time_masked(run: Run, sizes: Sizes, a2a: str, num_experts: int, tokens: int)
     replay, _ = run.capture(pair)
     (total_s,) = run.time([replay])
     sent = masked_bytes_sent(run, sizes, tokens)
-    return {"a2a": a2a, "mode": "masked", "experts": num_experts, "tokens": tokens,
-            "capacity": tokens, "worst_capacity": tokens, "even_rows": None,
-            "rel_err": error, "bytes_sent": sent, "check_in_graph": True,
-            "dispatch_us": None, "combine_us": None, "total_us": total_s * 1e6,
-            "gb_per_s": sent / total_s / 1e9}
+    row = {"a2a": a2a, "mode": "masked", "experts": num_experts, "tokens": tokens,
+           "capacity": tokens, "worst_capacity": tokens, "even_rows": None,
+           "rel_err": error, "bytes_sent": sent, "check_in_graph": True,
+           "dispatch_us": None, "combine_us": None, "total_us": total_s * 1e6,
+           "gb_per_s": sent / total_s / 1e9}
+    return profiled(row, run.profile(transport_label(row), [replay], total_s))
 
 
 def masked_bytes_sent(run: Run, sizes: Sizes, tokens: int) -> int:
@@ -794,7 +874,10 @@ def time_local_experts(run: Run, sizes: Sizes, moe: tmo.MoE, tokens: int) -> dic
                 cfg.static_float("swiglu_limit"))
         replay, _ = run.capture(lambda: torch.ops.moe.experts_rows(*args))
         (seconds,) = run.time([replay])
-    return {"local_us": seconds * 1e6, "rows": x_RH.shape[0], "real_rows": int(count_E.sum())}
+        profile = run.profile(f"local experts E_l={cfg.num_experts // run.world} T={tokens}",
+                              [replay], seconds)
+    return {"local_us": seconds * 1e6, "rows": x_RH.shape[0], "real_rows": int(count_E.sum()),
+            **({"local_profile": profile} if profile else {})}
 
 
 def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
@@ -825,6 +908,7 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
                     out_TH = step().clone()
                     row["compile_s"] = time.monotonic() - begin
                     (seconds,) = run.time([step])
+                    timed = step
                     skips = counters["inductor"]["cudagraph_skips"]
                     if skips:
                         how += f" (cudagraph skipped {skips}x)"
@@ -833,6 +917,7 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
                     row["compile_s"] = time.monotonic() - begin
                     replay, _ = run.capture(lambda compiled=compiled: compiled(x_TH))
                     (seconds,) = run.time([replay])
+                    timed = replay
             except Exception as error:  # noqa: BLE001 (the next way is tried, the error kept)
                 row.setdefault("errors", []).append(f"{how}: {type(error).__name__}: "
                                                     f"{str(error).splitlines()[0][:200]}")
@@ -841,6 +926,8 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
             err = ((out_TH.float() - expected_TH.float()).norm()
                    / expected_TH.float().norm().clamp(min=1e-12)).item()
             row.update(how=how, layer_us=seconds * 1e6, rel_err_vs_eager=err)
+            profiled(row, run.profile(f"layer {a2a} T={tokens} x{chunks or 'auto'} "
+                                      f"shared={run.args.shared} {how}", [timed], seconds))
             break
     torch._dynamo.reset()
     return row
@@ -990,6 +1077,33 @@ def layer_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile_section(run: Run, transport: list, raw: dict, layers: list) -> str:
+    """``--profile``'s tables, one per profiled row, in the order the rows ran."""
+    profiles = [r["profile"] for r in [*transport, *raw.values(), *layers] if "profile" in r]
+    seen = set()
+    for r in layers:  # the local experts of each token count, once
+        local = r.get("local_profile")
+        if local is not None and local["label"] not in seen:
+            seen.add(local["label"])
+            profiles.append(local)
+    unit = "CPU (smoke: ops stand in for kernels, threads for streams)" if run.smoke else "GPU"
+    parts = [(f"## profile: kernels per step by class ({unit})\n\n"
+             "Each row's kernels over its profiled steps (run after its timed replays), on "
+             "the rank whose profiled span per step is the longest. Classes by kernel name "
+             "(`kernel_profile.CLASSES`): transport (NCCL, DeepEP, FlashInfer a2a), GEMM, "
+             "Triton kernels by name, sort/topk, reduction/sum, copy/pack/gather/index, "
+             "other. us concurrent with transport: the class's time while a transport kernel "
+             "ran (on another stream); overlap: transport time while any other kernel ran.")]
+    for p in profiles:
+        ranks = ", ".join(f"{_fmt(b['busy_us'])}/{_fmt(b['span_us'])}" for b in p["by_rank"])
+        heading = (f"### {p['label']}\n\nrank {p['rank']} (busy/span us per step by rank: "
+                   f"{ranks})")
+        body = (f"profile failed: {p['error']}" if "error" in p
+                else kernel_profile.step_table(p, "CPU" if run.smoke else "GPU"))
+        parts.append(f"{heading}\n\n{body}")
+    return "\n\n".join(parts)
+
+
 FORMULAS = """Bytes one rank sends its peers (GB/s = bytes / time; P ranks, capacity C, M = T, b=2):
     all_to_all  (P-1) * C * (2*H*b + 8)    allgather  (P-1) * M * (2*H*b + 8*K)
     deepep      (P-1) * M * 2*H*b (each token to each peer at most once, there and back;
@@ -1063,6 +1177,7 @@ def write_results(run: Run, sizes: Sizes, transport: list, raw: dict, layers: li
         f"## raw {'gloo (eager)' if run.smoke else 'NCCL (CUDA graphs)'}\n\n" + raw_table(raw),
         f"## layer step (H={sizes.hidden}, I={sizes.inter}, E={sizes.layer_experts}, "
         f"K={sizes.top_k}, softmax)\n\n" + layer_table(layers),
+        *([profile_section(run, transport, raw, layers)] if run.args.profile else []),
         *([("Skipped: " + "; ".join(run.skipped))] if run.skipped else []),
     ])
     with open(os.path.join(run.args.out, "ep.md"), "w") as f:
@@ -1093,6 +1208,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "transfers hide (local_us times the routed experts alone)")
     parser.add_argument("--tokens-only", action="store_true",
                         help="time only the tokens format of the backends that have it")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each timed row, --profile-steps more runs under "
+                             "torch.profiler: kernels per step by class, their streams and "
+                             "the transport's overlap with other kernels, in ep.md")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="profiled runs per row (with --profile)")
+    parser.add_argument("--profile-traces", action="store_true",
+                        help="with --profile: rank 0's chrome trace of each profiled row "
+                             "in OUT/traces (large files)")
     parser.add_argument("--timeout-s", type=float, default=240,
                         help="process-group timeout: the longest any collective waits")
     parser.add_argument("--budget-s", type=float, default=210,

@@ -23,17 +23,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
-import os
 import pstats
-import tempfile
 import time
 
 import bench_generate
 import bench_model
 import torch
 import transformers
-from profile_train_step import GPU_CATEGORIES, busy_us, per_step, profile_ways
+from kernel_profile import busy_us, device_trace_events, per_step, trace_events
+from profile_train_step import profile_ways
 
 FIRST_TOKEN_MARK = "first_token_logits"
 
@@ -54,19 +52,6 @@ class MarkFirstToken(transformers.LogitsProcessor):
         return scores
 
 
-def trace_events(prof) -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f)["traceEvents"]
-
-
-def device_events(events: list[dict], smoke: bool) -> list[dict]:
-    wanted = {"cpu_op"} if smoke else GPU_CATEGORIES
-    return [e for e in events if e.get("cat") in wanted and "dur" in e]
-
-
 def prefill_profile(model, ids_BS, compiled, args) -> dict:
     """One ``generate`` of a single token: the prefill and what follows it once."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -77,7 +62,7 @@ def prefill_profile(model, ids_BS, compiled, args) -> dict:
         bench_generate.greedy_generate(model, ids_BS, 1, compiled)
         args.sync()
         wall_ms = (time.perf_counter() - begin) * 1e3
-    events = device_events(trace_events(prof), args.smoke)
+    events = device_trace_events(trace_events(prof), args.smoke)
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]
     python = cProfile.Profile()
     python.enable()
@@ -103,7 +88,7 @@ def decode_profile(model, ids_BS, compiled, args) -> dict:
         args.sync()
     events = trace_events(prof)
     mark = next(e["ts"] + e.get("dur", 0) for e in events if e.get("name") == FIRST_TOKEN_MARK)
-    decode = [e for e in device_events(events, args.smoke) if e["ts"] >= mark]
+    decode = [e for e in device_trace_events(events, args.smoke) if e["ts"] >= mark]
     host_end = max(e["ts"] + e.get("dur", 0) for e in events if e.get("cat") == "cpu_op")
     steps = args.new_tokens - 1
     end = max([host_end] + [e["ts"] + e["dur"] for e in decode])

@@ -23,59 +23,12 @@ CPU ops stand in for kernels (nested ones counted in each of their parents).
 from __future__ import annotations
 
 import argparse
-import collections
-import json
-import os
-import re
 import statistics
-import tempfile
 import time
 
 import bench_train
 import torch
-
-# Kernel families by name, first match wins: (family, pattern).
-FAMILIES = (
-    ("our Triton", re.compile(r"^moe_")),
-    ("Inductor", re.compile(r"^triton_")),
-    ("copy/set", re.compile(r"^Memcpy|^Memset|copy_kernel|fill_kernel", re.IGNORECASE)),
-    ("sort", re.compile(r"sort|radix|cub::", re.IGNORECASE)),
-    ("GEMM", re.compile(r"gemm|cutlass|nvjet|sm90_|cublas|wgmma", re.IGNORECASE)),
-    ("ATen other", re.compile(r"at::native|at_cuda_detail", re.IGNORECASE)),
-)
-# Trace categories of GPU work: kernels, copies and sets.
-GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
-
-
-def family(name: str) -> str:
-    return next((label for label, pattern in FAMILIES if pattern.search(name)), "other")
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def per_step(events: list[dict], steps: int) -> dict:
-    """What ``steps`` steps' GPU events (trace events with ``ts``, ``dur``, ``name``)
-    come to per step: ``busy_ms`` (the union of their intervals), ``kernels``, ms per
-    kernel ``family`` and ``top``: (ms, calls, name) per kernel, most time first."""
-    per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    per_family = collections.Counter()
-    for e in events:
-        per_kernel[e["name"]][0] += e["dur"]
-        per_kernel[e["name"]][1] += 1
-        per_family[family(e["name"])] += e["dur"]
-    return {"busy_ms": busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / 1e3 / steps,
-            "kernels": len(events) / steps,
-            "families": {k: v / 1e3 / steps for k, v in per_family.items()},
-            "top": sorted(((total / 1e3 / steps, count / steps, kernel)
-                           for kernel, (total, count) in per_kernel.items()), reverse=True)}
+from kernel_profile import device_trace_events, per_step, trace_events
 
 
 def split_times(bench: bench_train.Bench, block, x, g, steps: int) -> tuple[float, float]:
@@ -107,13 +60,6 @@ def split_times(bench: bench_train.Bench, block, x, g, steps: int) -> tuple[floa
     return forward, backward
 
 
-def gpu_events(trace_path: str, smoke: bool) -> list[dict]:
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    wanted = {"cpu_op"} if smoke else GPU_CATEGORIES
-    return [e for e in events if e.get("cat") in wanted and "dur" in e]
-
-
 def profile_way(bench: bench_train.Bench, shape, sizes: dict, way: str, args) -> dict:
     name, _, experts = way.partition(":")
     block = bench_train.build_block(shape, name, bench, experts=experts or "auto")
@@ -129,10 +75,7 @@ def profile_way(bench: bench_train.Bench, shape, sizes: dict, way: str, args) ->
         for _ in range(args.steps):
             step()
         bench.sync()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        events = gpu_events(path, bench.smoke)
+    events = device_trace_events(trace_events(prof), bench.smoke)
     starts, ends = ([e["ts"] for e in events], [e["ts"] + e["dur"] for e in events])
     result = {"way": way, "forward_ms": forward_ms, "backward_ms": backward_ms,
               "span_ms": (max(ends) - min(starts)) / 1e3 / args.steps,
