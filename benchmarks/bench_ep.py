@@ -896,9 +896,9 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
         for how, options in attempts:
             torch._dynamo.reset()
             counters.clear()
-            compiled = torch.compile(moe, backend=tmo.backend(a2a=a2a, chunks=chunks,
-                                                              **options),
-                                     fullgraph=True, dynamic=False)
+            compiled = torch.compile(moe, backend=tmo.backend(
+                a2a=a2a, chunks=chunks, overlap=run.args.overlap, **options),
+                fullgraph=True, dynamic=False)
             begin = time.monotonic()
             try:
                 if how == "reduce-overhead":
@@ -925,6 +925,8 @@ def time_layer(run: Run, sizes: Sizes, moe: tmo.MoE, a2a: str, tokens: int,
                 continue
             err = ((out_TH.float() - expected_TH.float()).norm()
                    / expected_TH.float().norm().clamp(min=1e-12)).item()
+            if run.args.overlap:
+                how += ", overlap"
             row.update(how=how, layer_us=seconds * 1e6, rel_err_vs_eager=err)
             profiled(row, run.profile(f"layer {a2a} T={tokens} x{chunks or 'auto'} "
                                       f"shared={run.args.shared} {how}", [timed], seconds))
@@ -1202,6 +1204,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated chunk counts of the layer rows moved in chunks, "
                              "beside the whole layer's ('auto': the plan's own choice; '': "
                              "none)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="tmo.backend(overlap=True): the layer's transfers in flight under "
+                             "the work that needs no routed tokens (its shared expert), where "
+                             "the plan takes it")
     parser.add_argument("--shared", type=int, default=0,
                         help="intermediate size of the layer's shared expert (DeepSeek-V3: "
                              "2048; 0: none): vs_local_plus_raw then says how much of it the "

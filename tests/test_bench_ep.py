@@ -25,7 +25,7 @@ def test_smoke_times_the_layer_whole_and_in_chunks(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(REPO / "benchmarks" / "bench_ep.py"), "--out", str(tmp_path), "--smoke",
-         "--a2a", "all_to_all", "--chunks", "2", "--shared", "16", "--budget-s", "400",
+         "--a2a", "all_to_all", "--chunks", "2", "--shared", "16", "--overlap", "--budget-s", "400",
          "--profile", "--profile-steps", "2", "--profile-traces"],
         capture_output=True, text=True, timeout=480, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1",
@@ -42,7 +42,7 @@ def test_smoke_times_the_layer_whole_and_in_chunks(tmp_path):
         assert row["layer_us"] > 0 and "errors" not in row, row
         assert row["rel_err_vs_eager"] < EAGER_ERROR_BOUND, row
         assert row["vs_local_plus_raw"] > 0 and row["shared"] == 16, row
-    assert "x2 (smoke: aot_eager)" in (tmp_path / "summary.txt").read_text()
+    assert "x2 (smoke: aot_eager, overlap)" in (tmp_path / "summary.txt").read_text()
 
     # --profile: every timed row of the transport, raw and layer phases has its table (a
     # capacity the routing does not fit times nothing).
