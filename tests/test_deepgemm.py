@@ -6,16 +6,20 @@ R rows, M rows of the contiguous layout, A its group alignment, C rows per exper
 masked format, G scale groups per row.
 
 On the CPU: what `supports` says of every format, device, dtype and size; the contiguous
-layout's invariants; the three ops against the reference under the Triton interpreter with
-DeepGEMM's two GEMMs replaced by `contiguous_stand_in` and `masked_stand_in`, which check
-what DeepGEMM asserts (dtypes, K-major operands, scale shapes, groups starting at multiples
-of A) and do what it does to the rows it does not compute (left unwritten: NaN here). The
-stand-ins write fp32 where DeepGEMM writes bf16 (the interpreter mishandles bf16).
+layout's invariants; the three ops against the reference (every activation) under the Triton
+interpreter with DeepGEMM's two GEMMs replaced by `contiguous_stand_in` and `masked_stand_in`,
+which check what DeepGEMM asserts (dtypes, K-major operands, scale shapes, groups starting at
+multiples of A) and do what it does to the rows it does not compute (left unwritten: NaN
+here); buffers start as NaN (`poisoned_empty`), so a padding row that no pass writes and
+that reached a real row would show. The stand-ins write fp32 where DeepGEMM writes bf16
+(the interpreter mishandles bf16). The fused activation and quantization kernel itself is
+tested against the two passes it replaces in tests/test_triton_quant.py.
 
 On an sm90 GPU with DeepGEMM built (``gpu`` marker; `scripts/build_deepgemm.sh`): the ops
 against the reference in bf16 at DeepSeek-V3's 128 x 128 blocks, with -1 ids, empty experts
-and 0, 1 and many tokens; the masked format with fp8 blocks as DeepEP delivers them; CUDA
-graph capture; a quantized `tmo.MoE` compiled with ``backend(experts="deepgemm")``.
+and 0, 1 and many tokens, and with every activation; the masked format with fp8 blocks as
+DeepEP delivers them; CUDA graph capture; a quantized `tmo.MoE` compiled with
+``backend(experts="deepgemm")``.
 Bounds as in tests/test_grouped_mm_quant.py (the reference reads the same fp8 weights and
 rounds each GEMM's input through fp8 too).
 """
@@ -222,11 +226,11 @@ def cpu_inputs(quant_inputs, num_tokens=9, bias=False, skip_fraction=0.2):
     return inputs
 
 
-def op_args(op_name, inputs) -> tuple:
+def op_args(op_name, inputs, static=STATIC) -> tuple:
     """The arguments of ``op_name`` (``..._prequantized``: on rows or blocks quantized by
-    the dispatch, fp8 with their scales)."""
+    the dispatch, fp8 with their scales) with the activation ``static``."""
     if op_name == "experts_quant":
-        return inputs.args(*STATIC)
+        return inputs.args(*static)
     f = inputs.float_inputs
     prequantized = op_name.endswith("_prequantized")
     if op_name.startswith("experts_rows_quant"):
@@ -237,11 +241,11 @@ def op_args(op_name, inputs) -> tuple:
         x, count_E = masked_blocks(f.hidden_TH, f.topk_ids_TK, inputs.w13.shape[0])
         head = (count_E,)
     if not prequantized:
-        return (x, None, *head, *inputs.weight_args(*STATIC))
+        return (x, None, *head, *inputs.weight_args(*static))
     q, scale = quant.quantize_activations(x.reshape(-1, x.shape[-1]), inputs.spec)
     groups = x.shape[-1] // library.SCALE_BLOCK
     return (q.view(x.shape), scale.view(*x.shape[:-1], groups), *head,
-            *inputs.weight_args(*STATIC), x.dtype)
+            *inputs.weight_args(*static), x.dtype)
 
 
 def masked_blocks(hidden_TH, topk_ids_TK, num_experts, rows_per_expert=None):
@@ -267,10 +271,10 @@ def op(namespace: str, op_name: str):
     return getattr(getattr(torch.ops, namespace), op_name.removesuffix("_prequantized"))
 
 
-def run_both(op_name, inputs):
+def run_both(op_name, inputs, static=STATIC):
     """``(ours, reference)`` of ``op_name`` (see `op_args`); the masked format's rows past
     the counts are compared as zeros, which both give."""
-    args = op_args(op_name, inputs)
+    args = op_args(op_name, inputs, static)
     return op("moe_deepgemm", op_name)(*args), op("moe_reference", op_name)(*args)
 
 
@@ -290,6 +294,24 @@ def test_ops_match_reference_on_cpu(quant_inputs, gemm_calls, poisoned_empty, op
     assert not out.isnan().any()
     assert relative_error(out, ref) < CPU_BOUND
     assert len(gemm_calls) == 2
+
+
+# The other activations, swiglu_oai's clamps biting on O(1) pre-activations.
+OTHER_ACTIVATIONS = {"gelu": ("gelu", 1.702, 7.0), "swiglu_oai": ("swiglu_oai", 1.702, 1.0)}
+
+
+@INTERPRETER_ONLY
+@pytest.mark.triton
+@pytest.mark.parametrize("op_name", ["experts_quant", "experts_masked_quant"])
+@pytest.mark.parametrize("activation", list(OTHER_ACTIVATIONS))
+def test_every_activation_on_cpu(quant_inputs, gemm_calls, poisoned_empty, op_name,
+                                 activation):
+    """The activation applied where it is quantized, on the contiguous and masked layouts
+    (the rows past the groups and counts left unwritten: NaN, never read)."""
+    out, ref = run_both(op_name, cpu_inputs(quant_inputs, bias=True),
+                        OTHER_ACTIVATIONS[activation])
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < CPU_BOUND
 
 
 @INTERPRETER_ONLY
@@ -376,6 +398,17 @@ def test_gpu_ops_match_reference(quant_inputs, op_name, num_tokens):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if num_tokens:
         assert relative_error(out, ref) < GPU_BOUND
+
+
+@pytest.mark.gpu
+@needs_deepgemm
+@pytest.mark.parametrize("op_name", ["experts_quant", "experts_masked_quant"])
+@pytest.mark.parametrize("activation", list(OTHER_ACTIVATIONS))
+def test_gpu_every_activation(quant_inputs, op_name, activation):
+    args = on_gpu(op_args(op_name, gpu_inputs(quant_inputs, 300, bias=True),
+                          OTHER_ACTIVATIONS[activation]))
+    out = op("moe_deepgemm", op_name)(*args)
+    assert relative_error(out, op("moe_reference", op_name)(*args)) < GPU_BOUND
 
 
 @pytest.mark.gpu

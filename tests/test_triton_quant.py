@@ -225,6 +225,152 @@ def test_activation_quantization_rounds_as_torch(spec, dtype, generator):
     assert torch.equal(q_MK.float(), expected_q_MK.float())
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("fp8_channel"), QuantSpec("fp8_block")],
+                         ids=["fp8_token", "fp8_group"])
+def test_quantize_rows_writes_each_row_to_its_targets(spec, generator, poisoned_empty):
+    """With a table of targets each row's fp8 values and scales land, as they are, on each
+    of its rows (-1: none); rows no target names stay unwritten (NaN here)."""
+    x_MK = (torch.randn((5, 384), generator=generator) * 3).to(DEVICE)
+    targets_MS = torch.tensor([[7, 0], [-1, 2], [4, -1], [-1, -1], [1, 9]], dtype=torch.int32,
+                              device=DEVICE)
+    q_NK, scale = act_quant.quantize_rows(x_MK, spec, targets_MS, num_out=11)
+    expected_q_MK, expected_scale = act_quant.quantize_rows(x_MK, spec)
+    assert q_NK.shape == (11, 384) and scale.shape == (11, *expected_scale.shape[1:])
+    for row, outs in enumerate(targets_MS.tolist()):
+        for out in outs:
+            if out >= 0:
+                assert torch.equal(q_NK[out].float(), expected_q_MK[row].float())
+                assert torch.equal(scale[out], expected_scale[row])
+    written = targets_MS[targets_MS >= 0].long()
+    unwritten = torch.ones(11, dtype=torch.bool, device=DEVICE).index_fill_(0, written, False)
+    assert q_NK[unwritten].float().isnan().all() and scale[unwritten].isnan().all()
+
+
+# The activation's input in the dtypes the interpreter handles (it mishandles bf16); bf16,
+# what DeepGEMM writes, on a GPU.
+ACT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda"
+                                               else [])
+
+
+def two_pass_activation_quant(h_MF, b13_EF, expert_M, activation, spec):
+    """What `act_quant.bias_act_quantize_rows` replaces: the activation written out in
+    ``h``'s dtype (`epilogues.bias_act_rows`), then `act_quant.quantize_rows`."""
+    a_MI = grouped_gemm.bias_act_rows(h_MF, b13_EF, expert_M, activation, SWIGLU_ALPHA,
+                                      SWIGLU_LIMIT)
+    return act_quant.quantize_rows(a_MI, spec)
+
+
+def activation_rows(generator, num_rows, inter_size, dtype, bias):
+    """``(h_MF, b13_EF, expert_M)`` of 3 experts: rows of expert -1 between and after the
+    groups (a program's whole block of rows among them), a zero row, an outlier row."""
+    h_MF = torch.randn((num_rows, 2 * inter_size), generator=generator) * 2
+    h_MF[3] = 0  # with no bias: the smallest scale, all values 0
+    h_MF[5, 7] = 300.0  # one group's scale set by one value
+    b13_EF = torch.randn((3, 2 * inter_size), generator=generator) if bias else None
+    expert_M = torch.randint(0, 3, (num_rows,), generator=generator, dtype=torch.int32)
+    expert_M[1] = -1
+    expert_M[16:32] = -1  # every row of a program (8 rows a program for 128-column groups)
+    expert_M[-3:] = -1
+    moved = (t if t is None else t.to(DEVICE) for t in (h_MF, b13_EF, expert_M))
+    h_MF, b13_EF, expert_M = moved
+    return h_MF.to(dtype), None if b13_EF is None else b13_EF.to(dtype), expert_M
+
+
+@pytest.mark.parametrize("dtype", ACT_DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
+@pytest.mark.parametrize("spec,bias", [(QuantSpec("fp8_block"), False),
+                                       (QuantSpec("fp8_block", block_size=(64, 64)), True),
+                                       (QuantSpec("fp8_channel"), True)],
+                         ids=["fp8_group128", "fp8_group64_bias", "fp8_token_bias"])
+def test_bias_act_quantize_rows_is_the_two_passes(spec, bias, activation, dtype, generator,
+                                                  poisoned_empty):
+    """One pass gives what the activation and then the quantizer gave, bit for bit, on the
+    rows that carry a token, and leaves the rows of expert -1 unwritten (NaN here)."""
+    h_MF, b13_EF, expert_M = activation_rows(generator, 40, 256, dtype, bias)
+    q_MI, scale = act_quant.bias_act_quantize_rows(h_MF, b13_EF, expert_M, activation,
+                                                   SWIGLU_ALPHA, SWIGLU_LIMIT, spec)
+    expected_q_MI, expected_scale = two_pass_activation_quant(h_MF, b13_EF, expert_M,
+                                                              activation, spec)
+    assert q_MI.dtype == quant.FP8_DTYPE and q_MI.shape == expected_q_MI.shape
+    assert scale.dtype == torch.float32 and scale.shape == expected_scale.shape
+    kept_M = expert_M >= 0
+    assert torch.equal(scale[kept_M], expected_scale[kept_M])
+    # Equal as values: a tiny negative value may round to +0 or -0.
+    assert torch.equal(q_MI[kept_M].float(), expected_q_MI[kept_M].float())
+    assert q_MI[~kept_M].float().isnan().all() and scale[~kept_M].isnan().all()
+    if not bias:
+        assert (q_MI[3].float() == 0).all() and (scale[3] == quant.MIN_SCALE / quant.FP8_MAX).all()
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_bias_act_quantize_rows_is_the_reference_quantizer(activation, generator):
+    """Against the plain-torch composition (`activation` in fp32, then
+    `quant.quantize_activations`) on fp32 input, where no rounding comes between them."""
+    from torch_moe_ops.backends.common.kernels.activation import activation as act
+
+    spec = QuantSpec("fp8_block")
+    h_MF, _, expert_M = activation_rows(generator, 24, 256, torch.float32, bias=False)
+    q_MI, scale_MG = act_quant.bias_act_quantize_rows(h_MF, None, expert_M, activation,
+                                                      SWIGLU_ALPHA, SWIGLU_LIMIT, spec)
+    kept_M = expert_M >= 0
+    a_MI = act(h_MF[kept_M, :256], h_MF[kept_M, 256:], activation, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    expected_q_MI, expected_scale_MG = quant.quantize_activations(a_MI, spec)
+    torch.testing.assert_close(scale_MG[kept_M], expected_scale_MG, rtol=1e-6, atol=0)
+    # The activation's last bit may differ (Triton's sigmoid, torch's silu): an fp8 step
+    # at most where it crosses a rounding boundary.
+    steps = (q_MI[kept_M].float() - expected_q_MI.float()).abs()
+    assert (steps <= expected_q_MI.float().abs() / 8 + 2**-9).all()
+
+
+def test_bias_act_quantize_rows_needs_whole_groups():
+    h_MF = torch.zeros((4, 2 * 192), device=DEVICE)
+    with pytest.raises(ValueError, match="needs I divisible by the scale group, got I=192, "
+                                         "group=128"):
+        act_quant.bias_act_quantize_rows(h_MF, None, torch.zeros(4, dtype=torch.int32,
+                                                                 device=DEVICE),
+                                         "silu", SWIGLU_ALPHA, SWIGLU_LIMIT,
+                                         QuantSpec("fp8_block"))
+
+
+def test_bias_act_quantize_rows_of_no_rows():
+    q_MI, scale_MG = act_quant.bias_act_quantize_rows(
+        torch.zeros((0, 512), device=DEVICE), None, torch.zeros(0, dtype=torch.int32,
+                                                                device=DEVICE),
+        "silu", SWIGLU_ALPHA, SWIGLU_LIMIT, QuantSpec("fp8_block"))
+    assert q_MI.shape == (0, 256) and scale_MG.shape == (0, 2)
+
+
+@gpu
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("gelu", False),
+                                             ("swiglu_oai", True)])
+@pytest.mark.parametrize("inter_size", [768, 1024, 2048],
+                         ids=["qwen3_30b_a3b", "olmoe", "deepseek_v3"])
+def test_bias_act_quantize_rows_is_the_two_passes_gpu(inter_size, activation, bias):
+    """bf16 GEMM output at real widths, in DeepGEMM's contiguous layout (64 experts, groups
+    padded to 128 rows, the layout's all-padding tail): one pass is the two, bit for bit."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.randint(0, 400, (64,), generator=generator, device="cuda")
+    padded = (counts + 127) // 128 * 128
+    num_rows = int(padded.sum()) + 64 * 128
+    expert_M = torch.full((num_rows,), -1, dtype=torch.int32, device="cuda")
+    start = 0
+    for expert, (count, size) in enumerate(zip(counts.tolist(), padded.tolist())):
+        expert_M[start:start + count] = expert
+        start += size
+    h_MF = torch.randn((num_rows, 2 * inter_size), generator=generator, device="cuda",
+                       dtype=torch.bfloat16) * 4
+    b13_EF = (torch.randn((64, 2 * inter_size), generator=generator, device="cuda",
+                          dtype=torch.bfloat16) if bias else None)
+    spec = QuantSpec("fp8_block")
+    q_MI, scale_MG = act_quant.bias_act_quantize_rows(h_MF, b13_EF, expert_M, activation,
+                                                      SWIGLU_ALPHA, SWIGLU_LIMIT, spec)
+    expected_q_MI, expected_scale_MG = two_pass_activation_quant(h_MF, b13_EF, expert_M,
+                                                                 activation, spec)
+    kept_M = expert_M >= 0
+    assert torch.equal(scale_MG[kept_M], expected_scale_MG[kept_M])
+    assert torch.equal(q_MI[kept_M].float(), expected_q_MI[kept_M].float())
+
+
 def test_config_files_are_keyed_by_format():
     spec = QuantSpec("fp8_block")
     assert (configs.config_file_name(256, 2048, 7168, torch.bfloat16, "X", spec)

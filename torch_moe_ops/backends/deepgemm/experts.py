@@ -8,20 +8,32 @@ masked format, G = H / 128 (or I / 128) activation scale groups per row.
 For ``QuantSpec("fp8_block")`` weights (DeepSeek-V3's, ``[E, N, K]`` float8_e4m3fn with
 ``[E, N / 128, K / 128]`` fp32 scales, as stored) and ``fp8_group`` activations:
 
-    q[t], s[t]  = fp8 of each 128 columns of hidden[t] (`quant.quantize_activations`)
-    h[m] = (q[token(m)] @ w13[e].T) with both scales        DeepGEMM, contiguous layout
-    a[m] = act(h[m] + b13[e])                              `epilogues.bias_act_rows`
-    p, s' = fp8 of each 128 columns of a
-    y[m] = (p[m] @ w2[e].T) with both scales               DeepGEMM, contiguous layout
+    q[m], s[m]  = fp8 of each 128 columns of hidden[token(m)]     `act_quant.quantize_rows`
+    h[m] = (q[m] @ w13[e].T) with both scales                DeepGEMM, contiguous layout
+    p[m], s'[m] = fp8 of each 128 columns of act(h[m] + b13[e])
+                                                      `act_quant.bias_act_quantize_rows`
+    y[m] = (p[m] @ w2[e].T) with both scales                 DeepGEMM, contiguous layout
     out[t] = sum over k of weight[t, k] * (y[row(t, k)] + b2[e])   `gather_weighted_sum`
+
+Between the GEMMs and before the first, one pass each: a token is read once and quantized
+once, its fp8 row written to each of its K places in the layout; the first GEMM's output is
+read once, and the activation is quantized in registers, never written in bf16.
 
 The contiguous layout (`contiguous_layout`) is the rows sorted by expert with each
 expert's group starting at a multiple of A; its size is fixed by T, K and E alone (the
 worst case, every non-empty group padded by A - 1 rows), so nothing waits for the host and a
-CUDA graph captures the whole layer. The rows between groups are marked with expert -1:
-DeepGEMM skips the blocks that start with one, the activation writes zeros there, the final
-gather never reads them. Rows that arrive as the masked format (``[E, C, H]`` blocks with a
-count per expert: DeepEP's low-latency layout) go to DeepGEMM's masked GEMM as they are.
+CUDA graph captures the whole layer. The rows between groups are marked with expert -1 and
+hold no token: the quantizers leave them unwritten, DeepGEMM skips the blocks that start
+with one and computes the others row by row (a row of its output reads its own row of the
+input only), so whatever they hold reaches no row that is read, and the final gather never
+reads them. Rows that arrive as the masked format (``[E, C, H]`` blocks with a count per
+expert: DeepEP's low-latency layout) go to DeepGEMM's masked GEMM as they are, quantized
+into blocks of whole 128-row tiles where they arrive in bf16; the rows past each count are
+left unwritten the same way.
+
+Both GEMMs read activation scales as this project's quantizer writes them, ``[M, G]`` fp32
+row-major (``[E, C, G]`` masked); DeepGEMM transposes them to its TMA-aligned M-major
+layout itself.
 """
 
 from __future__ import annotations
@@ -47,10 +59,20 @@ def _check_runs(w13, w2, weight_format, activation_format, block_size) -> None:
                          f"{library.SCALE_BLOCK}, got H={hidden}, I={inter}")
 
 
-def quantize_groups(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_MK, scale_MG)``: fp8 with one fp32 scale per row and 128 columns, in one Triton
-    launch (`quant.quantize_activations` bit for bit)."""
-    return act_quant.quantize_rows(x_MK, library.FP8_BLOCKS)
+def quantize_groups(x_MK: torch.Tensor, targets_MS: torch.Tensor | None = None,
+                    num_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: fp8 with one fp32 scale per row and 128 columns, in one Triton
+    launch (`quant.quantize_activations` bit for bit); given ``targets_MS``, written to those
+    rows of ``num_out`` (`act_quant.quantize_rows`)."""
+    return act_quant.quantize_rows(x_MK, library.FP8_BLOCKS, targets_MS, num_out)
+
+
+def quantize_activation(h_MF, b13_EF, expert_M, act, alpha, limit
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p_MI, scale_MG)``: the second GEMM's input, `quantize_groups` of the bias and
+    activation of the first GEMM's output, in one pass; rows of expert -1 unwritten."""
+    return act_quant.bias_act_quantize_rows(h_MF, b13_EF, expert_M, act, alpha, limit,
+                                            library.FP8_BLOCKS)
 
 
 def padded_rows(num_rows: int, num_experts: int, alignment: int) -> int:
@@ -87,16 +109,16 @@ def _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_E
                    limit):
     """``y_MH [M, H]`` bf16 before ``b2``; rows of expert -1 hold garbage."""
     h_MF = library.grouped_gemm_contiguous(q_MH, scale_MG, w13, w13_scale, expert_M)
-    a_MI = grouped_gemm.bias_act_rows(h_MF, b13_EF, expert_M, act, alpha, limit)
-    return library.grouped_gemm_contiguous(*quantize_groups(a_MI), w2, w2_scale, expert_M)
+    p_MI, scale_p_MG = quantize_activation(h_MF, b13_EF, expert_M, act, alpha, limit)
+    return library.grouped_gemm_contiguous(p_MI, scale_p_MG, w2, w2_scale, expert_M)
 
 
 def _to_layout(q_XH, scale_XG, source_R, position_R, num_padded):
-    """The contiguous layout's ``M`` rows: row ``position_R[r]`` is row ``source_R[r]`` of
-    ``q_XH`` (and its scales); the rows between groups copy row 0 (DeepGEMM skips them or
-    computes rows never read). A gather (each row read from its source) in place of a
-    scatter: torch's index_put on fp8 moved a byte a thread, 4 ms of a 17 ms DeepSeek-V3
-    layer at T=16384 on an H200."""
+    """The contiguous layout's ``M`` rows of rows that arrive quantized: row
+    ``position_R[r]`` is row ``source_R[r]`` of ``q_XH`` (and its scales); the rows between
+    groups copy row 0 (DeepGEMM skips them or computes rows never read). A gather (each row
+    read from its source) in place of a scatter: torch's index_put on fp8 moved a byte a
+    thread, 4 ms of a 17 ms DeepSeek-V3 layer at T=16384 on an H200."""
     source_M = torch.zeros(num_padded, dtype=torch.int64, device=q_XH.device)
     source_M[position_R] = source_R
     return q_XH[source_M], scale_XG[source_M]
@@ -113,13 +135,14 @@ def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w
         return torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
     order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, w13.shape[0])
     position_R, expert_M = contiguous_layout(sorted_ids_R, count_E, library.row_alignment())
-    # Tokens are quantized before they are gathered: K times fewer rows to scale.
-    q_TH, scale_TG = quantize_groups(hidden_TH)
-    q_MH, scale_MG = _to_layout(q_TH, scale_TG, order_R // top_k, position_R,
-                                expert_M.shape[0])
+    row_of_slot_S = position_R[rows_of_slots(order_R)].to(torch.int32)
+    # Each token is read and quantized once (K times fewer rows to scale than the layout
+    # holds) and its fp8 row written to its K places: no quantized copy of the tokens to
+    # gather from. Slots of expert -1 go nowhere.
+    targets_TK = torch.where(topk_ids_TK >= 0, row_of_slot_S.view(num_tokens, top_k), -1)
+    q_MH, scale_MG = quantize_groups(hidden_TH, targets_TK, expert_M.shape[0])
     y_MH = _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act,
                           alpha, limit)
-    row_of_slot_S = position_R[rows_of_slots(order_R)].to(torch.int32)
     out_TH = grouped_gemm.gather_weighted_sum(y_MH, row_of_slot_S, topk_weights_TK,
                                               topk_ids_TK, b2_EH)
     return out_TH.to(hidden_TH.dtype)
@@ -135,10 +158,15 @@ def experts_rows_quant(x_RH, x_scale, expert_R, count_E, w13, w2, w13_scale, w2_
     out_dtype = rows_out_dtype(x_RH, out_dtype)
     if x_RH.shape[0] == 0:
         return x_RH.new_empty(tuple(x_RH.shape), dtype=out_dtype)
-    q_RH, scale_RG = quantize_groups(x_RH) if x_scale is None else (x_RH, x_scale)
     position_R, expert_M = contiguous_layout(expert_R, count_E, library.row_alignment())
-    rows_R = torch.arange(q_RH.shape[0], device=q_RH.device)
-    q_MH, scale_MG = _to_layout(q_RH, scale_RG, rows_R, position_R, expert_M.shape[0])
+    num_padded = expert_M.shape[0]
+    if x_scale is None:
+        # Quantized straight into the layout; rows of expert -1 go nowhere.
+        targets_R1 = torch.where(expert_R >= 0, position_R, -1)[:, None]
+        q_MH, scale_MG = quantize_groups(x_RH, targets_R1, num_padded)
+    else:
+        rows_R = torch.arange(x_RH.shape[0], device=x_RH.device)
+        q_MH, scale_MG = _to_layout(x_RH, x_scale, rows_R, position_R, num_padded)
     y_MH = _grouped_gemms(q_MH, scale_MG, expert_M, w13, w2, w13_scale, w2_scale, b13_EF, act,
                           alpha, limit)
     return grouped_gemm.finish_rows(y_MH[position_R], expert_R, b2_EH).to(out_dtype)
@@ -153,6 +181,17 @@ def _masked_experts(count_E: torch.Tensor, rows_per_expert: int) -> torch.Tensor
     return torch.where(cell_EC < count_E[:, None], expert_EC, -1).reshape(-1)
 
 
+def _block_targets(count_E: torch.Tensor, rows_per_expert: int, rows: int) -> torch.Tensor:
+    """``targets_X1 [E * C, 1]`` int32: the row of blocks of ``rows`` rows (``[E * rows]``)
+    that each cell of the masked blocks goes to, -1 past its expert's count."""
+    num_experts = count_E.shape[0]
+    cell_EC = torch.arange(rows_per_expert, dtype=torch.int32, device=count_E.device).expand(
+        num_experts, -1)
+    start_E1 = torch.arange(0, num_experts * rows, rows, dtype=torch.int32,
+                            device=count_E.device)[:, None]
+    return torch.where(cell_EC < count_E[:, None], start_E1 + cell_EC, -1).reshape(-1, 1)
+
+
 def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, b13_EF, b2_EH,
                          weight_format, activation_format, block_size, act, alpha, limit,
                          out_dtype):
@@ -163,26 +202,28 @@ def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, 
     num_experts, rows_per_expert, hidden_size = x_ECH.shape
     if x_ECH.numel() == 0:
         return x_ECH.new_zeros(tuple(x_ECH.shape), dtype=out_dtype)
+    # DeepGEMM's masked GEMM reads blocks of a whole number of its M tiles (DeepEP's are:
+    # max tokens per rank times ranks); others are quantized or copied into such blocks.
+    rows = -(-rows_per_expert // library.SCALE_BLOCK) * library.SCALE_BLOCK
     if x_scale is None:
-        q_XH, scale_XG = quantize_groups(x_ECH.reshape(-1, hidden_size))
-        q_ECH = q_XH.view(x_ECH.shape)
-        scale_ECG = scale_XG.view(num_experts, rows_per_expert, -1)
+        # Quantized straight into those blocks; rows past each count go nowhere.
+        q_XH, scale_XG = quantize_groups(x_ECH.reshape(-1, hidden_size),
+                                         _block_targets(count_E, rows_per_expert, rows),
+                                         num_experts * rows)
+        q_ECH = q_XH.view(num_experts, rows, hidden_size)
+        scale_ECG = scale_XG.view(num_experts, rows, -1)
     else:
         q_ECH, scale_ECG = x_ECH, x_scale
-    # DeepGEMM's masked GEMM reads blocks of a whole number of its M tiles (DeepEP's are:
-    # max tokens per rank times ranks); others are copied into such blocks.
-    rows = -(-rows_per_expert // library.SCALE_BLOCK) * library.SCALE_BLOCK
-    if rows != rows_per_expert:
-        q_ECH, scale_ECG = _padded_blocks(q_ECH, rows), _padded_blocks(scale_ECG, rows)
+        if rows != rows_per_expert:
+            q_ECH, scale_ECG = _padded_blocks(q_ECH, rows), _padded_blocks(scale_ECG, rows)
     # Decode sends a few rows to each expert: the tiles for that size (the result does not
     # depend on it).
     expected_rows = min(rows_per_expert, library.SCALE_BLOCK)
     expert_X = _masked_experts(count_E, rows)
     h_ECF = library.grouped_gemm_masked(q_ECH, scale_ECG, w13, w13_scale, count_E,
                                         expected_rows)
-    a_XI = grouped_gemm.bias_act_rows(h_ECF.view(num_experts * rows, -1), b13_EF, expert_X,
-                                      act, alpha, limit)
-    p_XI, scale_a_XG = quantize_groups(a_XI)
+    p_XI, scale_a_XG = quantize_activation(h_ECF.view(num_experts * rows, -1), b13_EF,
+                                           expert_X, act, alpha, limit)
     y_ECH = library.grouped_gemm_masked(
         p_XI.view(num_experts, rows, -1), scale_a_XG.view(num_experts, rows, -1), w2, w2_scale,
         count_E, expected_rows)
