@@ -18,6 +18,7 @@ from torch_moe_ops import checkpoints, load_balance, quant
 from torch_moe_ops.backends.common.kernels.activation import activation
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.ops.checks import OP_FLOAT_DTYPES
+from torch_moe_ops.ops.library import call
 from torch_moe_ops.routed_experts import (
     EXPERT_TENSORS,
     SCALE_TENSORS,
@@ -287,9 +288,11 @@ class MoE(nn.Module):
                         else self.e_score_correction_bias.float())
         with without_autocast(x_TH.device.type):
             logits_TE = F.linear(x_TH.float(), self.gate.weight.float(), bias_E)
-        topk_weights_TK, topk_ids_TK = torch.ops.moe.route(
-            logits_TE, correction_E, cfg.top_k, cfg.scoring, cfg.renormalize,
-            cfg.num_expert_groups, cfg.topk_groups, cfg.static_float("routed_scaling_factor"))
+        # `call`: eagerly, without a gradient, the kernel runs without the dispatcher.
+        topk_weights_TK, topk_ids_TK = call(
+            torch.ops.moe.route.default, logits_TE, correction_E, cfg.top_k, cfg.scoring,
+            cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
+            cfg.static_float("routed_scaling_factor"))
         return logits_TE, topk_weights_TK, topk_ids_TK
 
     def experts(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from torch_moe_ops.config import MoEConfig
+from torch_moe_ops.ops.library import call
 
 # Our names of the expert tensors, in the order moe::experts takes them.
 EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
@@ -62,6 +63,7 @@ def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
         ep_size == 1:  moe::experts (moe::experts_quant with cfg.quant)
         ep_size > 1:   moe::dispatch -> moe::experts_rows (_quant) -> moe::combine
 
+    each through `ops.library.call` (eagerly and without a gradient: their kernels directly).
     ``weights``: ``(w13, w2, b13, b2)`` of this rank's experts; ``scales``:
     ``(w13_scale, w2_scale)`` of quantized experts (`torch_moe_ops.quant`)."""
     act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
@@ -72,14 +74,17 @@ def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
         w13, w2, b13, b2 = weights
         expert_args = (w13, w2, *scales, b13, b2, cfg.quant.weights, cfg.quant.activations,
                        cfg.quant.block_list, *act_args)
+    moe = torch.ops.moe
     if cfg.ep_size == 1:
-        experts_op = torch.ops.moe.experts if cfg.quant is None else torch.ops.moe.experts_quant
-        return experts_op(x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+        experts_op = moe.experts if cfg.quant is None else moe.experts_quant
+        return call(experts_op.default, x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
     ep_args = (cfg.ep_size, ep_group_name, cfg.max_tokens_per_rank)
-    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = torch.ops.moe.dispatch(
-        x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args, cfg.rows_per_rank)
+    x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = call(
+        moe.dispatch.default, x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args,
+        cfg.rows_per_rank)
     if cfg.quant is None:
-        y_RH = torch.ops.moe.experts_rows(x_RH, expert_R, count_E, *expert_args)
+        y_RH = call(moe.experts_rows.default, x_RH, expert_R, count_E, *expert_args)
     else:
-        y_RH = torch.ops.moe.experts_rows_quant(x_RH, None, expert_R, count_E, *expert_args)
-    return torch.ops.moe.combine(y_RH, weight_R, src_R, combine_map_TK, *ep_args)
+        y_RH = call(moe.experts_rows_quant.default, x_RH, None, expert_R, count_E,
+                    *expert_args)
+    return call(moe.combine.default, y_RH, weight_R, src_R, combine_map_TK, *ep_args)

@@ -31,6 +31,7 @@ from torch import nn
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
 from torch_moe_ops.layer import without_autocast
+from torch_moe_ops.ops.library import call
 
 
 class RoutedRouter(nn.Module):
@@ -58,9 +59,11 @@ class RoutedRouter(nn.Module):
         # The buffer is fp32 when loaded (transformers keeps it so), but a later
         # model.to(bfloat16) casts it; moe::route wants fp32.
         correction_E = self.e_score_correction_bias.float() if cfg.correction_bias else None
-        topk_weights_TK, topk_ids_TK = torch.ops.moe.route(
-            logits_TE, correction_E, cfg.top_k, cfg.scoring, cfg.renormalize,
-            cfg.num_expert_groups, cfg.topk_groups, cfg.static_float("routed_scaling_factor"))
+        # `call`: eagerly, without a gradient, the kernel runs without the dispatcher.
+        topk_weights_TK, topk_ids_TK = call(
+            torch.ops.moe.route.default, logits_TE, correction_E, cfg.top_k, cfg.scoring,
+            cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
+            cfg.static_float("routed_scaling_factor"))
         return logits_TE, topk_weights_TK, topk_ids_TK
 
     def __reduce_ex__(self, protocol):

@@ -120,6 +120,85 @@ def _argument_names(op: torch_compat.OpOverload) -> tuple[str, ...]:
     return tuple(argument.name for argument in _arguments(op))
 
 
+# The Python types an eager call may pass for each schema type without the dispatcher's
+# conversion or complaint; a call with any other takes the op's path, whose error it gets.
+_PLAIN_TYPES = {"Tensor": (torch.Tensor, torch.nn.Parameter), "int": (int,),
+                "float": (float, int), "bool": (bool,), "str": (str,),
+                "ScalarType": (torch.dtype,), "List[int]": (list, tuple)}
+
+
+@functools.cache
+def _plain_types(op: torch_compat.OpOverload) -> tuple[tuple[tuple[type, ...], bool], ...]:
+    # Per argument: the types `_PLAIN_TYPES` allows, and whether None is allowed.
+    kinds = []
+    for argument in _arguments(op):
+        real_type = argument.real_type
+        optional = isinstance(real_type, torch.OptionalType)
+        name = str(real_type.getElementType() if optional else real_type)
+        # A type not listed allows no value: such a call takes the op's path.
+        kinds.append((_PLAIN_TYPES.get(name, ()), optional))
+    return tuple(kinds)
+
+
+def _tracing() -> bool:
+    """Whether anything but plain eager execution sees op calls now: Dynamo, a dispatch
+    mode (FakeTensorMode, functionalization, make_fx's proxies, FlopCounterMode), a
+    torch function mode, a functorch transform (vmap, grad), forward-mode AD, the
+    TorchScript tracer or the profiler (a trace names each op)."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch.autograd.forward_ad._current_level >= 0
+            or torch._C._get_tracing_state() is not None or torch_compat.profiler_enabled())
+
+
+def runs_eagerly(op: torch_compat.OpOverload, args: tuple) -> bool:
+    """Whether the call ``op(*args)`` (every argument given, positionally) may skip the
+    dispatcher and run ``op``'s kernel directly, with the same result: nothing traces it
+    (`_tracing`), no gradient can flow through it (grad mode off, or no tensor argument
+    requires grad), every tensor is a plain ``torch.Tensor`` (or ``Parameter``) on the
+    CPU or a CUDA device (the devices `implement` registers), and every other argument
+    has a type its schema takes as it is."""
+    if _tracing():
+        return False
+    kinds = _plain_types(op)
+    if len(args) != len(kinds):
+        return False
+    grad = torch.is_grad_enabled()
+    for arg, (types, optional) in zip(args, kinds):
+        if arg is None:
+            if not optional:
+                return False
+        elif type(arg) not in types:
+            return False
+        elif isinstance(arg, torch.Tensor):
+            if not (arg.is_cuda or arg.is_cpu) or (grad and arg.requires_grad):
+                return False
+        elif type(arg) in (list, tuple) and any(type(item) is not int for item in arg):
+            return False
+    return True
+
+
+def call(op: torch_compat.OpOverload, *args):
+    """``op(*args)`` (every argument given, positionally), or where the call `runs_eagerly`,
+    the Python kernel `implement` registered for ``op`` called directly.
+
+    The direct call skips what an eager call of the op costs on the host above its
+    kernel (torch's dispatcher, torch.library's autograd wrapper, and the Dynamo-disable
+    wrapper around the kernel: 20-40 us per call on an H200 host) and does what the
+    op would: the kernel checks its arguments (the same errors), and the generic ops'
+    kernels choose their backend as an op call does (`backends.EagerChoices`). Where a
+    gradient, a trace or a compiler could see the call, the op runs, so autograd
+    records it and compiled graphs hold it."""
+    if torch.compiler.is_compiling():
+        # First, and nothing else: Dynamo puts the op in the graph and reads no further.
+        return op(*args)
+    kernel = _KERNELS.get(torch_compat.schema(op).name)
+    if kernel is not None and runs_eagerly(op, args):
+        return kernel(*args)
+    return op(*args)
+
+
 def define(namespace: str, contract: OpContract) -> torch_compat.OpOverload:
     """Define ``namespace::contract.name`` with the contract's schema, fake and autograd."""
     qualname = qualified_name(namespace, contract)
