@@ -27,16 +27,17 @@ class EagerCalls:
     """``ops.<name>(*args)`` is ``call(moe::<name>, *args)``."""
 
     def __getattr__(self, name: str):
-        return lambda *args: call(getattr(torch.ops.moe, name).default, *args)
+        return lambda *args: call(getattr(torch.ops.moe, name), *args)
 
 
 def test_the_kernel_runs_directly_with_the_ops_results():
     args = expert_args()
     assert runs_eagerly(EXPERTS, args)
-    torch.testing.assert_close(call(EXPERTS, *args), EXPERTS(*args), rtol=0, atol=0)
+    ours_TH = call(torch.ops.moe.experts, *args)
+    torch.testing.assert_close(ours_TH, EXPERTS(*args), rtol=0, atol=0)
     route_args = (_logits_TE(), None, *ROUTE_STATIC)
     assert runs_eagerly(ROUTE, route_args)
-    for ours, theirs in zip(call(ROUTE, *route_args), ROUTE(*route_args)):
+    for ours, theirs in zip(call(torch.ops.moe.route, *route_args), ROUTE(*route_args)):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
@@ -52,7 +53,7 @@ def test_a_gradient_runs_the_op():
     hidden_TH.requires_grad_(True)
     args = (hidden_TH, *rest)
     assert not runs_eagerly(EXPERTS, args)
-    out_TH = call(EXPERTS, *args)
+    out_TH = call(torch.ops.moe.experts, *args)
     assert out_TH.grad_fn is not None
     out_TH.sum().backward()
     assert hidden_TH.grad is not None and hidden_TH.grad.shape == hidden_TH.shape
@@ -66,7 +67,7 @@ def test_traced_or_unusual_calls_run_the_op():
         fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
                           for a in args)
         assert not runs_eagerly(EXPERTS, fake_args)
-        assert call(EXPERTS, *fake_args).shape == args[0].shape
+        assert call(torch.ops.moe.experts, *fake_args).shape == args[0].shape
     with torch.profiler.profile():
         assert not runs_eagerly(EXPERTS, args)
     # A tensor subclass, a device the kernels are not registered for, a missing argument,
@@ -91,5 +92,5 @@ def test_compiled_graphs_hold_the_ops(fresh_dynamo):
         eager_TH = moe(x_TH)
         compiled_TH = torch.compile(moe, backend=keep, fullgraph=True)(x_TH)
     targets = {node.target for graph in graphs for node in graph.nodes}
-    assert {torch.ops.moe.route.default, torch.ops.moe.experts.default} <= targets
+    assert {torch.ops.moe.route, torch.ops.moe.experts} <= targets
     torch.testing.assert_close(compiled_TH, eager_TH, rtol=0, atol=0)

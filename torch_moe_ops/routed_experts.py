@@ -77,14 +77,14 @@ def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
     moe = torch.ops.moe
     if cfg.ep_size == 1:
         experts_op = moe.experts if cfg.quant is None else moe.experts_quant
-        return call(experts_op.default, x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
+        return call(experts_op, x_TH, topk_weights_TK, topk_ids_TK, *expert_args)
     ep_args = (cfg.ep_size, ep_group_name, cfg.max_tokens_per_rank)
     x_RH, expert_R, weight_R, src_R, count_E, combine_map_TK = call(
-        moe.dispatch.default, x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args,
+        moe.dispatch, x_TH, topk_weights_TK, topk_ids_TK, cfg.num_experts, *ep_args,
         cfg.rows_per_rank)
     if cfg.quant is None:
-        y_RH = call(moe.experts_rows.default, x_RH, expert_R, count_E, *expert_args)
+        y_RH = call(moe.experts_rows, x_RH, expert_R, count_E, *expert_args)
     else:
-        y_RH = call(moe.experts_rows_quant.default, x_RH, None, expert_R, count_E,
+        y_RH = call(moe.experts_rows_quant, x_RH, None, expert_R, count_E,
                     *expert_args)
-    return call(moe.combine.default, y_RH, weight_R, src_R, combine_map_TK, *ep_args)
+    return call(moe.combine, y_RH, weight_R, src_R, combine_map_TK, *ep_args)

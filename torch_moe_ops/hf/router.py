@@ -61,7 +61,7 @@ class RoutedRouter(nn.Module):
         correction_E = self.e_score_correction_bias.float() if cfg.correction_bias else None
         # `call`: eagerly, without a gradient, the kernel runs without the dispatcher.
         topk_weights_TK, topk_ids_TK = call(
-            torch.ops.moe.route.default, logits_TE, correction_E, cfg.top_k, cfg.scoring,
+            torch.ops.moe.route, logits_TE, correction_E, cfg.top_k, cfg.scoring,
             cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
             cfg.static_float("routed_scaling_factor"))
         return logits_TE, topk_weights_TK, topk_ids_TK

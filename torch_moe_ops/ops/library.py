@@ -179,9 +179,10 @@ def runs_eagerly(op: torch_compat.OpOverload, args: tuple) -> bool:
     return True
 
 
-def call(op: torch_compat.OpOverload, *args):
-    """``op(*args)`` (every argument given, positionally), or where the call `runs_eagerly`,
-    the Python kernel `implement` registered for ``op`` called directly.
+def call(packet: torch_compat.OpOverloadPacket, *args):
+    """``packet(*args)`` (every argument given, positionally), or where the call of its
+    default overload `runs_eagerly`, the Python kernel `implement` registered for it
+    called directly.
 
     The direct call skips what an eager call of the op costs on the host above its
     kernel (torch's dispatcher, torch.library's autograd wrapper, and the Dynamo-disable
@@ -189,14 +190,15 @@ def call(op: torch_compat.OpOverload, *args):
     op would: the kernel checks its arguments (the same errors), and the generic ops'
     kernels choose their backend as an op call does (`backends.EagerChoices`). Where a
     gradient, a trace or a compiler could see the call, the op runs, so autograd
-    records it and compiled graphs hold it."""
+    records it and compiled graphs hold it (as the packet, as a direct call would)."""
     if torch.compiler.is_compiling():
         # First, and nothing else: Dynamo puts the op in the graph and reads no further.
-        return op(*args)
+        return packet(*args)
+    op = packet.default
     kernel = _KERNELS.get(torch_compat.schema(op).name)
     if kernel is not None and runs_eagerly(op, args):
         return kernel(*args)
-    return op(*args)
+    return packet(*args)
 
 
 def define(namespace: str, contract: OpContract) -> torch_compat.OpOverload:
