@@ -192,6 +192,17 @@ def moe_align_one_program_kernel(ids_ptr, tile_counts_ptr, tile_offsets_ptr, exp
                      block_expert_ptr, block, num_slots, num_experts, BLOCK_M, EXPERT_CHUNK)
 
 
+def _int32_views(sizes: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+    """Uninitialised int32 tensors of ``sizes``, views of one allocation, each starting a
+    multiple of 16 bytes into it (Triton specializes a pointer on that alignment)."""
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(end)
+        end += triton.cdiv(size, 4) * 4
+    workspace = torch.empty((end,), dtype=torch.int32, device=device)
+    return [workspace[start:start + size] for start, size in zip(starts, sizes)]
+
+
 def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     """Sort the ``S = T * K`` routed slots by expert into blocks of ``block_m`` rows.
 
@@ -224,22 +235,25 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     device = topk_ids_TK.device
     capacity = padded_capacity(num_slots, num_experts, block_m)
     num_blocks = capacity // block_m
-    sorted_row_ids_P = torch.empty((capacity,), dtype=torch.int32, device=device)
-    block_expert_B = torch.empty((num_blocks,), dtype=torch.int32, device=device)
-    num_padded_rows_1 = torch.empty((1,), dtype=torch.int32, device=device)
     num_tiles = triton.cdiv(num_slots, SLOT_TILE)
-    # Per-tile counts and offsets [tiles, E], per-expert counts and padded starts
-    # [E]: four tensors, not views of one workspace. Traced into a training graph,
-    # Inductor (torch 2.11) copied views of one workspace that the kernels mutate
-    # with the whole workspace's length from a [E] buffer: a read out of bounds,
-    # an illegal memory access on the H100 when that buffer ended an allocation.
     table = num_tiles * num_experts
-    tile_counts, tile_offsets = (torch.empty((table,), dtype=torch.int32, device=device)
-                                 for _ in range(2))
-    expert_count, expert_start = (torch.empty((num_experts,), dtype=torch.int32, device=device)
-                                  for _ in range(2))
+    # The outputs, per-tile counts and offsets [tiles, E], per-expert counts and padded
+    # starts [E].
+    sizes = (capacity, num_blocks, 1, table, table, num_experts, num_experts)
+    traced = in_traced_body()
+    if traced:
+        # Separate tensors, not views of one workspace. Traced into a training graph,
+        # Inductor (torch 2.11) copied views of one workspace that the kernels mutate
+        # with the whole workspace's length from a [E] buffer: a read out of bounds,
+        # an illegal memory access on the H100 when that buffer ended an allocation.
+        buffers = [torch.empty((size,), dtype=torch.int32, device=device) for size in sizes]
+    else:
+        # Eagerly, one allocation (each costs a few us of host time).
+        buffers = _int32_views(sizes, device)
+    (sorted_row_ids_P, block_expert_B, num_padded_rows_1, tile_counts, tile_offsets,
+     expert_count, expert_start) = buffers
     ids_S = topk_ids_TK.reshape(-1)
-    if not in_traced_body() and num_tiles <= ONE_PROGRAM_MAX_TILES:
+    if not traced and num_tiles <= ONE_PROGRAM_MAX_TILES:
         launcher(moe_align_one_program_kernel)[(1,)](
             ids_S, tile_counts, tile_offsets, expert_count, expert_start, num_padded_rows_1,
             sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
