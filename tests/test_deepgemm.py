@@ -9,16 +9,18 @@ On the CPU: what `supports` says of every format, device, dtype and size; the co
 layout's invariants; the three ops against the reference (every activation) under the Triton
 interpreter with DeepGEMM's two GEMMs replaced by `contiguous_stand_in` and `masked_stand_in`,
 which check what DeepGEMM asserts (dtypes, K-major operands, scale shapes, groups starting at
-multiples of A) and do what it does to the rows it does not compute (left unwritten: NaN
-here); buffers start as NaN (`poisoned_empty`), so a padding row that no pass writes and
-that reached a real row would show. The stand-ins write fp32 where DeepGEMM writes bf16
-(the interpreter mishandles bf16). The fused activation and quantization kernel itself is
-tested against the two passes it replaces in tests/test_triton_quant.py.
+multiples of A), that the activation scales come in the layout DeepGEMM reads without first
+transposing them (`deepgemm_transposes`), and do what it does to the rows it does not compute
+(left unwritten: NaN here); buffers start as NaN (`poisoned_empty`), so a padding row that no
+pass writes and that reached a real row would show. The stand-ins write fp32 where DeepGEMM
+writes bf16 (the interpreter mishandles bf16). The fused activation and quantization kernel
+itself is tested against the two passes it replaces in tests/test_triton_quant.py.
 
 On an sm90 GPU with DeepGEMM built (``gpu`` marker; `scripts/build_deepgemm.sh`): the ops
 against the reference in bf16 at DeepSeek-V3's 128 x 128 blocks, with -1 ids, empty experts
 and 0, 1 and many tokens, and with every activation; the masked format with fp8 blocks as
-DeepEP delivers them; CUDA graph capture; a quantized `tmo.MoE` compiled with
+DeepEP delivers them; every GEMM call's activation scales in the layout DeepGEMM reads as
+they are; CUDA graph capture; a quantized `tmo.MoE` compiled with
 ``backend(experts="deepgemm")``.
 Bounds as in tests/test_grouped_mm_quant.py (the reference reads the same fp8 weights and
 rounds each GEMM's input through fp8 too).
@@ -155,8 +157,23 @@ def test_padded_rows_covers_the_worst_routing():
     assert deepgemm_experts.padded_rows(0, 8, 128) == 0
 
 
+def deepgemm_transposes(a_scale_XG: torch.Tensor) -> bool:
+    """Whether DeepGEMM's sm90 GEMMs would copy these fp32 activation scales (1 x 128
+    groups, ``[M, G]`` or ``[B, M, G]``) into their layout with a transpose kernel before the
+    GEMM: the test that ``get_mn_major_tma_aligned_tensor`` makes to return them as they
+    are (DeepGEMM 54e2261, csrc/jit_kernels/impls/smxx_layout.hpp:124; called for them by
+    ``transform_sf_into_required_layout``, csrc/apis/layout.hpp:41-42). M-major, each column
+    ``align(M, 4)`` apart (``get_tma_aligned_size``: 16 bytes of fp32,
+    csrc/utils/math.hpp:23-27), blocks ``align(M, 4) * G`` apart."""
+    rows, groups = a_scale_XG.shape[-2:]
+    aligned = -(-rows // 4) * 4
+    blocks_ok = a_scale_XG.dim() == 2 or a_scale_XG.stride(0) == aligned * groups
+    return not (blocks_ok and a_scale_XG.stride(-2) == 1 and a_scale_XG.stride(-1) == aligned)
+
+
 def _check_operands(a_XK, a_scale_XG, b_GNK, b_scale):
-    """What DeepGEMM asserts of its operands on sm90."""
+    """What DeepGEMM asserts of its operands on sm90, and that it would take the activation
+    scales as they are."""
     assert a_XK.dtype == b_GNK.dtype == quant.FP8_DTYPE
     assert a_XK.stride(-1) == 1 and b_GNK.stride(-1) == 1  # K-major
     assert a_scale_XG.dtype == b_scale.dtype == torch.float32
@@ -164,6 +181,14 @@ def _check_operands(a_XK, a_scale_XG, b_GNK, b_scale):
     assert a_XK.shape[-1] == depth and depth % ALIGNMENT == 0
     assert a_scale_XG.shape == (*a_XK.shape[:-1], depth // library.SCALE_BLOCK)
     assert b_scale.shape == (groups, cols // library.SCALE_BLOCK, depth // library.SCALE_BLOCK)
+    assert not deepgemm_transposes(a_scale_XG), (
+        f"DeepGEMM would transpose these activation scales first: {list(a_scale_XG.shape)} "
+        f"with strides {a_scale_XG.stride()}")
+    # Its TMA reads the scales as one [B * G, align(M, 4)] block: the padding rows exist.
+    rows, scale_groups = a_scale_XG.shape[-2:]
+    blocks = a_scale_XG.shape[0] if a_scale_XG.dim() == 3 else 1
+    read = a_scale_XG.storage_offset() + blocks * scale_groups * (-(-rows // 4) * 4)
+    assert a_scale_XG.untyped_storage().nbytes() >= read * a_scale_XG.element_size()
 
 
 def _dequantized(a_XK, a_scale_XG, b_NK, b_scale_NK):
@@ -171,6 +196,25 @@ def _dequantized(a_XK, a_scale_XG, b_NK, b_scale_NK):
                                      a_scale_XG.reshape(-1, a_scale_XG.shape[-1]), FP8_BLOCK)
     b = quant.dequantize_weights(b_NK[None], b_scale_NK[None], FP8_BLOCK)[0]
     return a @ b.T
+
+
+def test_deepgemm_transposes_scales_of_other_layouts():
+    """The stand-ins' test of DeepGEMM's layout: what the quantizers wrote before (row-major)
+    is transposed; `library.activation_scales` is not, nor DeepEP's ``[E, C, G]``."""
+    row_major_MG = torch.empty((8, 3))
+    assert deepgemm_transposes(row_major_MG)
+    assert deepgemm_transposes(torch.empty((4, 8, 3)))
+    assert not deepgemm_transposes(library.activation_scales(8, 3, torch.device("cpu")))
+    # M = 5: columns 8 apart (16-byte aligned), not 5.
+    assert deepgemm_transposes(torch.empty((3, 5)).T)
+    assert not deepgemm_transposes(library.activation_scales(5, 3, torch.device("cpu")))
+    assert not deepgemm_transposes(library.activation_scales(1, 1, torch.device("cpu")))
+    masked_ECG = library.activation_scales(8, 3, torch.device("cpu"), blocks=4)
+    assert masked_ECG.shape == (4, 8, 3) and not deepgemm_transposes(masked_ECG)
+    deepep_ECG = torch.empty((4, 3, 128)).transpose(1, 2)  # DeepEP's low-latency scales
+    assert not deepgemm_transposes(deepep_ECG)
+    # M-major over all E * C rows is not M-major per block.
+    assert deepgemm_transposes(torch.empty((3, 32)).T.view(4, 8, 3))
 
 
 def contiguous_stand_in(a_MK, a_scale_MG, b_GNK, b_scale, group_M):
@@ -216,9 +260,9 @@ def gemm_calls(monkeypatch) -> list:
 
 
 def cpu_inputs(quant_inputs, num_tokens=9, bias=False, skip_fraction=0.2):
-    """Small fp32 inputs (H=I=128: one scale block, E=4, K=2) with expert 1 chosen by no
-    slot."""
-    inputs = quant_inputs(FP8_BLOCK, num_tokens=num_tokens, hidden_size=128,
+    """Small fp32 inputs (H=256, I=128: two scale groups a row of the first GEMM, so that
+    the scales' layout shows; E=4, K=2) with expert 1 chosen by no slot."""
+    inputs = quant_inputs(FP8_BLOCK, num_tokens=num_tokens, hidden_size=256,
                           intermediate_size=128, num_experts=4, top_k=2, bias=bias,
                           skip_fraction=skip_fraction)
     ids_TK = inputs.float_inputs.topk_ids_TK
@@ -319,7 +363,7 @@ def test_every_activation_on_cpu(quant_inputs, gemm_calls, poisoned_empty, op_na
 @pytest.mark.parametrize("op_name", ["experts_quant", "experts_rows_quant"])
 def test_zero_tokens_run_no_gemm(quant_inputs, gemm_calls, op_name):
     out, ref = run_both(op_name, cpu_inputs(quant_inputs, num_tokens=0))
-    assert out.shape == ref.shape == (0, 128) and out.dtype == ref.dtype
+    assert out.shape == ref.shape == (0, 256) and out.dtype == ref.dtype
     assert gemm_calls == []
 
 
@@ -329,6 +373,34 @@ def test_zero_tokens_run_no_gemm(quant_inputs, gemm_calls, op_name):
 def test_all_slots_skipped(quant_inputs, gemm_calls, op_name):
     out, ref = run_both(op_name, cpu_inputs(quant_inputs, skip_fraction=1.0))
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(ref, out)
+
+
+@INTERPRETER_ONLY
+@pytest.mark.triton
+def test_masked_fp8_blocks_of_whole_tiles_go_as_they_are(quant_inputs, gemm_calls,
+                                                         monkeypatch):
+    """Blocks of 128 rows in fp8 with DeepEP's M-major scales reach the first GEMM as they
+    are (no copy), in the layout DeepGEMM reads."""
+    inputs = cpu_inputs(quant_inputs, num_tokens=5)
+    f = inputs.float_inputs
+    x_ECH, count_E = masked_blocks(f.hidden_TH, f.topk_ids_TK, inputs.w13.shape[0],
+                                   rows_per_expert=library.SCALE_BLOCK)
+    q_XH, scale_XG = quant.quantize_activations(x_ECH.reshape(-1, x_ECH.shape[-1]),
+                                                inputs.spec)
+    num_experts, rows, _ = x_ECH.shape
+    scale_ECG = torch.empty((num_experts, scale_XG.shape[1], rows)).transpose(1, 2)
+    scale_ECG.copy_(scale_XG.view(num_experts, rows, -1))
+    args = (q_XH.view(x_ECH.shape), scale_ECG, count_E, *inputs.weight_args(*STATIC),
+            x_ECH.dtype)
+    scales_seen = []
+    stand_in = library.grouped_gemm_masked
+    monkeypatch.setattr(library, "grouped_gemm_masked",
+                        lambda *gemm_args: scales_seen.append(gemm_args[1])
+                        or stand_in(*gemm_args))
+    out = torch.ops.moe_deepgemm.experts_masked_quant(*args)
+    ref = torch.ops.moe_reference.experts_masked_quant(*args)
+    assert scales_seen[0] is scale_ECG and len(gemm_calls) == 2
+    assert relative_error(out, ref) < CPU_BOUND
 
 
 @INTERPRETER_ONLY
@@ -398,6 +470,24 @@ def test_gpu_ops_match_reference(quant_inputs, op_name, num_tokens):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if num_tokens:
         assert relative_error(out, ref) < GPU_BOUND
+
+
+@pytest.mark.gpu
+@needs_deepgemm
+@pytest.mark.parametrize("op_name", OP_NAMES)
+def test_gpu_scales_reach_deepgemm_in_its_layout(quant_inputs, monkeypatch, op_name):
+    """Every call of DeepGEMM's GEMMs gets activation scales it takes as they are (no
+    transpose kernel of its own first)."""
+    layouts = []
+    for name in ("grouped_gemm_contiguous", "grouped_gemm_masked"):
+        gemm = getattr(library, name)
+        monkeypatch.setattr(library, name, lambda *args, gemm=gemm: layouts.append(
+            (tuple(args[1].shape), args[1].stride(), deepgemm_transposes(args[1])))
+            or gemm(*args))
+    args = on_gpu(op_args(op_name, gpu_inputs(quant_inputs, 300)))
+    out = op("moe_deepgemm", op_name)(*args)
+    assert len(layouts) == 2 and not any(transposes for *_, transposes in layouts), layouts
+    assert relative_error(out, op("moe_reference", op_name)(*args)) < GPU_BOUND
 
 
 @pytest.mark.gpu

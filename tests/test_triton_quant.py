@@ -246,6 +246,74 @@ def test_quantize_rows_writes_each_row_to_its_targets(spec, generator, poisoned_
     assert q_NK[unwritten].float().isnan().all() and scale[unwritten].isnan().all()
 
 
+def scale_layouts(num_rows: int, groups: int) -> dict:
+    """Scale buffers of ``num_rows`` rows other than row-major ``[M, G]`` (NaN under
+    `poisoned_empty`): M-major with columns padded to a multiple of 4 rows (DeepGEMM's
+    contiguous GEMM's), the same in blocks of 4 rows ``[B, 4, G]`` (its masked GEMM's), and
+    row-major blocks."""
+    padded = -(-num_rows // 4) * 4
+    return {
+        "m_major": torch.empty((groups, padded), device=DEVICE).T[:num_rows],
+        "m_major_blocks": torch.empty((num_rows // 4, groups, 4), device=DEVICE).transpose(1, 2),
+        "row_major_blocks": torch.empty((num_rows // 4, 4, groups), device=DEVICE),
+    }
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (fp8 as floats) and NaN in the same places."""
+    a, b = a.float(), b.float()
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+
+
+@pytest.mark.parametrize("layout", ["m_major", "m_major_blocks", "row_major_blocks"])
+def test_quantize_rows_writes_scales_where_scale_out_says(layout, generator, poisoned_empty):
+    """Given a scale buffer of any strides, ``[N, G]`` or ``[B, N / B, G]``, each written row's
+    scales land there (row n of block n // (N / B)), the values those of the row-major call;
+    rows no target names stay unwritten (NaN here)."""
+    spec = QuantSpec("fp8_block")
+    x_MK = (torch.randn((5, 384), generator=generator) * 3).to(DEVICE)
+    targets_MS = torch.tensor([[7, 0], [-1, 2], [4, -1], [-1, -1], [1, 9]], dtype=torch.int32,
+                              device=DEVICE)
+    scale_out = scale_layouts(12, 3)[layout]
+    q_NK, scale = act_quant.quantize_rows(x_MK, spec, targets_MS, num_out=12,
+                                          scale_out=scale_out)
+    expected_q_NK, expected_scale_NG = act_quant.quantize_rows(x_MK, spec, targets_MS,
+                                                               num_out=12)
+    assert scale is scale_out
+    assert same(q_NK, expected_q_NK)
+    scale_NG = scale.reshape(12, 3)
+    assert same(scale_NG, expected_scale_NG)
+    assert scale_NG.isnan().sum() == 6 * 3  # rows 3, 5, 6, 8, 10, 11
+    if layout == "m_major":
+        assert scale.stride() == (1, 12)
+
+
+@pytest.mark.parametrize("layout", ["m_major", "m_major_blocks", "row_major_blocks"])
+def test_bias_act_quantize_rows_writes_scales_where_scale_out_says(layout, generator,
+                                                                   poisoned_empty):
+    """As `quantize_rows`: the scales of the rows of expert -1 stay unwritten."""
+    spec = QuantSpec("fp8_block")
+    h_MF, b13_EF, expert_M = activation_rows(generator, 40, 256, torch.float32, bias=True)
+    scale_out = scale_layouts(40, 2)[layout]
+    q_MI, scale = act_quant.bias_act_quantize_rows(h_MF, b13_EF, expert_M, "silu",
+                                                   SWIGLU_ALPHA, SWIGLU_LIMIT, spec, scale_out)
+    expected_q_MI, expected_scale_MG = act_quant.bias_act_quantize_rows(
+        h_MF, b13_EF, expert_M, "silu", SWIGLU_ALPHA, SWIGLU_LIMIT, spec)
+    assert scale is scale_out
+    assert same(q_MI, expected_q_MI)
+    scale_MG = scale.reshape(40, 2)
+    assert same(scale_MG, expected_scale_MG)
+    assert scale_MG[expert_M < 0].isnan().all() and not scale_MG[expert_M >= 0].isnan().any()
+
+
+def test_scale_out_of_another_shape_is_an_error():
+    x_MK = torch.zeros((4, 256), device=DEVICE)
+    with pytest.raises(ValueError, match=r"scale_out must be float32 \[4, 2\] or \[B, 4 / B, "
+                                         r"2\] on .*, got torch.float32 \[4, 3\]"):
+        act_quant.quantize_rows(x_MK, QuantSpec("fp8_block"),
+                                scale_out=torch.empty((4, 3), device=DEVICE))
+
+
 # The activation's input in the dtypes the interpreter handles (it mishandles bf16); bf16,
 # what DeepGEMM writes, on a GPU.
 ACT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda"

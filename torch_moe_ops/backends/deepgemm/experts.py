@@ -31,9 +31,12 @@ expert: DeepEP's low-latency layout) go to DeepGEMM's masked GEMM as they are, q
 into blocks of whole 128-row tiles where they arrive in bf16; the rows past each count are
 left unwritten the same way.
 
-Both GEMMs read activation scales as this project's quantizer writes them, ``[M, G]`` fp32
-row-major (``[E, C, G]`` masked); DeepGEMM transposes them to its TMA-aligned M-major
-layout itself.
+Both GEMMs read the activation scales in DeepGEMM's own layout (`library.activation_scales`:
+fp32, M-major, columns 16-byte aligned), where the quantizers write them; given row-major
+scales, DeepGEMM would first transpose them on every call, a kernel per GEMM. Rows and scales
+that arrive quantized into the contiguous layout are gathered into it by the copy that moves
+them there (`_to_layout`); masked blocks that arrive in fp8 (DeepEP's, whose scales are in
+this layout already) go as they are, or through the copy that pads them to whole tiles.
 """
 
 from __future__ import annotations
@@ -59,20 +62,34 @@ def _check_runs(w13, w2, weight_format, activation_format, block_size) -> None:
                          f"{library.SCALE_BLOCK}, got H={hidden}, I={inter}")
 
 
+def _scales(num_rows: int, cols: int, device: torch.device, blocks: int | None
+            ) -> torch.Tensor:
+    """The scales of ``num_rows`` rows of ``cols`` columns in DeepGEMM's layout: ``[M, G]``,
+    or ``[B, M / B, G]`` given ``blocks``."""
+    block_rows = num_rows if blocks is None else num_rows // blocks
+    return library.activation_scales(block_rows, cols // library.SCALE_BLOCK, device, blocks)
+
+
 def quantize_groups(x_MK: torch.Tensor, targets_MS: torch.Tensor | None = None,
-                    num_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_out: int | None = None, blocks: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: fp8 with one fp32 scale per row and 128 columns, in one Triton
     launch (`quant.quantize_activations` bit for bit); given ``targets_MS``, written to those
-    rows of ``num_out`` (`act_quant.quantize_rows`)."""
-    return act_quant.quantize_rows(x_MK, library.FP8_BLOCKS, targets_MS, num_out)
+    rows of ``num_out`` (`act_quant.quantize_rows`). The scales are ``[M, G]`` in DeepGEMM's
+    layout, or ``[B, M / B, G]`` (the masked GEMM's) given ``blocks``."""
+    num_rows = num_out if targets_MS is not None else x_MK.shape[0]
+    return act_quant.quantize_rows(x_MK, library.FP8_BLOCKS, targets_MS, num_out,
+                                   _scales(num_rows, x_MK.shape[1], x_MK.device, blocks))
 
 
-def quantize_activation(h_MF, b13_EF, expert_M, act, alpha, limit
+def quantize_activation(h_MF, b13_EF, expert_M, act, alpha, limit, blocks=None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p_MI, scale_MG)``: the second GEMM's input, `quantize_groups` of the bias and
-    activation of the first GEMM's output, in one pass; rows of expert -1 unwritten."""
+    """``(p_MI, scale)``: the second GEMM's input, `quantize_groups` of the bias and
+    activation of the first GEMM's output, in one pass; rows of expert -1 unwritten. The
+    scales as `quantize_groups` gives them."""
+    scale = _scales(h_MF.shape[0], h_MF.shape[1] // 2, h_MF.device, blocks)
     return act_quant.bias_act_quantize_rows(h_MF, b13_EF, expert_M, act, alpha, limit,
-                                            library.FP8_BLOCKS)
+                                            library.FP8_BLOCKS, scale)
 
 
 def padded_rows(num_rows: int, num_experts: int, alignment: int) -> int:
@@ -118,10 +135,16 @@ def _to_layout(q_XH, scale_XG, source_R, position_R, num_padded):
     ``position_R[r]`` is row ``source_R[r]`` of ``q_XH`` (and its scales); the rows between
     groups copy row 0 (DeepGEMM skips them or computes rows never read). A gather (each row
     read from its source) in place of a scatter: torch's index_put on fp8 moved a byte a
-    thread, 4 ms of a 17 ms DeepSeek-V3 layer at T=16384 on an H200."""
-    source_M = torch.zeros(num_padded, dtype=torch.int64, device=q_XH.device)
+    thread, 4 ms of a 17 ms DeepSeek-V3 layer at T=16384 on an H200.
+
+    The scales are gathered column by column (``index_select`` of ``scale_XG.T``, a new
+    contiguous ``[G, scale_rows(M)]``), which leaves them in DeepGEMM's layout: the same
+    gather, with no transpose of DeepGEMM's after it."""
+    source_M = torch.zeros(library.scale_rows(num_padded), dtype=torch.int64,
+                           device=q_XH.device)
     source_M[position_R] = source_R
-    return q_XH[source_M], scale_XG[source_M]
+    scale_MG = torch.index_select(scale_XG.T, 1, source_M).T[:num_padded]
+    return q_XH[source_M[:num_padded]], scale_MG
 
 
 def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w2_scale,
@@ -207,33 +230,37 @@ def experts_masked_quant(x_ECH, x_scale, count_E, w13, w2, w13_scale, w2_scale, 
     rows = -(-rows_per_expert // library.SCALE_BLOCK) * library.SCALE_BLOCK
     if x_scale is None:
         # Quantized straight into those blocks; rows past each count go nowhere.
-        q_XH, scale_XG = quantize_groups(x_ECH.reshape(-1, hidden_size),
-                                         _block_targets(count_E, rows_per_expert, rows),
-                                         num_experts * rows)
+        q_XH, scale_ECG = quantize_groups(x_ECH.reshape(-1, hidden_size),
+                                          _block_targets(count_E, rows_per_expert, rows),
+                                          num_experts * rows, blocks=num_experts)
         q_ECH = q_XH.view(num_experts, rows, hidden_size)
-        scale_ECG = scale_XG.view(num_experts, rows, -1)
     else:
         q_ECH, scale_ECG = x_ECH, x_scale
         if rows != rows_per_expert:
-            q_ECH, scale_ECG = _padded_blocks(q_ECH, rows), _padded_blocks(scale_ECG, rows)
+            # The copy that pads the scales writes them in DeepGEMM's layout.
+            q_ECH = _padded_blocks(q_ECH, rows)
+            scale_ECG = _padded_blocks(scale_ECG, rows, library.activation_scales(
+                rows, scale_ECG.shape[2], scale_ECG.device, blocks=num_experts))
     # Decode sends a few rows to each expert: the tiles for that size (the result does not
     # depend on it).
     expected_rows = min(rows_per_expert, library.SCALE_BLOCK)
     expert_X = _masked_experts(count_E, rows)
     h_ECF = library.grouped_gemm_masked(q_ECH, scale_ECG, w13, w13_scale, count_E,
                                         expected_rows)
-    p_XI, scale_a_XG = quantize_activation(h_ECF.view(num_experts * rows, -1), b13_EF,
-                                           expert_X, act, alpha, limit)
-    y_ECH = library.grouped_gemm_masked(
-        p_XI.view(num_experts, rows, -1), scale_a_XG.view(num_experts, rows, -1), w2, w2_scale,
-        count_E, expected_rows)
+    p_XI, scale_a_ECG = quantize_activation(h_ECF.view(num_experts * rows, -1), b13_EF,
+                                            expert_X, act, alpha, limit, blocks=num_experts)
+    y_ECH = library.grouped_gemm_masked(p_XI.view(num_experts, rows, -1), scale_a_ECG, w2,
+                                        w2_scale, count_E, expected_rows)
     y_XH = grouped_gemm.finish_rows(y_ECH.view(-1, hidden_size), expert_X, b2_EH)
     return y_XH.view(num_experts, rows, hidden_size)[:, :rows_per_expert].to(
         out_dtype).contiguous()
 
 
-def _padded_blocks(x_ECX: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x_ECX`` with each expert's block extended to ``rows`` rows of zeros."""
-    padded = x_ECX.new_zeros((x_ECX.shape[0], rows, x_ECX.shape[2]))
+def _padded_blocks(x_ECX: torch.Tensor, rows: int, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """``x_ECX`` with each expert's block extended to ``rows`` rows of zeros, in ``out``
+    (``[E, rows, X]``, any strides) where given."""
+    padded = x_ECX.new_empty((x_ECX.shape[0], rows, x_ECX.shape[2])) if out is None else out
+    padded[:, x_ECX.shape[1]:] = 0
     padded[:, :x_ECX.shape[1]] = x_ECX
     return padded

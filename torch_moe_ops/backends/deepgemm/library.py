@@ -6,7 +6,9 @@ group of the masked layout.
 
 Both GEMMs compute ``d[m] = (a[m] @ b[g].T)`` with 128-column activation scales (``fp8_group``:
 ``a_scale [M, K / 128]``) and 128 x 128 weight block scales (``b_scale [G, N / 128, K / 128]``),
-fp32 scales on sm90, bf16 out. DeepGEMM compiles each kernel with nvcc on its first call (into
+fp32 scales on sm90, bf16 out. The activation scales are best given in the layout DeepGEMM's
+kernels read (`activation_scales`): given any other, each call first copies them into it with
+a transpose kernel of its own. DeepGEMM compiles each kernel with nvcc on its first call (into
 ``$DG_JIT_CACHE_DIR``): a compiled layer must run once before CUDA-graph capture, as every
 layer does in its warm-up.
 """
@@ -28,6 +30,8 @@ INSTALL_HINT = ("DeepGEMM is built from source: python -m torch_moe_ops.backends
 SCALE_BLOCK = 128
 # The one format they run.
 FP8_BLOCKS = QuantSpec("fp8_block", "fp8_group", (SCALE_BLOCK, SCALE_BLOCK))
+# The rows of fp32 activation scales DeepGEMM's TMA loads start at multiples of: 16 bytes.
+SCALE_ROW_ALIGNMENT = 16 // 4
 
 
 @functools.cache
@@ -59,6 +63,29 @@ def row_alignment() -> int:
     """The rows each expert's group is padded to in the contiguous layout (DeepGEMM's
     largest M block; 128 on sm90)."""
     return int(_deep_gemm().get_mk_alignment_for_contiguous_layout())
+
+
+def scale_rows(num_rows: int) -> int:
+    """``num_rows`` rounded up to `SCALE_ROW_ALIGNMENT` (DeepGEMM's ``get_tma_aligned_size``
+    of fp32)."""
+    return -(-num_rows // SCALE_ROW_ALIGNMENT) * SCALE_ROW_ALIGNMENT
+
+
+def activation_scales(num_rows: int, groups: int, device: torch.device,
+                      blocks: int | None = None) -> torch.Tensor:
+    """Unset fp32 activation scales in the layout DeepGEMM's sm90 GEMMs read, which they
+    then take as they are (DeepGEMM's ``get_mn_major_tma_aligned_tensor`` returns them
+    untransposed): M-major, each scale column ``scale_rows(M)`` apart.
+
+    ``[M, G]`` with strides ``(1, scale_rows(M))`` (the contiguous GEMM's), or, given
+    ``blocks`` B, ``[B, M, G]`` with strides ``(scale_rows(M) * G, 1, scale_rows(M))`` (the
+    masked GEMM's, M = C); the padding rows are never written.
+    """
+    padded = scale_rows(num_rows)
+    if blocks is None:
+        return torch.empty((groups, padded), dtype=torch.float32, device=device).T[:num_rows]
+    return torch.empty((blocks, groups, padded), dtype=torch.float32,
+                       device=device).transpose(1, 2)[:, :num_rows]
 
 
 def grouped_gemm_contiguous(a_MK: torch.Tensor, a_scale_MG: torch.Tensor, b_GNK: torch.Tensor,

@@ -3,7 +3,8 @@ GEMM reads (`torch_moe_ops.quant.quantize_activations`, bit for bit).
 
 Legend: M rows, K columns, C columns per scale (``K`` for fp8_token, ``bk``
 for fp8_group), G = K / C scales per row, S places each row is written to,
-E experts, I the columns of a gated activation, F = 2 * I (gate then up).
+E experts, I the columns of a gated activation, F = 2 * I (gate then up), B blocks of
+scales.
 
     a[m, g] = max(amax(|x[m, g*C:(g+1)*C]|), 1e-12) / 448
     q[m, k] = fp8(clamp(x[m, k] / a[m, k // C], -448, 448))
@@ -20,8 +21,11 @@ Two kernels apply that rule:
 
 A `quantize_rows` program takes one group of a few rows and reads it twice, for the
 absolute maximum and to quantize: the group stays in L1/L2 between the two passes. A
-`bias_act_quantize_rows` program holds its group in registers (one pass). Divisions are
-correctly rounded (``div_rn``) as torch's are, and values are rounded to the
+`bias_act_quantize_rows` program holds its group in registers (one pass). Both write the
+scales row-major ``[M, G]`` unless given a buffer of another layout (``scale_out``: any
+strides, ``[M, G]`` or ``[B, M / B, G]``), such as the M-major one DeepGEMM reads.
+
+Divisions are correctly rounded (``div_rn``) as torch's are, and values are rounded to the
 e4m3 grid (to nearest, ties to even) in fp32 before the conversion, which is
 then exact: the result is torch's bit for bit on the GPU and under the Triton
 interpreter alike (whose own fp8 conversion mishandles a rounding that carries
@@ -29,6 +33,8 @@ into the exponent).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -83,10 +89,21 @@ def _destination(target_ptr, rows, row_ok, copy, COPIES: tl.constexpr,
 
 
 @triton.jit
+def _scale_offsets(rows, block_rows, stride_s_b, stride_s_m, BLOCKED_SCALES: tl.constexpr):
+    """Offsets of ``rows``' scales: ``[M, G]``, or ``[B, block_rows, G]`` (row ``m`` in
+    block ``m // block_rows``)."""
+    if BLOCKED_SCALES:
+        return rows // block_rows * stride_s_b + rows % block_rows * stride_s_m
+    else:
+        return rows * stride_s_m
+
+
+@triton.jit
 def fp8_quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, target_ptr, num_rows, stride_x_m,
-                               stride_x_k, stride_q_m, stride_q_k, stride_s_m, stride_s_g,
-                               GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                               COPIES: tl.constexpr, HAS_TARGETS: tl.constexpr):
+                               stride_x_k, stride_q_m, stride_q_k, scale_block_rows, stride_s_b,
+                               stride_s_m, stride_s_g, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                               BLOCK: tl.constexpr, COPIES: tl.constexpr,
+                               HAS_TARGETS: tl.constexpr, BLOCKED_SCALES: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = rows < num_rows
     first = tl.program_id(1) * GROUP
@@ -111,16 +128,18 @@ def fp8_quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, target_ptr, num_rows, st
                      mask=out_ok[:, None] & col_ok)
     for copy in tl.static_range(COPIES):
         out_rows, out_ok = _destination(target_ptr, rows, row_ok, copy, COPIES, HAS_TARGETS)
-        tl.store(scale_ptr + out_rows * stride_s_m + tl.program_id(1) * stride_s_g, scale,
-                 mask=out_ok)
+        scale_at = _scale_offsets(out_rows, scale_block_rows, stride_s_b, stride_s_m,
+                                  BLOCKED_SCALES)
+        tl.store(scale_ptr + scale_at + tl.program_id(1) * stride_s_g, scale, mask=out_ok)
 
 
 @triton.jit
 def fp8_bias_act_quantize_kernel(h_ptr, b13_ptr, expert_ptr, q_ptr, scale_ptr, num_rows,
-                                 inter_size, stride_h_m, stride_b13_e, stride_q_m, stride_s_m,
-                                 stride_s_g, swiglu_alpha, swiglu_limit,
-                                 ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                 GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                                 inter_size, stride_h_m, stride_b13_e, stride_q_m,
+                                 scale_block_rows, stride_s_b, stride_s_m, stride_s_g,
+                                 swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr,
+                                 HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                                 BLOCK: tl.constexpr, BLOCKED_SCALES: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     # Rows of expert -1 carry no token: the first GEMM left them unwritten, and each row the
     # second GEMM writes reads its own input row only, so whatever they hold reaches no row
@@ -144,18 +163,39 @@ def fp8_bias_act_quantize_kernel(h_ptr, b13_ptr, expert_ptr, q_ptr, scale_ptr, n
     scale = _fp8_scale(tl.max(tl.abs(a), axis=1))
     q = _fp8_values(a, scale).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * stride_q_m + cols[None, :], q, mask=ok)
-    tl.store(scale_ptr + rows * stride_s_m + tl.program_id(1) * stride_s_g, scale, mask=row_ok)
+    scale_at = _scale_offsets(rows, scale_block_rows, stride_s_b, stride_s_m, BLOCKED_SCALES)
+    tl.store(scale_ptr + scale_at + tl.program_id(1) * stride_s_g, scale, mask=row_ok)
 
 
-def _outputs(num_rows: int, cols: int, group: int, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_MK, scale_MG)``: fp8 ``[M, K]`` and fp32 ``[M, K / group]``, row-major, unset."""
-    return (torch.empty((num_rows, cols), dtype=quant.FP8_DTYPE, device=device),
-            torch.empty((num_rows, cols // group), dtype=torch.float32, device=device))
+def _outputs(num_rows: int, cols: int, group: int, device: torch.device,
+             scale_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_MK, scale)``: fp8 ``[M, K]`` row-major and ``scale_out`` (fp32 ``[M, K / group]``
+    or ``[B, M / B, K / group]``, any strides), or fp32 ``[M, K / group]`` row-major; unset."""
+    q_MK = torch.empty((num_rows, cols), dtype=quant.FP8_DTYPE, device=device)
+    if scale_out is None:
+        return q_MK, torch.empty((num_rows, cols // group), dtype=torch.float32, device=device)
+    shape = tuple(scale_out.shape)
+    if (scale_out.dtype != torch.float32 or scale_out.device != device
+            or len(shape) not in (2, 3) or shape[-1] != cols // group
+            or math.prod(shape[:-1]) != num_rows):
+        raise ValueError(f"scale_out must be float32 [{num_rows}, {cols // group}] or "
+                         f"[B, {num_rows} / B, {cols // group}] on {device}, got "
+                         f"{scale_out.dtype} {list(shape)} on {scale_out.device}")
+    return q_MK, scale_out
+
+
+def _scale_strides(scale: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(block_rows, stride_b, stride_m, stride_g)`` of scales ``[M, G]`` or ``[B, M / B, G]``,
+    as the kernels' ``_scale_offsets`` reads them (the first two unread for ``[M, G]``: fixed
+    there, so that they add no specialization)."""
+    if scale.dim() == 2:
+        return 1, 0, scale.stride(0), scale.stride(1)
+    return scale.shape[1], scale.stride(0), scale.stride(1), scale.stride(2)
 
 
 def quantize_rows(x_MK: torch.Tensor, spec: QuantSpec, targets_MS: torch.Tensor | None = None,
-                  num_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_out: int | None = None, scale_out: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of float rows ``x_MK [M, K]`` under an fp8
     ``spec.activations``: ``q`` float8_e4m3fn ``[M, K]`` contiguous, ``scale``
     fp32 ``[M]`` (fp8_token) or ``[M, K / bk]`` (fp8_group), row-major.
@@ -163,26 +203,32 @@ def quantize_rows(x_MK: torch.Tensor, spec: QuantSpec, targets_MS: torch.Tensor 
     With ``targets_MS [M, S]`` (int, contiguous; -1: nowhere) the outputs have ``num_out``
     rows instead, and ``q[targets[m, s]], scale[targets[m, s]]`` are those of row ``m``:
     ``x`` is read once whatever S; rows no target names are left unwritten.
+
+    Given ``scale_out`` (fp32 ``[N, G]`` or ``[B, N / B, G]`` of any strides, N the output
+    rows), the scales are written there and it is returned (``[..., 0]`` for fp8_token):
+    row ``n`` is ``scale_out[n]``, or ``scale_out[n // (N / B), n % (N / B)]``.
     """
     num_rows, cols = x_MK.shape
     group = quant.activation_group(spec, cols)
     has_targets = targets_MS is not None
-    q_MK, scale_MG = _outputs(num_out if has_targets else num_rows, cols, group, x_MK.device)
+    q_MK, scale_MG = _outputs(num_out if has_targets else num_rows, cols, group, x_MK.device,
+                              scale_out)
     if num_rows:
         block = min(triton.next_power_of_2(group), TILE)
         rows = TILE // block
         targets = targets_MS.contiguous() if has_targets else q_MK
         launcher(fp8_quantize_groups_kernel)[(triton.cdiv(num_rows, rows), cols // group)](
             x_MK, q_MK, scale_MG, targets, num_rows, x_MK.stride(0), x_MK.stride(1),
-            q_MK.stride(0), q_MK.stride(1), scale_MG.stride(0), scale_MG.stride(1), GROUP=group,
-            ROWS=rows, BLOCK=block, COPIES=targets.shape[1] if has_targets else 1,
-            HAS_TARGETS=has_targets)
-    return q_MK, scale_MG[:, 0] if spec.activations == "fp8_token" else scale_MG
+            q_MK.stride(0), q_MK.stride(1), *_scale_strides(scale_MG),
+            GROUP=group, ROWS=rows, BLOCK=block, COPIES=targets.shape[1] if has_targets else 1,
+            HAS_TARGETS=has_targets, BLOCKED_SCALES=scale_MG.dim() == 3)
+    return q_MK, scale_MG[..., 0] if spec.activations == "fp8_token" else scale_MG
 
 
 def bias_act_quantize_rows(h_MF: torch.Tensor, b13_EF: torch.Tensor | None,
                            expert_M: torch.Tensor, activation: str, swiglu_alpha: float,
-                           swiglu_limit: float, spec: QuantSpec
+                           swiglu_limit: float, spec: QuantSpec,
+                           scale_out: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_MI, scale)`` of ``a[m] = act(h[m, :I] + b13[e, :I], h[m, I:] + b13[e, I:])``
     (e = ``expert_M[m]``) rounded to ``h_MF``'s dtype: ``quantize_rows(bias_act_rows(h_MF,
@@ -190,14 +236,15 @@ def bias_act_quantize_rows(h_MF: torch.Tensor, b13_EF: torch.Tensor | None,
     The rows of expert -1 are left unwritten.
 
     ``h_MF [M, 2I]`` rows must be contiguous in the last dimension, I a multiple of the
-    scale group; ``expert_M [M]`` int.
+    scale group; ``expert_M [M]`` int. ``scale_out``: where the scales go, as in
+    `quantize_rows`.
     """
     num_rows, inter_size = h_MF.shape[0], h_MF.shape[1] // 2
     group = quant.activation_group(spec, inter_size)
     if inter_size % group:
         raise ValueError(f"bias_act_quantize_rows needs I divisible by the scale group, got "
                          f"I={inter_size}, group={group}")
-    q_MI, scale_MG = _outputs(num_rows, inter_size, group, h_MF.device)
+    q_MI, scale_MG = _outputs(num_rows, inter_size, group, h_MF.device, scale_out)
     if num_rows:
         # A whole group in registers (one pass): several rows of a short group.
         block = triton.next_power_of_2(group)
@@ -206,7 +253,8 @@ def bias_act_quantize_rows(h_MF: torch.Tensor, b13_EF: torch.Tensor | None,
         launcher(fp8_bias_act_quantize_kernel)[(triton.cdiv(num_rows, rows),
                                                 inter_size // group)](
             h_MF, bias, expert_M, q_MI, scale_MG, num_rows, inter_size, h_MF.stride(0),
-            bias.stride(0), q_MI.stride(0), scale_MG.stride(0), scale_MG.stride(1),
+            bias.stride(0), q_MI.stride(0), *_scale_strides(scale_MG),
             float(swiglu_alpha), float(swiglu_limit), ACTIVATION=ACTIVATION_CODES[activation],
-            HAS_BIAS=b13_EF is not None, GROUP=group, ROWS=rows, BLOCK=block)
-    return q_MI, scale_MG[:, 0] if spec.activations == "fp8_token" else scale_MG
+            HAS_BIAS=b13_EF is not None, GROUP=group, ROWS=rows, BLOCK=block,
+            BLOCKED_SCALES=scale_MG.dim() == 3)
+    return q_MI, scale_MG[..., 0] if spec.activations == "fp8_token" else scale_MG
