@@ -8,7 +8,8 @@ a few hundred tokens: each op's Python and launch cost adds up, layer after laye
 For each model (bench_model's shapes, one layer, random weights) and token count,
 the sparse-MoE block of both ways is called back to back ``--calls`` times, and so
 are the parts of the patched block: its router (``moe::route`` inside), the
-``moe::experts`` op, the ``triton`` backend's function under it, and its align step.
+``moe::experts`` op, the same op through ``ops.library.call`` (its kernel directly, as the
+block calls it), the ``triton`` backend's function under it, and its align step.
 Per call: the host time (from the first call's start to the last call's return,
 the GPU still running) and the wall time (to the GPU's end); where the host time is
 close to the wall time, the host is the bottleneck.
@@ -23,6 +24,7 @@ import bench_generate
 import bench_model
 import torch
 
+from torch_moe_ops.ops.library import call
 from torch_moe_ops.routed_experts import run_experts
 
 
@@ -59,7 +61,8 @@ def parts(shape, tokens: int, args) -> list[tuple[str, object]]:
              ("  run_experts", lambda: run_experts(cfg, "", x_TH, weights_TK, ids_TK,
                                                    ours.expert_weights(),
                                                    ours.expert_scales())),
-             ("  moe::experts", lambda: torch.ops.moe.experts(*experts_args))]
+             ("  moe::experts", lambda: torch.ops.moe.experts(*experts_args)),
+             ("  call(moe::experts)", lambda: call(torch.ops.moe.experts, *experts_args))]
     if args.device == "cuda":
         from torch_moe_ops.backends.triton import align, fused
 

@@ -26,7 +26,7 @@ def test_smoke_times_both_blocks_and_the_parts():
     rows = [line.split(" | ") for line in result.stdout.splitlines()
             if line.startswith(("| qwen3", "| olmoe"))]
     calls = ["transformers block", "patched block", "  its router", "  run_experts",
-             "  moe::experts"]
+             "  moe::experts", "  call(moe::experts)"]
     assert [(r[0], r[2]) for r in rows] == [(f"| {model}", call) for model in
                                             ("qwen3-30b-a3b", "olmoe") for call in calls]
     assert all(float(r[3]) > 0 and float(r[4].rstrip(" |")) >= float(r[3]) for r in rows)
