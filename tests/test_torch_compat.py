@@ -324,6 +324,25 @@ def test_tensor_version_counts_in_place_writes():
     assert torch_compat.tensor_version(inference) is None
 
 
+def test_op_calls_intercepted_by_modes_transforms_and_profiler():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    assert not torch_compat.op_calls_intercepted()
+    seen = []
+    torch.vmap(lambda x: seen.append(torch_compat.op_calls_intercepted()) or x)(torch.ones(2))
+    with torch.autograd.forward_ad.dual_level():
+        seen.append(torch_compat.op_calls_intercepted())
+    for mode in (FakeTensorMode(), TorchFunctionMode(),
+                 torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])):
+        with mode:
+            seen.append(torch_compat.op_calls_intercepted())
+    torch.compile(lambda: seen.append(torch_compat.op_calls_intercepted()),
+                  backend="eager", fullgraph=False)()
+    assert seen == [True] * 6, seen
+    assert not torch_compat.op_calls_intercepted()
+
+
 def test_profiler_enabled_follows_the_profiler():
     assert not torch_compat.profiler_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

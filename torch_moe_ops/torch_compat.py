@@ -31,6 +31,7 @@ grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
 has_scaled_grouped_mm    2.11, 2.13  test_scaled_grouped_mm_signature_and_output
 inductor_compiler        2.11, 2.13  test_inductor_compiler_applies_mode_and_options
 lookup_backend           2.11, 2.13  test_lookup_backend_runs_a_graph
+op_calls_intercepted     2.11, 2.13  test_op_calls_intercepted_by_modes_transforms_and_profiler
 packet_name              2.11, 2.13  test_packet_name
 profiler_enabled         2.11, 2.13  test_profiler_enabled_follows_the_profiler
 register_ordered_effect  2.11, 2.13  test_ordered_effect_threads_a_token_through_the_traced_op
@@ -46,7 +47,8 @@ The library's uses of them are tested on the same versions, by these tests
 runs them, tests/test_torch_compat.py and the import tests included):
 
 - ops/library.py (schema, OpOverload, FakeTensor, FunctionalTensor,
-  FunctionalTensorMode): tests/test_opcheck.py, graph_tests/test_decompose.py;
+  FunctionalTensorMode): tests/test_opcheck.py, graph_tests/test_decompose.py; its
+  op_calls_intercepted: tests/test_eager_call.py;
   its register_ordered_effect: tests/test_tokens_transport.py and
   tests/test_expert_parallel.py's Inductor run with an idle rank.
 - ops/group_checks.py (schema, resolve_process_group) and
@@ -88,9 +90,9 @@ __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode"
            "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional",
            "checkpoint_wrapper", "compiled_module", "discard_compiled", "flatten_mesh",
            "fsdp_shard_placement", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
-           "lookup_backend", "packet_name", "profiler_enabled", "register_ordered_effect",
-           "resolve_process_group", "saved_tensor_hooks_off", "scaled_grouped_mm", "schema",
-           "tensor_version"]
+           "lookup_backend", "op_calls_intercepted", "packet_name", "profiler_enabled",
+           "register_ordered_effect", "resolve_process_group", "saved_tensor_hooks_off",
+           "scaled_grouped_mm", "schema", "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
@@ -265,6 +267,18 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter, which every in-place write bumps; None for an
     inference tensor (made under ``torch.inference_mode``), which has none."""
     return None if tensor.is_inference() else tensor._version
+
+
+def op_calls_intercepted() -> bool:
+    """Whether anything but plain eager execution sees op calls now: Dynamo, a dispatch
+    mode (FakeTensorMode, functionalization, make_fx's proxies, FlopCounterMode), a
+    torch function mode, a functorch transform (vmap, grad), forward-mode AD, the
+    TorchScript tracer or the profiler (a trace names each op)."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch.autograd.forward_ad._current_level >= 0
+            or torch._C._get_tracing_state() is not None or profiler_enabled())
 
 
 def profiler_enabled() -> bool:

@@ -140,26 +140,14 @@ def _plain_types(op: torch_compat.OpOverload) -> tuple[tuple[tuple[type, ...], b
     return tuple(kinds)
 
 
-def _tracing() -> bool:
-    """Whether anything but plain eager execution sees op calls now: Dynamo, a dispatch
-    mode (FakeTensorMode, functionalization, make_fx's proxies, FlopCounterMode), a
-    torch function mode, a functorch transform (vmap, grad), forward-mode AD, the
-    TorchScript tracer or the profiler (a trace names each op)."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or torch.autograd.forward_ad._current_level >= 0
-            or torch._C._get_tracing_state() is not None or torch_compat.profiler_enabled())
-
-
 def runs_eagerly(op: torch_compat.OpOverload, args: tuple) -> bool:
     """Whether the call ``op(*args)`` (every argument given, positionally) may skip the
     dispatcher and run ``op``'s kernel directly, with the same result: nothing traces it
-    (`_tracing`), no gradient can flow through it (grad mode off, or no tensor argument
-    requires grad), every tensor is a plain ``torch.Tensor`` (or ``Parameter``) on the
-    CPU or a CUDA device (the devices `implement` registers), and every other argument
-    has a type its schema takes as it is."""
-    if _tracing():
+    (`torch_compat.op_calls_intercepted`), no gradient can flow through it (grad mode off,
+    or no tensor argument requires grad), every tensor is a plain ``torch.Tensor`` (or
+    ``Parameter``) on the CPU or a CUDA device (the devices `implement` registers), and
+    every other argument has a type its schema takes as it is."""
+    if torch_compat.op_calls_intercepted():
         return False
     kinds = _plain_types(op)
     if len(args) != len(kinds):
