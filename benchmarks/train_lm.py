@@ -514,6 +514,10 @@ def main(argv=None) -> dict:
               "precision": ("fp32, TF32 matmuls" if device.type == "cuda" else "fp32"),
               "compiled": args.compile, "experts_implementation": None, "ways": {},
               "summary": {}, "failed": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1]
+    stem = out / f"train-lm-{name}-{report['environment']['date']}{args.tag}"
     for way in ways:
         print(f"{way}: training {run.steps} steps", flush=True)
         try:
@@ -530,17 +534,22 @@ def main(argv=None) -> dict:
                                       for k, v in report["summary"][way].items()), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1]
-    stem = out / f"train-lm-{name}-{report['environment']['date']}{args.tag}"
+        # After every way: a run cut short (a time bound) keeps the ways it finished.
+        _write(report, stem)
+    if not report["ways"]:
+        _write(report, stem)
+    print(f"wrote {stem}.json, {stem}.md"
+          + "".join(f", {out / p}" for p in report["plots"]), flush=True)
+    report["stem"] = str(stem)
+    return report
+
+
+def _write(report: dict, stem: Path) -> None:
+    """``stem``.json and .md (and the plots) of the ways ``report`` holds so far."""
     report["plots"] = plot(report, stem) if report["ways"] else []
     Path(f"{stem}.json").write_text(json.dumps(report))
     Path(f"{stem}.md").write_text(markdown(report) if report["summary"] else
                                   "every way failed:\n\n" + json.dumps(report["failed"]))
-    print(f"wrote {stem}.json, {stem}.md" + "".join(f", {out / p}" for p in report["plots"]))
-    report["stem"] = str(stem)
-    return report
 
 
 if __name__ == "__main__":
