@@ -71,8 +71,10 @@ if [ "${TESTS:-1}" = 1 ]; then
   if [ "${TEST_LANES:-1}" -gt 1 ]; then
     python3 -m pytest -q --co -m multigpu -p no:cacheprovider ${PYTEST_ARGS:-} \
       ${TEST_PATHS:-tests graph_tests} 2>/dev/null | grep '::' >"$LOGS/test_ids"
-    awk -v n="$TEST_LANES" -v dir="$LOGS" '{ print > (dir "/test_ids_" (NR - 1) % n) }' \
-      "$LOGS/test_ids"
+    # The 2-rank cases dealt first, then the 4-rank ones: every lane gets some of each
+    # (ids alternate P2 / P4, so a plain deal gave some lanes only P4, skipped on 2 GPUs).
+    { grep -v 'P4\]' "$LOGS/test_ids"; grep 'P4\]' "$LOGS/test_ids"; } \
+      | awk -v n="$TEST_LANES" -v dir="$LOGS" '{ print > (dir "/test_ids_" (NR - 1) % n) }'
     echo "multigpu tests: $(wc -l <"$LOGS/test_ids") in $TEST_LANES lanes"
     export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / TEST_LANES > 1 ? $(nproc) / TEST_LANES : 1 ))
     for ids in "$LOGS"/test_ids_*; do
