@@ -29,6 +29,13 @@ from torch_moe_ops.routed_experts import (
 )
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """Autocast's dtype on ``device`` where it is on, else None."""
+    if device.type != "meta" and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
 def without_autocast(device_type: str):
     """A context that turns autocast off on ``device_type`` where it is on (the
     router: under autocast its GEMM runs in low precision and tokens pick other
@@ -321,7 +328,7 @@ class MoE(nn.Module):
                     f" or the module (moe.to({str(x.device)!r}))")
             raise ValueError(f"x must be on the module's device ({device}), got {x.device}: "
                              f"{fix}")
-        if self.cfg.quant is None and x.dtype != self.w13.dtype:
+        if self.cfg.quant is None and x.dtype not in (self.w13.dtype, _autocast_dtype(device)):
             # A module in a non-float dtype cannot compute: only the input's cast makes sense.
             fix = (f"cast the module (moe.to({x.dtype})) or the input (x.to({self.w13.dtype}))"
                    if x.dtype in OP_FLOAT_DTYPES else f"cast the input (x.to({self.w13.dtype}))")

@@ -54,6 +54,19 @@ def keep_local_slice(state_dict: dict, keys, cfg: MoEConfig, local: range) -> No
             state_dict[key] = tensor[local.start:local.stop].clone()
 
 
+def autocast_inputs(x_TH: torch.Tensor, weights: tuple) -> tuple[torch.Tensor, tuple]:
+    """``(x_TH, weights)`` in autocast's dtype where autocast is on for their device and
+    the experts are float (their GEMMs then run in low precision, as transformers' experts
+    and ``nn.Linear`` do under autocast; the gradients flow back through the casts to the
+    parameters' dtype), else as they are. Quantized experts keep their stored format."""
+    device_type = x_TH.device.type
+    if (device_type == "meta" or not torch.is_autocast_enabled(device_type)
+            or not weights[0].is_floating_point()):
+        return x_TH, weights
+    dtype = torch.get_autocast_dtype(device_type)
+    return x_TH.to(dtype), tuple(None if w is None else w.to(dtype) for w in weights)
+
+
 def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
                 topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, weights: tuple,
                 scales: tuple = (None, None)) -> torch.Tensor:
@@ -65,10 +78,12 @@ def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,
 
     each through `ops.library.call` (eagerly and without a gradient: their kernels directly).
     ``weights``: ``(w13, w2, b13, b2)`` of this rank's experts; ``scales``:
-    ``(w13_scale, w2_scale)`` of quantized experts (`torch_moe_ops.quant`)."""
+    ``(w13_scale, w2_scale)`` of quantized experts (`torch_moe_ops.quant`). Under autocast,
+    float experts compute in its dtype and return ``[T, H]`` in it (`autocast_inputs`)."""
     act_args = (cfg.activation, cfg.static_float("swiglu_alpha"),
                 cfg.static_float("swiglu_limit"))
     if cfg.quant is None:
+        x_TH, weights = autocast_inputs(x_TH, weights)
         expert_args = (*weights, *act_args)
     else:
         w13, w2, b13, b2 = weights

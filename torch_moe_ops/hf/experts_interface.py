@@ -17,6 +17,7 @@ from torch import nn
 
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import ACTIVATIONS
+from torch_moe_ops.routed_experts import autocast_inputs
 
 EXPERTS_IMPLEMENTATION = "torch_moe_ops"
 
@@ -65,8 +66,11 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     topk_ids_TK = top_k_index
     if getattr(experts, "_is_expert_parallel", False):
         topk_ids_TK = topk_ids_TK.masked_fill(topk_ids_TK >= w13_EFH.shape[0], -1)
-    # Under autocast the activations can reach here in another dtype than the weights.
-    y_TH = torch.ops.moe.experts(hidden_states.to(w13_EFH.dtype), top_k_weights, topk_ids_TK,
+    # Under autocast the experts compute in its dtype, as transformers' own experts do;
+    # without it the activations may still reach here in another dtype than the weights.
+    x_TH, (w13_EFH, w2_EHI, b13_EF, b2_EH) = autocast_inputs(
+        hidden_states, (w13_EFH, w2_EHI, b13_EF, b2_EH))
+    y_TH = torch.ops.moe.experts(x_TH.to(w13_EFH.dtype), top_k_weights, topk_ids_TK,
                                  w13_EFH, w2_EHI, b13_EF, b2_EH, activation, alpha, limit)
     return y_TH.to(hidden_states.dtype)
 
