@@ -38,7 +38,8 @@ layer's tokens per expert over steps, without and with the bias update).
 
 ``--compile`` compiles every way but ``transformers`` with ``tmo.backend()`` and
 ``fullgraph=True`` (the batch dimension may vary: ``maybe_mark_dynamic``), and counts
-graphs compiled and graph breaks. Every way computes in fp32 (TF32 matmuls on a GPU).
+graphs compiled and graph breaks. Every way computes in fp32 (TF32 matmuls on a GPU), or
+with ``--autocast bfloat16`` its forwards under ``torch.autocast`` (fp32 weights).
 ``--smoke``: 2 layers, 8 experts, a few steps on the CPU.
 """
 
@@ -257,8 +258,9 @@ def learning_rate(run: Run, step: int) -> float:
 
 
 def train_way(way: str, init: nn.Module, run: Run, data: dict, device: torch.device,
-              compile_: bool) -> dict:
-    """Train one way from ``init``; returns its curves and counts."""
+              compile_: bool, autocast: torch.dtype | None = None) -> dict:
+    """Train one way from ``init`` (its forwards under ``torch.autocast(autocast)`` where
+    given); returns its curves and counts."""
     torch.manual_seed(run.seed + 1)  # anything random past the init (none here) alike
     model, counts = build(way, init, run)
     model.train()
@@ -277,7 +279,8 @@ def train_way(way: str, init: nn.Module, run: Run, data: dict, device: torch.dev
     def loss_of(ids_BS1: torch.Tensor) -> torch.Tensor:
         ids_BS1 = ids_BS1.to(device, non_blocking=True)
         inputs_BS = ids_BS1[:, :-1]
-        logits_BSV = model(input_ids=inputs_BS, use_cache=False).logits
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            logits_BSV = model(input_ids=inputs_BS, use_cache=False).logits
         return F.cross_entropy(logits_BSV.float().flatten(0, 1), ids_BS1[:, 1:].flatten())
 
     losses, loads, heldout, seconds = [], [], [], []
@@ -476,6 +479,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--compile", action="store_true",
                         help="compile every way but transformers (tmo.backend(), fullgraph)")
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                        help="every way's forward under torch.autocast in this dtype "
+                             "(weights and optimizer stay fp32); default: fp32 throughout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="", help="appended to the file names")
@@ -495,9 +501,9 @@ def main(argv=None) -> dict:
     if unknown:
         raise ValueError(f"--ways must name ways of {', '.join(WAYS)}, got {sorted(unknown)}")
     device = torch.device(args.device)
-    # The bias update and AdamW want fp32 weights, and moe::experts has no autocast rule
-    # (under autocast it would run in fp32 while transformers' experts ran in bf16): every
-    # way computes in fp32, its matmuls in TF32 on a GPU.
+    # The bias update and AdamW want fp32 weights: every way keeps them in fp32 and computes
+    # in fp32 (its matmuls in TF32 on a GPU), or with --autocast under torch.autocast,
+    # which every way's experts follow (the routers stay fp32).
     torch.set_float32_matmul_precision("high")
     import transformers
 
@@ -511,7 +517,8 @@ def main(argv=None) -> dict:
                        "train_bytes": data["train"].numel(),
                        "heldout_bytes": data["heldout"].numel()},
               "parameters": sum(p.numel() for p in init.parameters()),
-              "precision": ("fp32, TF32 matmuls" if device.type == "cuda" else "fp32"),
+              "precision": (f"fp32 weights, torch.autocast({args.autocast})" if args.autocast
+                            else "fp32, TF32 matmuls" if device.type == "cuda" else "fp32"),
               "compiled": args.compile, "experts_implementation": None, "ways": {},
               "summary": {}, "failed": {}}
     out = Path(args.out)
@@ -521,7 +528,8 @@ def main(argv=None) -> dict:
     for way in ways:
         print(f"{way}: training {run.steps} steps", flush=True)
         try:
-            result = train_way(way, init, run, data, device, args.compile)
+            result = train_way(way, init, run, data, device, args.compile,
+                               getattr(torch, args.autocast) if args.autocast else None)
         except Exception:  # noqa: BLE001 (the table says why; the next way runs)
             report["failed"][way] = traceback.format_exc()
             print(report["failed"][way], flush=True)

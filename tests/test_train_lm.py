@@ -66,3 +66,15 @@ def test_bias_update_balances_the_load(smoke):
 
     assert late_load("balance_bias") < 0.8 * late_load("balance_none")
     assert late_load("balance_all") < 0.8 * late_load("balance_none")
+
+
+def test_autocast_runs_every_forward_in_bf16(smoke, tmp_path):
+    train_lm, _, _ = smoke
+    report = train_lm.main(["--smoke", "--steps", "3", "--ways", "transformers,patched",
+                            "--autocast", "bfloat16", "--out", str(tmp_path)])
+    assert report["failed"] == {}
+    assert report["precision"] == "fp32 weights, torch.autocast(bfloat16)"
+    hf, patched = (report["ways"][way]["loss"] for way in ("transformers", "patched"))
+    # Both ways' experts compute in bf16 from the same weights: close, not equal.
+    assert patched[0] == pytest.approx(hf[0], rel=2e-2)
+    assert "torch.autocast(bfloat16)" in Path(report["stem"] + ".md").read_text()
