@@ -18,30 +18,24 @@ from torch_moe_ops import checkpoints, load_balance, quant
 from torch_moe_ops.backends.common.kernels.activation import activation
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.ops.checks import OP_FLOAT_DTYPES
-from torch_moe_ops.ops.library import call
 from torch_moe_ops.routed_experts import (
     EXPERT_TENSORS,
     SCALE_TENSORS,
+    autocast_dtype,
     experts_of_rank,
     keep_local_slice,
     local_part,
+    route_logits,
     run_experts,
 )
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """Autocast's dtype on ``device`` where it is on, else None."""
-    if device.type != "meta" and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 def without_autocast(device_type: str):
     """A context that turns autocast off on ``device_type`` where it is on (the
     router: under autocast its GEMM runs in low precision and tokens pick other
     experts). Where autocast is off it does nothing, so a traced graph shows no
-    autocast nodes. The meta device is not asked: autocast does not know it and raises."""
-    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+    autocast nodes."""
+    if autocast_dtype(device_type) is not None:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
@@ -295,12 +289,7 @@ class MoE(nn.Module):
                         else self.e_score_correction_bias.float())
         with without_autocast(x_TH.device.type):
             logits_TE = F.linear(x_TH.float(), self.gate.weight.float(), bias_E)
-        # `call`: eagerly, without a gradient, the kernel runs without the dispatcher.
-        topk_weights_TK, topk_ids_TK = call(
-            torch.ops.moe.route, logits_TE, correction_E, cfg.top_k, cfg.scoring,
-            cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
-            cfg.static_float("routed_scaling_factor"))
-        return logits_TE, topk_weights_TK, topk_ids_TK
+        return logits_TE, *route_logits(cfg, logits_TE, correction_E)
 
     def experts(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
                 topk_ids_TK: torch.Tensor) -> torch.Tensor:
@@ -328,7 +317,7 @@ class MoE(nn.Module):
                     f" or the module (moe.to({str(x.device)!r}))")
             raise ValueError(f"x must be on the module's device ({device}), got {x.device}: "
                              f"{fix}")
-        if self.cfg.quant is None and x.dtype not in (self.w13.dtype, _autocast_dtype(device)):
+        if self.cfg.quant is None and x.dtype not in (self.w13.dtype, autocast_dtype(device.type)):
             # A module in a non-float dtype cannot compute: only the input's cast makes sense.
             fix = (f"cast the module (moe.to({x.dtype})) or the input (x.to({self.w13.dtype}))"
                    if x.dtype in OP_FLOAT_DTYPES else f"cast the input (x.to({self.w13.dtype}))")

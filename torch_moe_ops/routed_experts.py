@@ -54,17 +54,33 @@ def keep_local_slice(state_dict: dict, keys, cfg: MoEConfig, local: range) -> No
             state_dict[key] = tensor[local.start:local.stop].clone()
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype where autocast is on for ``device_type``, else None. The meta
+    device is not asked: autocast does not know it and raises."""
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def autocast_inputs(x_TH: torch.Tensor, weights: tuple) -> tuple[torch.Tensor, tuple]:
     """``(x_TH, weights)`` in autocast's dtype where autocast is on for their device and
     the experts are float (their GEMMs then run in low precision, as transformers' experts
     and ``nn.Linear`` do under autocast; the gradients flow back through the casts to the
     parameters' dtype), else as they are. Quantized experts keep their stored format."""
-    device_type = x_TH.device.type
-    if (device_type == "meta" or not torch.is_autocast_enabled(device_type)
-            or not weights[0].is_floating_point()):
+    dtype = autocast_dtype(x_TH.device.type)
+    if dtype is None or not weights[0].is_floating_point():
         return x_TH, weights
-    dtype = torch.get_autocast_dtype(device_type)
     return x_TH.to(dtype), tuple(None if w is None else w.to(dtype) for w in weights)
+
+
+def route_logits(cfg: MoEConfig, logits_TE: torch.Tensor, correction_E: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe::route`` of router logits ``[T, E]`` (fp32) under ``cfg``'s routing:
+    ``(topk_weights [T, K] fp32, topk_ids [T, K] int32)``. Through `ops.library.call`:
+    eagerly, without a gradient, the kernel runs without the dispatcher."""
+    return call(torch.ops.moe.route, logits_TE, correction_E, cfg.top_k, cfg.scoring,
+                cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
+                cfg.static_float("routed_scaling_factor"))
 
 
 def run_experts(cfg: MoEConfig, ep_group_name: str, x_TH: torch.Tensor,

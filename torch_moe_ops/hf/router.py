@@ -31,7 +31,7 @@ from torch import nn
 from torch_moe_ops.config import MoEConfig
 from torch_moe_ops.hf.families import Family
 from torch_moe_ops.layer import without_autocast
-from torch_moe_ops.ops.library import call
+from torch_moe_ops.routed_experts import route_logits
 
 
 class RoutedRouter(nn.Module):
@@ -59,12 +59,7 @@ class RoutedRouter(nn.Module):
         # The buffer is fp32 when loaded (transformers keeps it so), but a later
         # model.to(bfloat16) casts it; moe::route wants fp32.
         correction_E = self.e_score_correction_bias.float() if cfg.correction_bias else None
-        # `call`: eagerly, without a gradient, the kernel runs without the dispatcher.
-        topk_weights_TK, topk_ids_TK = call(
-            torch.ops.moe.route, logits_TE, correction_E, cfg.top_k, cfg.scoring,
-            cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
-            cfg.static_float("routed_scaling_factor"))
-        return logits_TE, topk_weights_TK, topk_ids_TK
+        return logits_TE, *route_logits(cfg, logits_TE, correction_E)
 
     def __reduce_ex__(self, protocol):
         # The class is made at patch time and cannot be found by name: pickle (torch.save,
