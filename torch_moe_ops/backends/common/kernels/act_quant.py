@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import launcher, unread_slot
 from torch_moe_ops.backends.common.kernels.triton_activation import ACTIVATION_CODES, _activate
 from torch_moe_ops.config import QuantSpec
 
@@ -216,7 +216,7 @@ def quantize_rows(x_MK: torch.Tensor, spec: QuantSpec, targets_MS: torch.Tensor 
     if num_rows:
         block = min(triton.next_power_of_2(group), TILE)
         rows = TILE // block
-        targets = targets_MS.contiguous() if has_targets else q_MK
+        targets = targets_MS.contiguous() if has_targets else unread_slot(q_MK, torch.int32)
         launcher(fp8_quantize_groups_kernel)[(triton.cdiv(num_rows, rows), cols // group)](
             x_MK, q_MK, scale_MG, targets, num_rows, x_MK.stride(0), x_MK.stride(1),
             q_MK.stride(0), q_MK.stride(1), *_scale_strides(scale_MG),

@@ -8,6 +8,11 @@ overhead, so kernels launch directly except inside a body wrapped by `traced`::
 
     launcher(kernel)[grid](*args)      # the kernel itself, or wrap_triton(kernel) when traced
 
+A traced launch must not hand one of its outputs to a second pointer argument, even one
+the kernel never reads (`unread_slot`): torch's analysis of which arguments a kernel
+writes is conservative, and functionalization replaces each argument it names by a
+clone of its own, so the output could end as the clone nothing wrote.
+
 Modules that define Triton kernels import triton (about 0.45 s) when they load:
 backends reach them through `on_first_call`, so that importing the library on a
 machine that never runs a kernel does not import triton.
@@ -43,6 +48,18 @@ def on_first_call(module: str, name: str):
 def launcher(kernel):
     """``kernel`` as the current caller should launch it (see the module docstring)."""
     return torch.library.wrap_triton(kernel) if in_traced_body() else kernel
+
+
+def unread_slot(eager: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What fills a pointer argument that a kernel never dereferences (a constexpr leaves
+    it out): ``eager`` itself when launched directly (no allocation), and in a traced
+    body a one-element ``dtype`` tensor of its own, so that ``eager`` may be an output
+    of the same launch. torch (2.11) counts such a slot as written when the kernel
+    hands it to a helper, and an output filling it was replaced by an unwritten clone:
+    NaN from compiled fp8 layers."""
+    if in_traced_body():
+        return torch.empty((1, 1), dtype=dtype, device=eager.device)
+    return eager
 
 
 def traced(body):
