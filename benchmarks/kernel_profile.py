@@ -109,7 +109,25 @@ CLASSES = (
 
 def kernel_class(name: str) -> str:
     label = next((label for label, pattern in CLASSES if pattern.search(name)), "other")
-    return f"Triton {name}" if label == "Triton" else label
+    if label == "Triton":
+        return f"Triton {name}"
+    if label in TRANSPORT_CLASSES:
+        # Each transport kernel on its own (DeepEP's layout, notify, dispatch and combine;
+        # NCCL's count exchange apart from its data): which of them a gap is made of.
+        return f"{label} {short_kernel_name(name)}"
+    return label
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without its signature, template arguments and return type:
+    ``void deep_ep::intranode::dispatch<8, 768>(int4*)`` is ``intranode::dispatch``."""
+    bare = re.split(r"[(<]", name.removeprefix("void "), maxsplit=1)[0].strip()
+    return bare.removeprefix("deep_ep::") or name
+
+
+def is_transport(label: str) -> bool:
+    """Whether a class of `kernel_class` is a transport's kernel."""
+    return label.startswith(TRANSPORT_CLASSES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +177,8 @@ def kernels(prof, device: bool) -> tuple[list[Kernel], list[str]]:
         return found, notes
     found = []
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CPU:
+        # A scheduled profile wraps each step in a ProfilerStep range: no op of the run.
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith("ProfilerStep#"):
             continue
         start, end = e.time_range.start, e.time_range.end
         children = sorted((c.time_range.start, c.time_range.end) for c in e.cpu_children)
@@ -180,12 +199,11 @@ def intersection_us(a, b) -> float:
     return max(0.0, busy_us(a) + busy_us(b) - busy_us(a + b))
 
 
-def overlap_us(found: list[Kernel], is_transport=lambda k: kernel_class(k.name)
-               in TRANSPORT_CLASSES) -> float:
+def overlap_us(found: list[Kernel]) -> float:
     """How long a transport kernel ran while another kernel ran (two kernels that run at
     the same time run on two streams)."""
-    transport = [i for k in found if is_transport(k) for i in k.intervals]
-    rest = [i for k in found if not is_transport(k) for i in k.intervals]
+    transport = [i for k in found if is_transport(kernel_class(k.name)) for i in k.intervals]
+    rest = [i for k in found if not is_transport(kernel_class(k.name)) for i in k.intervals]
     return intersection_us(transport, rest)
 
 
@@ -205,12 +223,12 @@ def step_profile(found: list[Kernel], steps: int, wall_us: float | None = None) 
         entry["us"] += k.us
         entry["streams"].add(k.stream)
         entry["intervals"].extend(k.intervals)
-    transport = [i for label, e in classes.items() if label in TRANSPORT_CLASSES
+    transport = [i for label, e in classes.items() if is_transport(label)
                  for i in e["intervals"]]
     everything = [i for k in found for i in k.intervals]
     table = []
     for label, e in sorted(classes.items(), key=lambda item: -item[1]["us"]):
-        concurrent = (None if label in TRANSPORT_CLASSES or not transport
+        concurrent = (None if is_transport(label) or not transport
                       else intersection_us(e["intervals"], transport) / steps)
         table.append({"class": label, "count": e["count"] / steps, "us": e["us"] / steps,
                       "streams": sorted(e["streams"]), "with_transport_us": concurrent})

@@ -50,18 +50,20 @@ def test_smoke_times_the_layer_whole_and_in_chunks(tmp_path):
     for row in timed:
         profile = row["profile"]
         assert profile["steps"] == 2 and "error" not in profile, profile
-        assert profile["busy_us"] > 0 and profile["span_us"] >= profile["busy_us"], profile
+        # (The CPU's ops run back to back: the span is the busy time, up to float rounding.)
+        assert profile["busy_us"] > 0 and profile["span_us"] >= profile["busy_us"] - 1e-6, profile
         assert len(profile["by_rank"]) == 2 and profile["rank"] in (0, 1), profile
-        classes = {c["class"]: c for c in profile["classes"]}
+        collectives = [c for c in profile["classes"] if c["class"].startswith("NCCL ")]
         # gloo's collectives run on its own threads, beside the caller's ops.
-        assert classes["NCCL"]["count"] > 0 and len(classes["NCCL"]["streams"]) > 1, classes
+        assert sum(c["count"] for c in collectives) > 0, profile["classes"]
+        assert len({s for c in collectives for s in c["streams"]}) > 1, collectives
         assert 0 <= profile["overlap_us"] <= profile["transport_us"], profile
     assert layers[0]["local_profile"]["label"].startswith("local experts")
     text = (tmp_path / "ep.md").read_text()
     assert "## profile: kernels per step by class" in text
     assert "### transport all_to_all tokens, compiled E=8 T=16 C=16" in text
     assert "### layer all_to_all T=16 x2 shared=16" in text
-    assert "| NCCL |" in text and "overlap" in text
+    assert "| NCCL gloo:" in text and "overlap" in text
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     # One per row, and one per token count of the local experts.
     assert len(traces) == len({r["profile"]["label"] for r in timed}) + 2, traces
@@ -98,9 +100,10 @@ def test_overlap_of_two_streams(kernel_profile):
     assert profile["span_us"] == pytest.approx(61.0)  # [0, 122) over two steps
     assert profile["kernels"] == 4 and profile["wall_us"] == 60.0
     classes = {c["class"]: c for c in profile["classes"]}
-    assert list(classes) == ["NCCL", "GEMM", "Triton triton_poi_fused_add_0",
+    nccl = "NCCL ncclDevKernel_SendRecv"
+    assert list(classes) == [nccl, "GEMM", "Triton triton_poi_fused_add_0",
                              "copy/pack/gather/index"]  # most time first
-    assert classes["NCCL"]["streams"] == [7] and classes["NCCL"]["with_transport_us"] is None
+    assert classes[nccl]["streams"] == [7] and classes[nccl]["with_transport_us"] is None
     assert classes["GEMM"]["count"] == 1 and classes["GEMM"]["us"] == pytest.approx(4.0)
     assert classes["GEMM"]["with_transport_us"] == pytest.approx(4.0)
     assert classes["Triton triton_poi_fused_add_0"]["with_transport_us"] == pytest.approx(1.0)
@@ -113,8 +116,8 @@ def test_overlap_of_two_streams(kernel_profile):
 
 def test_kernel_classes(kernel_profile):
     classes = {
-        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "NCCL",
-        "void deep_ep::intranode::dispatch<8, 768, 6144>(int4*)": "DeepEP",
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "NCCL ncclDevKernel_SendRecv",
+        "void deep_ep::intranode::dispatch<8, 768, 6144>(int4*)": "DeepEP intranode::dispatch",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMM",
         "triton_red_fused_sum_3": "Triton triton_red_fused_sum_3",
         "moe_grouped_gemm_kernel": "Triton moe_grouped_gemm_kernel",
@@ -126,7 +129,7 @@ def test_kernel_classes(kernel_profile):
         "Memset (Device)": "copy/pack/gather/index",
         "void at::native::radixSortKVInPlace<-2, -1, 32>": "sort/topk",
         "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": "other",
-        "gloo:all_to_all": "NCCL", "aten::mm": "GEMM", "aten::index_select": (
+        "gloo:all_to_all": "NCCL gloo:all_to_all", "aten::mm": "GEMM", "aten::index_select": (
             "copy/pack/gather/index"),
     }
     for name, label in classes.items():
