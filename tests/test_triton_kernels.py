@@ -18,8 +18,11 @@ import torch
 
 from formulas import experts_formula
 from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.backends.common.kernels.launch import cdiv, next_power_of_2
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
+    import triton
+
     from torch_moe_ops.backends.triton import align, configs, fused
 
 pytestmark = pytest.mark.triton
@@ -369,3 +372,12 @@ def test_tuning_without_cuda_says_it_needs_a_gpu(monkeypatch, capsys):
         "python -m torch_moe_ops.tune: error: needs a CUDA GPU: it times the Triton kernels on "
         "the GPU at hand and writes their configs for it (this torch sees no CUDA device); run "
         "it on the machine that will run the model")
+
+
+def test_host_sizes_match_tritons():
+    """The host's ``cdiv`` and ``next_power_of_2`` (launch grids and tiles without the
+    cost of calling Triton's constexpr functions) give Triton's results."""
+    for n in (*range(300), 4095, 4096, 4097, 2**20 + 1):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_moe_ops.backends.common.kernels.launch import cdiv
+
 BLOCK = 1024
 
 
@@ -44,7 +46,7 @@ def local_ids(ids_NK: torch.Tensor, recv_counts_P: torch.Tensor, max_tokens_per_
     out_NK = torch.empty_like(ids_NK, memory_format=torch.contiguous_format)
     num_slots = ids_NK.numel()
     if num_slots:
-        _local_ids_kernel[(triton.cdiv(num_slots, BLOCK),)](
+        _local_ids_kernel[(cdiv(num_slots, BLOCK),)](
             ids_NK, recv_counts_P, out_NK, num_slots, ids_NK.shape[1], max_tokens_per_rank,
             first_local, num_local, BLOCK=BLOCK)
     return out_NK

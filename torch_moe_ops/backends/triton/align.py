@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.kernels.launch import in_traced_body, launcher
+from torch_moe_ops.backends.common.kernels.launch import cdiv, in_traced_body, launcher
 
 # Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
 # one-hot tile [SLOT_TILE, EXPERT_CHUNK] stays at 8K elements whatever E is.
@@ -46,7 +46,7 @@ def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
     """Worst-case padded rows: each expert that gets a slot adds at most
     ``block_m - 1`` rows of padding, and at most ``min(E, S)`` experts get one."""
     worst = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    return triton.cdiv(worst, block_m) * block_m
+    return cdiv(worst, block_m) * block_m
 
 
 @triton.jit
@@ -198,7 +198,7 @@ def _int32_views(sizes: tuple[int, ...], device: torch.device) -> list[torch.Ten
     starts, end = [], 0
     for size in sizes:
         starts.append(end)
-        end += triton.cdiv(size, 4) * 4
+        end += cdiv(size, 4) * 4
     workspace = torch.empty((end,), dtype=torch.int32, device=device)
     return [workspace[start:start + size] for start, size in zip(starts, sizes)]
 
@@ -235,7 +235,7 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     device = topk_ids_TK.device
     capacity = padded_capacity(num_slots, num_experts, block_m)
     num_blocks = capacity // block_m
-    num_tiles = triton.cdiv(num_slots, SLOT_TILE)
+    num_tiles = cdiv(num_slots, SLOT_TILE)
     table = num_tiles * num_experts
     # The outputs, per-tile counts and offsets [tiles, E], per-expert counts and padded
     # starts [E].

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import cdiv, launcher
 from torch_moe_ops.backends.triton.quant_tiles import _mxfp4_tiles
 from torch_moe_ops.config import MXFP4_GROUP
 
@@ -72,7 +72,7 @@ def dequantize_mxfp4(packed_ENP: torch.Tensor, scale_ENG: torch.Tensor,
     packed_RP = packed_ENP.reshape(num_experts * num_rows, num_packed)
     scale_RG = scale_ENG.reshape(num_experts * num_rows, scale_ENG.shape[2])
     out_RK = out_ENK.view(num_experts * num_rows, 2 * num_packed)
-    grid = (triton.cdiv(packed_RP.shape[0], BLOCK_R), triton.cdiv(num_packed, BLOCK_P))
+    grid = (cdiv(packed_RP.shape[0], BLOCK_R), cdiv(num_packed, BLOCK_P))
     launcher(dequantize_mxfp4_kernel)[grid](
         packed_RP, scale_RG, out_RK, packed_RP.shape[0], num_packed,
         packed_RP.stride(0), packed_RP.stride(1), scale_RG.stride(0), scale_RG.stride(1),

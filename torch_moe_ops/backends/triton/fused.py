@@ -36,11 +36,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from torch_moe_ops.backends.common.kernels import grouped_gemm
 from torch_moe_ops.backends.common.kernels.act_quant import quantize_rows
-from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import cdiv, launcher
 from torch_moe_ops.backends.common.kernels.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton.align import align_rows
@@ -184,7 +183,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     # An absent bias or weight is never read (HAS_BIAS / HAS_WEIGHTS False):
     # any tensor fills its slot.
     b13 = experts.b13 if experts.b13 is not None else w13
-    gate_up_grid = (num_tokens * top_k, triton.cdiv(inter_size, config.BLOCK_N))
+    gate_up_grid = (num_tokens * top_k, cdiv(inter_size, config.BLOCK_N))
     launcher(moe_direct_gate_up_kernel)[gate_up_grid](
         x_TH, ids_TK, w13, b13, inter_SI, hidden_size, inter_size,
         x_TH.stride(0), x_TH.stride(1), ids_TK.stride(0), ids_TK.stride(1),
@@ -202,7 +201,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     # there would look to torch.compile like another use of the buffer written).
     b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    launcher(moe_direct_down_sum_kernel)[(num_tokens, triton.cdiv(hidden_size, config.BLOCK_N))](
+    launcher(moe_direct_down_sum_kernel)[(num_tokens, cdiv(hidden_size, config.BLOCK_N))](
         inter_SI, ids_TK, weights, w2, b2, out_TH, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
@@ -226,7 +225,7 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     slot_SH = out_TH if top_k == 1 else torch.empty((num_tokens * top_k, hidden_size),
                                                     dtype=dtype, device=x_TH.device)
     tiled_gemms(config, experts, x_TH, x_scale, weights_S, top_k, blocks, slot_SH)
-    launcher(moe_sum_over_topk_kernel)[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_H))](
+    launcher(moe_sum_over_topk_kernel)[(num_tokens, cdiv(hidden_size, SUM_BLOCK_H))](
         slot_SH, ids_TK, out_TH, hidden_size,
         slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
         TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
@@ -260,7 +259,7 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=x_TH.device)
     # An absent bias is never read (HAS_BIAS=False): any tensor fills its slot.
     b13 = experts.b13 if experts.b13 is not None else w13
-    launcher(moe_gate_up_act_kernel)[(num_blocks_m * triton.cdiv(inter_size, config.BLOCK_N),)](
+    launcher(moe_gate_up_act_kernel)[(num_blocks_m * cdiv(inter_size, config.BLOCK_N),)](
         x_TH, w13, b13, inter_SI, sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,
         x_TH.stride(0), x_TH.stride(1),
@@ -275,7 +274,7 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    launcher(moe_down_weighted_kernel)[(num_blocks_m * triton.cdiv(hidden_size, config.BLOCK_N),)](
+    launcher(moe_down_weighted_kernel)[(num_blocks_m * cdiv(hidden_size, config.BLOCK_N),)](
         inter_SI, w2, b2, weights, slot_SH,
         sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,

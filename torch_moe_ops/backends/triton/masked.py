@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
+from torch_moe_ops.backends.common.kernels.launch import cdiv
 from torch_moe_ops.backends.triton.configs import (
     KernelConfig,
     device_name,
@@ -49,7 +49,7 @@ def masked_blocks(count_E: torch.Tensor, rows_per_expert: int, block_m: int):
     ``E * C``), ``block_expert_B`` int32 (``e``, or -1 for a block at or past the count) and
     ``num_padded_rows_1`` int32 (P: the kernels skip blocks by their expert)."""
     num_experts = count_E.shape[0]
-    blocks_per_expert = triton.cdiv(rows_per_expert, block_m)
+    blocks_per_expert = cdiv(rows_per_expert, block_m)
     device = count_E.device
     count_E1 = count_E.unsqueeze(1)
     expert_E1 = torch.arange(num_experts, dtype=torch.int32, device=device).unsqueeze(1)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import launcher, next_power_of_2
 from torch_moe_ops.backends.triton.route_limits import SCORING_CODES
 
 
@@ -92,7 +92,7 @@ def route(router_logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | None
     topk_ids_TK = router_logits_TE.new_empty((num_tokens, top_k), dtype=torch.int32)
     if num_tokens == 0:
         return topk_weights_TK, topk_ids_TK
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     # An absent bias is never read (HAS_BIAS=False): the logits fill its slot.
     bias_E = router_logits_TE if correction_bias_E is None else correction_bias_E
     launcher(moe_route_topk_kernel)[(num_tokens,)](
@@ -101,5 +101,5 @@ def route(router_logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | None
         topk_weights_TK.stride(0), topk_ids_TK.stride(0), float(routed_scaling_factor), TOP_K=top_k,
         SCORING=SCORING_CODES[scoring], RENORMALIZE=bool(renormalize),
         HAS_BIAS=correction_bias_E is not None, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=max(1, min(8, block_e // 128)))
+        BLOCK_K=next_power_of_2(top_k), num_warps=max(1, min(8, block_e // 128)))
     return topk_weights_TK, topk_ids_TK

@@ -41,7 +41,12 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.common.kernels.launch import launcher, unread_slot
+from torch_moe_ops.backends.common.kernels.launch import (
+    cdiv,
+    launcher,
+    next_power_of_2,
+    unread_slot,
+)
 from torch_moe_ops.backends.common.kernels.triton_activation import ACTIVATION_CODES, _activate
 from torch_moe_ops.config import QuantSpec
 
@@ -214,10 +219,10 @@ def quantize_rows(x_MK: torch.Tensor, spec: QuantSpec, targets_MS: torch.Tensor 
     q_MK, scale_MG = _outputs(num_out if has_targets else num_rows, cols, group, x_MK.device,
                               scale_out)
     if num_rows:
-        block = min(triton.next_power_of_2(group), TILE)
+        block = min(next_power_of_2(group), TILE)
         rows = TILE // block
         targets = targets_MS.contiguous() if has_targets else unread_slot(q_MK, torch.int32)
-        launcher(fp8_quantize_groups_kernel)[(triton.cdiv(num_rows, rows), cols // group)](
+        launcher(fp8_quantize_groups_kernel)[(cdiv(num_rows, rows), cols // group)](
             x_MK, q_MK, scale_MG, targets, num_rows, x_MK.stride(0), x_MK.stride(1),
             q_MK.stride(0), q_MK.stride(1), *_scale_strides(scale_MG),
             GROUP=group, ROWS=rows, BLOCK=block, COPIES=targets.shape[1] if has_targets else 1,
@@ -247,10 +252,10 @@ def bias_act_quantize_rows(h_MF: torch.Tensor, b13_EF: torch.Tensor | None,
     q_MI, scale_MG = _outputs(num_rows, inter_size, group, h_MF.device, scale_out)
     if num_rows:
         # A whole group in registers (one pass): several rows of a short group.
-        block = triton.next_power_of_2(group)
+        block = next_power_of_2(group)
         rows = max(TILE // block, 1)
         bias = b13_EF if b13_EF is not None else h_MF
-        launcher(fp8_bias_act_quantize_kernel)[(triton.cdiv(num_rows, rows),
+        launcher(fp8_bias_act_quantize_kernel)[(cdiv(num_rows, rows),
                                                 inter_size // group)](
             h_MF, bias, expert_M, q_MI, scale_MG, num_rows, inter_size, h_MF.stride(0),
             bias.stride(0), q_MI.stride(0), *_scale_strides(scale_MG),

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.kernels.launch import launcher
+from torch_moe_ops.backends.common.kernels.launch import cdiv, launcher, next_power_of_2
 from torch_moe_ops.backends.common.kernels.triton_activation import (
     ACTIVATION_CODES,
     _activate,
@@ -160,7 +160,7 @@ def bias_act_rows(h_RF: torch.Tensor, b13_EF: torch.Tensor | None, expert_R: tor
     if num_rows == 0:
         return a_RI
     bias = b13_EF if b13_EF is not None else h_RF
-    launcher(moe_bias_act_rows_kernel)[(num_rows, triton.cdiv(inter_size, BLOCK_COLUMNS))](
+    launcher(moe_bias_act_rows_kernel)[(num_rows, cdiv(inter_size, BLOCK_COLUMNS))](
         h_RF, bias, expert_R, a_RI, inter_size, h_RF.stride(0), bias.stride(0), a_RI.stride(0),
         float(swiglu_alpha), float(swiglu_limit), ACTIVATION=ACTIVATION_CODES[activation],
         HAS_BIAS=b13_EF is not None, BLOCK=BLOCK_COLUMNS)
@@ -182,7 +182,7 @@ def gather_weighted_sum(y_RH: torch.Tensor, row_of_slot_S: torch.Tensor,
     ids_S = topk_ids_TK.contiguous().view(-1)
     weights_S = topk_weights_TK.contiguous().view(-1)
     bias = b2_EH if b2_EH is not None else y_RH
-    launcher(moe_gather_weighted_sum_kernel)[(num_tokens, triton.cdiv(hidden_size, BLOCK_COLUMNS))](
+    launcher(moe_gather_weighted_sum_kernel)[(num_tokens, cdiv(hidden_size, BLOCK_COLUMNS))](
         y_RH, row_of_slot_S, weights_S, ids_S, bias, out_TH, hidden_size, y_RH.stride(0),
         bias.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_BIAS=b2_EH is not None,
         BLOCK=BLOCK_COLUMNS)
@@ -212,7 +212,7 @@ def bias_act_backward_rows(h_RF: torch.Tensor, b13_EF: torch.Tensor | None,
         bias.stride(0), gw2_RI.stride(0), dh_RF.stride(0), wa_RI.stride(0),
         float(swiglu_alpha), float(swiglu_limit), ACTIVATION=ACTIVATION_CODES[activation],
         HAS_BIAS=b13_EF is not None,
-        BLOCK=min(BLOCK_COLUMNS, triton.next_power_of_2(inter_size)))
+        BLOCK=min(BLOCK_COLUMNS, next_power_of_2(inter_size)))
     return dh_RF, wa_RI, dot_R
 
 
@@ -231,7 +231,7 @@ def zero_empty_experts_(grad_EX: torch.Tensor, count_E: torch.Tensor) -> torch.T
     numel_per_expert = grad_EX.numel() // num_experts if num_experts else 0
     if numel_per_expert == 0:
         return grad_EX
-    programs_per_expert = min(triton.cdiv(numel_per_expert, BLOCK_ZERO),
+    programs_per_expert = min(cdiv(numel_per_expert, BLOCK_ZERO),
                               max(1, ZERO_PROGRAMS // num_experts))
     grid = (programs_per_expert, num_experts)
     launcher(moe_zero_empty_experts_kernel)[grid](grad_EX, count_E, numel_per_expert,
