@@ -13,7 +13,7 @@ from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.kernels.tracing import for_inductor
 from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import QUANT_WEIGHT_FORMATS, BackendSpec, QuantSpec
-from torch_moe_ops.lowering.rewrite import expert_parallel, generic_op, lower
+from torch_moe_ops.lowering.rewrite import expert_parallel, generic_op, in_flight, lower
 
 INNER_COMPILERS = ("inductor", "eager", "aot_eager")
 # What `check_runs` tries, the device's usual dtype first (its error is the one raised).
@@ -96,6 +96,12 @@ class MoECompileBackend:
             # that run collectives keep the program order of their ops.
             self._compile_ep = torch_compat.inductor_compiler(
                 mode, {"reorder_for_peak_memory": False, **self.options})
+            # Inductor's locality pass (inference graphs) moves each node to just before its
+            # first user: a shared expert placed under a transfer (`overlap`) went back after
+            # the transfer's wait, beside the sum that reads it, and nothing ran in flight.
+            self._compile_in_flight = torch_compat.inductor_compiler(
+                mode, {"reorder_for_peak_memory": False, "reorder_for_locality": False,
+                       **self.options})
         else:
             self._compile = torch_compat.lookup_backend(inner)
 
@@ -118,7 +124,8 @@ class MoECompileBackend:
             raise torch_compat.backend_error(str(error), inspect.currentframe()) from None
         self._warn_of_settings_unused(example_inputs, moe_layers and not across_ranks)
         if self.inner == "inductor":
-            compile_graph = self._compile_ep if across_ranks else self._compile
+            compile_graph = (self._compile_in_flight if in_flight(lowered)
+                             else self._compile_ep if across_ranks else self._compile)
             # Some backend bodies only pay off fused (`backends.common.kernels.tracing`).
             with for_inductor():
                 return compile_graph(lowered, example_inputs)

@@ -14,7 +14,9 @@ tokens, `ops.tokens_in_flight`), the a2a backend's ``dispatch_tokens_start`` (D_
 
 chunk i + 1's dispatch is issued before chunk i's experts and waited after them, and chunk i's
 combine is issued before chunk i + 1's experts and waited after them. The work after the
-layer that needs nothing of it (`hoist_independent_work`) moves between D_0 and W_0. Traced,
+layer that needs nothing of it (`hoist_independent_work`: a shared expert) moves under the
+transfers: its first half (by the weights its linear layers read) between D_0 and W_0, the
+rest between B_{C-1} and R_{C-1}, under the last combine, which nothing else hides. Traced,
 each issue op becomes its packing and the functional collectives
 (``_c10d_functional.all_to_all_single``, ...) and each wait the functional collectives' own
 ``wait_tensor``: AOTAutograd and Inductor keep them where the graph puts them (Inductor
@@ -96,8 +98,11 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
         return build.call(op("combine_tokens_start"), y_tokens, topk_ids, *ep_args, chunk,
                           chunks)
 
+    combine_waits = []
+
     def wait_combine(in_flight, chunk):
         returned = build.call(collectives.wait, in_flight)
+        combine_waits.append(returned)
         if not defines(a2a_namespace, "combine_tokens_finish"):
             return returned
         return build.call(op("combine_tokens_finish"), returned, topk_ids, *ep_args, chunk,
@@ -126,7 +131,7 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
     items = list(dispatch.users)
     for node in (combine, experts, *items, dispatch):
         gm.graph.erase_node(node)
-    hoist_independent_work(first_wait, set(build.built))
+    hoist_independent_work(first_wait, set(build.built), combine_waits[-1])
 
 
 # Calls that change what later calls compute (grad mode, autocast): nothing moves past them.
@@ -194,10 +199,40 @@ def has_independent_work(combine: fx.Node) -> bool:
     return next(_independent(combine.next, {combine}), None) is not None
 
 
-def hoist_independent_work(wait: fx.Node, in_flight: set[fx.Node]) -> None:
+# What Dynamo records a linear layer (a shared expert's projection) as.
+_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _weight_elements(node: fx.Node) -> int:
+    """A linear layer's weight elements (its multiply-adds per token), else 0."""
+    if node.op != "call_function" or node.target not in _LINEARS:
+        return 0
+    weight = fake_value(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+    return weight.numel() if isinstance(weight, torch.Tensor) else 0
+
+
+def hoist_independent_work(wait: fx.Node, in_flight: set[fx.Node],
+                           last_wait: fx.Node | None = None) -> None:
     """Move the nodes after ``wait`` (a layer's first wait for its transfer) that need
     nothing of ``in_flight`` (the layer's transport and experts nodes) to just before it, in
     their order: the block's work that does not need the routed tokens (its shared experts)
-    then runs while the tokens travel."""
-    for node in list(_independent(wait.next, in_flight)):
+    then runs while the tokens travel.
+
+    With ``last_wait`` (the wait for the layer's last combine) that work is split in two, in
+    order, at the linear layer where half of its weights (`_weight_elements`) have been
+    read: the first part runs under the dispatch, the rest (a shared expert's activation and
+    down projection) just before ``last_wait``, under the combine, which would otherwise
+    have nothing beside it."""
+    work = list(_independent(wait.next, in_flight))
+    total = sum(map(_weight_elements, work))
+    split, done = len(work), 0
+    if last_wait is not None and total:
+        for position, node in enumerate(work):
+            done += _weight_elements(node)
+            if 2 * done >= total:
+                split = position + 1
+                break
+    for node in work[:split]:
         wait.prepend(node)
+    for node in work[split:]:
+        last_wait.prepend(node)

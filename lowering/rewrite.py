@@ -377,6 +377,15 @@ def expert_parallel(gm: fx.GraphModule) -> bool:
                for problem in layer_problems(body).values())
 
 
+def in_flight(gm: fx.GraphModule) -> bool:
+    """Whether lowered ``gm`` or a graph it holds issues a transfer apart from its wait
+    (`overlap.lower_in_chunks`: a ``dispatch_tokens_start`` op)."""
+    return any(node.op == "call_function"
+               and (_op_name(node.target) or ("", ""))[1] == "dispatch_tokens_start"
+               for body in gm.modules() if isinstance(body, fx.GraphModule)
+               for node in body.graph.nodes)
+
+
 def moe_op_sequence(gm: fx.GraphModule) -> str:
     """The custom ops ``gm`` calls, one per line, in graph order (for pinning in tests)."""
     lines = []

@@ -257,13 +257,35 @@ def _check_shared_experts_under_the_transfer(rank, world_size, a2a):
             assert not starts and _calls(nodes, "dispatch_tokens"), lowered[0].code
             continue
         (started,) = starts
-        first_wait = min(_position(nodes, n) for n in nodes if n.target is collectives.wait)
-        # The shared experts' two projections (gate and up in one, then down).
-        shared = [n for n in nodes if n.op == "call_function" and any(
+        (combine_started,) = _calls(nodes, "combine_tokens_start")
+        waits = [_position(nodes, n) for n in nodes if n.target is collectives.wait]
+        # The shared experts' two projections: gate and up in one (2/3 of the weights) under
+        # the dispatch, then down under the combine.
+        gate_up, down = [n for n in nodes if n.op == "call_function" and any(
             a.op == "placeholder" and "shared_experts" in a.name for a in n.all_input_nodes)]
-        assert len(shared) == 2, lowered[0].code
-        assert all(_position(nodes, started) < _position(nodes, n) < first_wait
-                   for n in shared), lowered[0].code
+        assert _position(nodes, started) < _position(nodes, gate_up) < min(waits), (
+            lowered[0].code)
+        assert _position(nodes, combine_started) < _position(nodes, down) < max(waits), (
+            lowered[0].code)
+        if "inductor" in INNERS[world_size]:
+            _check_inductor_keeps_shared_work_in_flight(sharded, x_NH[mine], spec)
+
+
+def _check_inductor_keeps_shared_work_in_flight(sharded, x_TH, spec):
+    """In the code Inductor generates, the shared expert's gate-up GEMM runs between the
+    dispatch's issue and its wait: its locality pass, which moves each node to just before
+    its first user (after the wait), is off for graphs with transfers in flight."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(sharded, backend=MoECompileBackend(spec),
+                                                  fullgraph=True), x_TH)
+    if not x_TH.shape[0]:
+        return  # an idle rank's graph (it ran the collectives) has no shared-expert GEMM
+    code = codes[0][codes[0].index("def call("):]
+    first_issue = min(code.index(f"_c10d_functional.{name}.default(") for name in ISSUES
+                      if f"_c10d_functional.{name}.default(" in code)
+    first_wait = code.index("wait_tensor.default(")
+    assert "extern_kernels.mm(" in code[first_issue:first_wait], code
 
 
 def _run_cases(rank, world_size, a2a):
@@ -314,3 +336,24 @@ def test_independent_work_moves_but_writes_stay_behind_earlier_reads():
     overlap.hoist_independent_work(waited, {waited})
     order = list(graph.nodes)
     assert order.index(shared) < order.index(waited) < order.index(read) < order.index(write)
+
+
+def test_independent_work_splits_between_dispatch_and_combine():
+    """With the last combine's wait given, the independent work splits at the linear layer
+    where half its weights are read: a gated MLP's gate-up projection (2/3 of them) stays
+    under the dispatch, its activation and down projection move under the combine."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    w13, w2 = graph.placeholder("w13"), graph.placeholder("w2")
+    w13.meta["example_value"], w2.meta["example_value"] = torch.empty(8, 4), torch.empty(4, 4)
+    waited = graph.call_function(torch.neg, (x,))     # the dispatch's wait
+    combined = graph.call_function(torch.abs, (waited,))
+    last_wait = graph.call_function(torch.neg, (combined,))   # the combine's wait
+    gate_up = graph.call_function(torch._C._nn.linear, (x, w13))
+    activated = graph.call_function(torch.relu, (gate_up,))
+    down = graph.call_function(torch._C._nn.linear, (activated, w2))
+    out = graph.call_function(torch.add, (last_wait, down))
+    graph.output(out)
+    overlap.hoist_independent_work(waited, {waited, combined, last_wait}, last_wait)
+    assert list(graph.nodes) == [x, w13, w2, gate_up, waited, combined, activated, down,
+                                 last_wait, out, graph.output_node()]
