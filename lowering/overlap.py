@@ -21,7 +21,9 @@ each issue op becomes its packing and the functional collectives
 (``_c10d_functional.all_to_all_single``, ...) and each wait the functional collectives' own
 ``wait_tensor``: AOTAutograd and Inductor keep them where the graph puts them (Inductor
 moves collectives only in passes that are off here: peak-memory reordering, for graphs that
-move tokens, `compile.MoECompileBackend`, and compute-comm reordering, by default), Inductor
+move tokens, `compile.MoECompileBackend`, and compute-comm reordering, by default; its
+locality pass, which would move the work placed under a transfer to just before its first
+user, after the wait, is off for graphs with transfers in flight), Inductor
 keeps each send buffer until its wait, and nothing needs a Python thread or a host sync, so
 the graph captures in a CUDA graph. The chunks' outputs (``[M_c, H]`` each, M_c =
 ceil(M / C) tokens of one window) stack to ``[C * M_c, H]``, cut to this rank's T.
