@@ -201,13 +201,9 @@ def has_independent_work(combine: fx.Node) -> bool:
     return next(_independent(combine.next, {combine}), None) is not None
 
 
-# What Dynamo records a linear layer (a shared expert's projection) as.
-_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
 def _weight_elements(node: fx.Node) -> int:
     """A linear layer's weight elements (its multiply-adds per token), else 0."""
-    if node.op != "call_function" or node.target not in _LINEARS:
+    if node.op != "call_function" or node.target not in torch_compat.linear_targets:
         return 0
     weight = fake_value(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
     return weight.numel() if isinstance(weight, torch.Tensor) else 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import fx
 from torch._dynamo.testing import CompileCounter
 
@@ -38,6 +39,23 @@ def test_schema_gives_names_and_defaults():
     assert [a.name for a in arguments] == ["self", "other", "alpha"]
     assert [a.has_default_value() for a in arguments] == [False, False, True]
     assert arguments[2].default_value == 1
+
+
+def test_linear_targets_are_what_dynamo_records():
+    """``nn.Linear`` and ``F.linear`` reach a backend's graph as a call of one of them."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layer = torch.nn.Linear(4, 3, bias=False)
+    torch._dynamo.reset()
+    torch.compile(lambda x: layer(x) + F.linear(x, layer.weight), backend=recording,
+                  fullgraph=True)(torch.randn(2, 4))
+    linears = [n for n in graphs[0].graph.nodes if n.op == "call_function"
+               and n.target in torch_compat.linear_targets]
+    assert len(linears) == 2, graphs[0].code
 
 
 def test_packet_name():

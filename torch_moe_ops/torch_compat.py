@@ -30,6 +30,7 @@ fsdp_shard_placement     2.13        test_fsdp_shard_placement_shards_over_anoth
 grouped_mm               2.11, 2.13  test_grouped_mm_by_rows_and_by_contraction
 has_scaled_grouped_mm    2.11, 2.13  test_scaled_grouped_mm_signature_and_output
 inductor_compiler        2.11, 2.13  test_inductor_compiler_applies_mode_and_options
+linear_targets           2.11, 2.13  test_linear_targets_are_what_dynamo_records
 lookup_backend           2.11, 2.13  test_lookup_backend_runs_a_graph
 op_calls_intercepted     2.11, 2.13  test_op_calls_intercepted_by_modes_transforms_and_profiler
 packet_name              2.11, 2.13  test_packet_name
@@ -63,6 +64,7 @@ runs them, tests/test_torch_compat.py and the import tests included):
 - backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
   version" tests of tests/test_flashinfer_experts.py.
 - lowering/explain.py (compiled_module, discard_compiled): tests/test_explain.py.
+- lowering/overlap.py (linear_targets): tests/test_chunked_tokens.py.
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
   lowering/compile.py (inductor_compiler, lookup_backend, backend_error):
   graph_tests/test_compile.py; compile.py's saved_tensor_hooks_off:
@@ -90,14 +92,18 @@ __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode"
            "OpOverloadPacket", "backend_error", "below_autograd", "c10d_functional",
            "checkpoint_wrapper", "compiled_module", "discard_compiled", "flatten_mesh",
            "fsdp_shard_placement", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
-           "lookup_backend", "op_calls_intercepted", "packet_name", "profiler_enabled",
-           "register_ordered_effect", "resolve_process_group", "saved_tensor_hooks_off",
+           "linear_targets", "lookup_backend", "op_calls_intercepted", "packet_name",
+           "profiler_enabled", "register_ordered_effect", "resolve_process_group",
+           "saved_tensor_hooks_off",
            "scaled_grouped_mm", "schema", "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
 # run eagerly and trace into compiled graphs.
 c10d_functional = torch.ops._c10d_functional
+# What Dynamo records an ``nn.Linear`` or ``F.linear`` call as in its graphs (and the public
+# name, where a graph was built by hand).
+linear_targets = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
 def backend_error(message: str, frame) -> ValueError:
