@@ -202,8 +202,9 @@ def intersection_us(a, b) -> float:
 def overlap_us(found: list[Kernel]) -> float:
     """How long a transport kernel ran while another kernel ran (two kernels that run at
     the same time run on two streams)."""
-    transport = [i for k in found if is_transport(kernel_class(k.name)) for i in k.intervals]
-    rest = [i for k in found if not is_transport(kernel_class(k.name)) for i in k.intervals]
+    transport, rest = [], []
+    for k in found:
+        (transport if is_transport(kernel_class(k.name)) else rest).extend(k.intervals)
     return intersection_us(transport, rest)
 
 

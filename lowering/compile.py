@@ -94,14 +94,13 @@ class MoECompileBackend:
             # (seen with torch 2.13): it moved one collective past another on a rank
             # whose tokens were all elsewhere, and the ranks deadlocked. Graphs
             # that run collectives keep the program order of their ops.
-            self._compile_ep = torch_compat.inductor_compiler(
-                mode, {"reorder_for_peak_memory": False, **self.options})
+            ep_options = {"reorder_for_peak_memory": False, **self.options}
+            self._compile_ep = torch_compat.inductor_compiler(mode, ep_options)
             # Inductor's locality pass (inference graphs) moves each node to just before its
             # first user: a shared expert placed under a transfer (`overlap`) went back after
             # the transfer's wait, beside the sum that reads it, and nothing ran in flight.
             self._compile_in_flight = torch_compat.inductor_compiler(
-                mode, {"reorder_for_peak_memory": False, "reorder_for_locality": False,
-                       **self.options})
+                mode, {"reorder_for_locality": False, **ep_options})
         else:
             self._compile = torch_compat.lookup_backend(inner)
 

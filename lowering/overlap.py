@@ -222,11 +222,12 @@ def hoist_independent_work(wait: fx.Node, in_flight: set[fx.Node],
     down projection) just before ``last_wait``, under the combine, which would otherwise
     have nothing beside it."""
     work = list(_independent(wait.next, in_flight))
-    total = sum(map(_weight_elements, work))
+    weights = [_weight_elements(node) for node in work]
+    total = sum(weights)
     split, done = len(work), 0
     if last_wait is not None and total:
-        for position, node in enumerate(work):
-            done += _weight_elements(node)
+        for position, elements in enumerate(weights):
+            done += elements
             if 2 * done >= total:
                 split = position + 1
                 break
