@@ -2,6 +2,8 @@
 
     python benchmarks/bench_eager_block.py [--shapes qwen3-30b-a3b,olmoe] [--tokens 512,2048]
     python benchmarks/bench_eager_block.py --smoke     # CPU, tiny: checks the script
+    python benchmarks/bench_eager_block.py --profile DIR   # and where the patched block's
+                                                         # host time goes, per model and T
 
 An uncompiled forward (``generate``'s prefill with a static cache) is host-bound at
 a few hundred tokens: each op's Python and launch cost adds up, layer after layer.
@@ -18,7 +20,12 @@ close to the wall time, the host is the bottleneck.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import statistics
 import time
+from pathlib import Path
 
 import bench_generate
 import bench_model
@@ -39,6 +46,21 @@ def host_and_wall_us(fn, calls: int, sync) -> tuple[float, float]:
     sync()
     end = time.perf_counter()
     return (returned - start) / calls * 1e6, (end - start) / calls * 1e6
+
+
+def host_profile(fn, calls: int, sync) -> str:
+    """Python's profile of ``calls`` calls of ``fn`` (after a warm-up): the functions that
+    take the most time themselves, then those whose calls take the most in all."""
+    for _ in range(5):
+        fn()
+    sync()
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [fn() for _ in range(calls)])
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+    return text.getvalue()
 
 
 def parts(shape, tokens: int, args) -> list[tuple[str, object]]:
@@ -81,11 +103,15 @@ def main(argv=None) -> None:
                         help=", ".join(bench_generate.MODELS))
     parser.add_argument("--tokens", default="512,2048")
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="each part timed this many times, in turn; the median is shown")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU, fp32")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write the patched block's Python profile per model and T here")
     args = parser.parse_args(argv)
     if args.smoke:
         shapes, args.device, args.dtype = bench_generate.SMOKE_SHAPES, "cpu", torch.float32
-        args.tokens, args.calls = "8", 3
+        args.tokens, args.calls, args.rounds = "8", 3, 2
         sync, device = (lambda: None), "CPU"
     else:
         if not torch.cuda.is_available():
@@ -93,14 +119,25 @@ def main(argv=None) -> None:
         shapes, args.device, args.dtype = bench_model.SHAPES, "cuda", torch.bfloat16
         sync, device = torch.cuda.synchronize, torch.cuda.get_device_name()
     lines = [(f"{device}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, one layer, "
-             f"{args.calls} calls"), "", "| model | T | call | host us | wall us |",
-             "|---|---|---|---|---|"]
+             f"{args.calls} calls, median of {args.rounds} rounds"), "",
+             "| model | T | call | host us | wall us |", "|---|---|---|---|---|"]
     torch.set_grad_enabled(False)
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for label, fn in parts(shapes[name], tokens, args):
-                host, wall = host_and_wall_us(fn, args.calls, sync)
+            timed = parts(shapes[name], tokens, args)
+            # Rounds over every part in turn, the median of each: the host's other work
+            # (the machine is shared) moves single runs by 10-40%.
+            rounds = [[host_and_wall_us(fn, args.calls, sync) for _, fn in timed]
+                      for _ in range(args.rounds)]
+            for index, (label, fn) in enumerate(timed):
+                host, wall = (statistics.median(times[index][which] for times in rounds)
+                              for which in (0, 1))
                 lines.append(f"| {name} | {tokens} | {label} | {host:.1f} | {wall:.1f} |")
+                if args.profile and label == "patched block":
+                    folder = Path(args.profile)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    (folder / f"profile-{name}-{tokens}.txt").write_text(
+                        host_profile(fn, args.calls, sync))
     print("\n".join(lines))
 
 

@@ -52,6 +52,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import sys
 import sysconfig
 import time
@@ -238,6 +239,9 @@ def compile_layers(model: nn.Module) -> CountingBackend:
     dense layers (Inductor compiles each once). The batch dimension of the layers' input
     is marked dynamic: every token count runs on the same graphs. Returns the backend that
     counts the graphs."""
+    # The ways share the layers' code: without a reset, the graphs of the ways before
+    # (guarded on their modules) count against Dynamo's recompile limit for this one.
+    torch._dynamo.reset()
     counter = CountingBackend(tmo.backend())
     for layer in model.model.layers:
         layer.compile(backend=counter, fullgraph=True)
@@ -487,6 +491,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tag", default="", help="appended to the file names")
     parser.add_argument("--smoke", action="store_true",
                         help="2 layers, 8 experts, 24 steps (sizes given still apply)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the ways of this run's JSON (same file name, sizes, "
+                             "precision and compile) and train only the others")
     return parser.parse_args(argv)
 
 
@@ -523,9 +530,14 @@ def main(argv=None) -> dict:
               "summary": {}, "failed": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1]
+    name = "cpu" if device.type == "cpu" else gpu_model(torch.cuda.get_device_name(device))
     stem = out / f"train-lm-{name}-{report['environment']['date']}{args.tag}"
+    if args.resume:
+        report = _resumed(report, stem)
     for way in ways:
+        if way in report["ways"]:
+            print(f"{way}: kept from {stem}.json", flush=True)
+            continue
         print(f"{way}: training {run.steps} steps", flush=True)
         try:
             result = train_way(way, init, run, data, device, args.compile,
@@ -535,6 +547,7 @@ def main(argv=None) -> dict:
             print(report["failed"][way], flush=True)
             continue
         report["ways"][way] = result
+        report["failed"].pop(way, None)
         report["summary"][way] = summary(result, run)
         report["experts_implementation"] = (result["experts_implementation"]
                                             or report["experts_implementation"])
@@ -544,11 +557,40 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
         # After every way: a run cut short (a time bound) keeps the ways it finished.
         _write(report, stem)
-    if not report["ways"]:
+    if "plots" not in report:  # nothing trained (every way failed, or every way kept)
         _write(report, stem)
     print(f"wrote {stem}.json, {stem}.md"
           + "".join(f", {out / p}" for p in report["plots"]), flush=True)
     report["stem"] = str(stem)
+    return report
+
+
+def gpu_model(device_name: str) -> str:
+    """The model in a GPU's name (``H100`` of ``NVIDIA H100 80GB HBM3``), for file names."""
+    found = re.search(r"\b[A-Z]+\d{2,4}[a-z]?\b", device_name)
+    return found.group(0) if found else re.sub(r"\W+", "_", device_name)
+
+
+def _resumed(report: dict, stem: Path) -> dict:
+    """``report`` with the finished ways of ``stem``.json, which must be the same run."""
+    path = Path(f"{stem}.json")
+    if not path.exists():
+        return report
+    earlier = json.loads(path.read_text())
+    settings = {**earlier["run"], "precision": earlier["precision"],
+                "compiled": earlier["compiled"]}
+    differ = {key: (value, report["run"].get(key, report.get(key)))
+              for key, value in settings.items()
+              if value != report["run"].get(key, report.get(key))}
+    if differ:
+        raise ValueError(f"--resume: {path} is another run ("
+                         + ", ".join(f"{key} {was!r} there, {now!r} here"
+                                     for key, (was, now) in differ.items())
+                         + "); give another --tag or --out")
+    report = {**report, **{key: earlier[key] for key in ("ways", "summary")},
+              "experts_implementation": earlier["experts_implementation"],
+              "command": f"{earlier['command']}; {report['command']}"}
+    report["failed"] = earlier["failed"]
     return report
 
 

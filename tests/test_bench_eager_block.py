@@ -15,9 +15,10 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_smoke_times_both_blocks_and_the_parts():
+def test_smoke_times_both_blocks_and_the_parts(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_eager_block.py"), "--smoke"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_eager_block.py"), "--smoke",
+         "--profile", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=False,
         # This checkout's torch_moe_ops, whatever the environment has installed.
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -30,3 +31,6 @@ def test_smoke_times_both_blocks_and_the_parts():
     assert [(r[0], r[2]) for r in rows] == [(f"| {model}", call) for model in
                                             ("qwen3-30b-a3b", "olmoe") for call in calls]
     assert all(float(r[3]) > 0 and float(r[4].rstrip(" |")) >= float(r[3]) for r in rows)
+    for model in ("qwen3-30b-a3b", "olmoe"):  # the patched block's profile, per model
+        profile = (tmp_path / f"profile-{model}-8.txt").read_text()
+        assert "Ordered by: internal time" in profile and "hf/block.py" in profile

@@ -215,6 +215,16 @@ def test_triton_steps_match_the_torch_steps(act, bias, generator):
         TRITON_STEPS.sum_token_rows(values_RH, row_of_slot_S, ids_TK),
         grouped_backward.TORCH_STEPS.sum_token_rows(values_RH, row_of_slot_S, ids_TK))
 
+    # Rows of expert -1 are never written (most of a rank's rows under expert parallelism):
+    # the rest gathered, converted, from a strided input; 2500 columns: a program loops.
+    order_R = torch.randperm(9, generator=generator)
+    values_TH = torch.randn((2500, 3), generator=generator).t()  # T = 3 of top-k 3
+    for dtype in (None, torch.float64):
+        got = TRITON_STEPS.routed_rows(values_TH, order_R, expert_R, 3, dtype)
+        want = grouped_backward.TORCH_STEPS.routed_rows(values_TH, order_R, expert_R, 3, dtype)
+        assert got.dtype == want.dtype == (dtype or torch.float32)
+        torch.testing.assert_close(got[kept], want[kept], rtol=0, atol=0)
+
 
 @pytest.mark.triton
 @pytest.mark.parametrize("case", ["bias_skips", "no_tokens"])

@@ -78,3 +78,15 @@ def test_autocast_runs_every_forward_in_bf16(smoke, tmp_path):
     # Both ways' experts compute in bf16 from the same weights: close, not equal.
     assert patched[0] == pytest.approx(hf[0], rel=2e-2)
     assert "torch.autocast(bfloat16)" in Path(report["stem"] + ".md").read_text()
+
+
+def test_resume_keeps_finished_ways_and_refuses_another_run(smoke):
+    train_lm, report, out = smoke
+    kept = {way: report["ways"][way]["loss"] for way in ("transformers", "balance_bias")}
+    again = train_lm.main(["--smoke", "--out", str(out), "--resume",
+                           "--ways", "transformers,balance_bias"])
+    assert {way: again["ways"][way]["loss"] for way in kept} == kept  # read back, not retrained
+    assert list(again["ways"]) == list(train_lm.WAYS)
+    assert "--resume" in json.loads(Path(again["stem"] + ".json").read_text())["command"]
+    with pytest.raises(ValueError, match=r"--resume: .* \(steps 24 there, 3 here\)"):
+        train_lm.main(["--smoke", "--out", str(out), "--resume", "--steps", "3"])

@@ -6,6 +6,7 @@ of one expert's gradient.
 
 Forward:
 
+    x[r]   = values[order[r] // K]                                  e = expert[r] >= 0
     a[r]   = act(h[r, :I] + b13[e, :I], h[r, I:] + b13[e, I:])   e = expert[r] >= 0, else 0
     out[t] = sum over k with e = ids[t, k] >= 0 of
              weight[t, k] * (y[row_of_slot[t * K + k]] + b2[e])
@@ -44,6 +45,23 @@ BLOCK_ZERO = 4096
 # of every expert ran 230k programs for Mixtral's w13 gradient, 113 us of loads (0.8% of
 # its training step on an H100); these programs loop over their expert's blocks instead.
 ZERO_PROGRAMS = 1024
+
+
+@triton.jit
+def moe_routed_rows_kernel(values_ptr, order_ptr, expert_ptr, out_ptr, hidden_size,
+                           stride_values_t, stride_out_r, TOP_K: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    # A row of expert -1 costs one load: with expert parallelism most of a rank's slots
+    # belong to other ranks' experts (3 in 4 at 4 ranks).
+    if tl.load(expert_ptr + row) >= 0:
+        token = tl.load(order_ptr + row).to(tl.int64) // TOP_K
+        for start in range(0, hidden_size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_range = cols < hidden_size
+            values = tl.load(values_ptr + token * stride_values_t + cols, mask=in_range)
+            tl.store(out_ptr + row * stride_out_r + cols, values.to(out_ptr.dtype.element_ty),
+                     mask=in_range)
 
 
 @triton.jit
@@ -147,6 +165,27 @@ def moe_zero_empty_experts_kernel(grad_ptr, count_ptr, numel_per_expert, BLOCK: 
             offsets = start + tl.arange(0, BLOCK)
             tl.store(grad_ptr + expert * numel_per_expert + offsets, zeros,
                      mask=offsets < numel_per_expert)
+
+
+def routed_rows(values_TH: torch.Tensor, order_R: torch.Tensor, expert_R: torch.Tensor,
+                top_k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x_RH [R, H]`` in ``dtype`` (default ``values_TH``'s): row ``r`` holds
+    ``values_TH[order_R[r] // top_k]`` where ``expert_R[r] >= 0``; the rows of expert -1
+    are left unwritten (undefined), so only the routed rows cost memory traffic.
+
+    ``values_TH [T, H]``; ``order_R`` and ``expert_R [R]`` int (`sorting.sort_rows`).
+    """
+    if values_TH.stride(-1) != 1:
+        values_TH = values_TH.contiguous()
+    num_rows, hidden_size = order_R.shape[0], values_TH.shape[1]
+    x_RH = torch.empty((num_rows, hidden_size), dtype=dtype or values_TH.dtype,
+                       device=values_TH.device)
+    if num_rows == 0 or hidden_size == 0:
+        return x_RH
+    launcher(moe_routed_rows_kernel)[(num_rows,)](
+        values_TH, order_R, expert_R, x_RH, hidden_size, values_TH.stride(0), x_RH.stride(0),
+        TOP_K=top_k, BLOCK=BLOCK_COLUMNS)
+    return x_RH
 
 
 def bias_act_rows(h_RF: torch.Tensor, b13_EF: torch.Tensor | None, expert_R: torch.Tensor,

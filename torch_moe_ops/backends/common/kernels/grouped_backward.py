@@ -72,11 +72,14 @@ class Steps:
     token's rows summed in slot order, slots with id -1 left out.
     ``zero_empty_experts_(grad_EX, count_E)``: zero, in place, the slices of
     the experts without rows; returns ``grad_EX``.
+    ``routed_rows(values_TH, order_R, expert_R, top_k, dtype) -> [R, H]``: row ``r`` the
+    values of token ``order_R[r] // top_k`` in ``dtype``, rows of expert -1 undefined.
     """
 
     act_backward_rows: Callable
     sum_token_rows: Callable
     zero_empty_experts_: Callable
+    routed_rows: Callable
 
 
 def act_backward_rows(h_RF, b13_EF, expert_R, gw2_RI, weight_R, act, alpha, limit):
@@ -108,7 +111,12 @@ def zero_empty_experts_(grad_EX, count_E):
     return grad_EX.masked_fill_(empty_E, 0)
 
 
-TORCH_STEPS = Steps(act_backward_rows, sum_token_rows, zero_empty_experts_)
+def routed_rows(values_TH, order_R, expert_R, top_k, dtype=None):
+    """`Steps.routed_rows` in plain PyTorch (every row, those of expert -1 too)."""
+    return values_TH.to(dtype or values_TH.dtype).index_select(0, order_R // top_k)
+
+
+TORCH_STEPS = Steps(act_backward_rows, sum_token_rows, zero_empty_experts_, routed_rows)
 
 
 def _column(values_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,9 +165,8 @@ def experts_backward(grad_out_TH, hidden_TH, topk_weights_TK, topk_ids_TK, w13_E
     dtype = hidden_TH.dtype
     order_R, expert_R, count_E = sort_rows(topk_ids_TK, w13_EFH.shape[0])
     ends_E = torch.cumsum(count_E, 0, dtype=torch.int32)
-    token_R = order_R // top_k
-    x_RH = hidden_TH.index_select(0, token_R)
-    g_RH = grad_out_TH.to(dtype).index_select(0, token_R)
+    x_RH = steps.routed_rows(hidden_TH, order_R, expert_R, top_k)
+    g_RH = steps.routed_rows(grad_out_TH, order_R, expert_R, top_k, dtype)
     # Garbage (NaN) where a slot is skipped: those rows are never read.
     weight_R = topk_weights_TK.reshape(-1).index_select(0, order_R).float()
 

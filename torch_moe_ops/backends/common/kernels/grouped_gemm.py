@@ -45,8 +45,9 @@ ALIGNMENT = 8
 EPILOGUES = "torch_moe_ops.backends.common.kernels.epilogues"
 bias_act_rows = on_first_call(EPILOGUES, "bias_act_rows")
 gather_weighted_sum = on_first_call(EPILOGUES, "gather_weighted_sum")
+routed_rows = on_first_call(EPILOGUES, "routed_rows")
 TRITON_STEPS = grouped_backward.Steps(*(on_first_call(EPILOGUES, name) for name in (
-    "bias_act_backward_rows", "sum_token_rows", "zero_empty_experts_")))
+    "bias_act_backward_rows", "sum_token_rows", "zero_empty_experts_", "routed_rows")))
 
 
 def aligned(hidden: int, intermediate: int) -> bool:
@@ -128,7 +129,7 @@ def experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI, b13_EF, b2
     if num_tokens == 0:
         return torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
     order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, w13_EFH.shape[0])
-    x_RH = hidden_TH[order_R // top_k]
+    x_RH = routed_rows(hidden_TH, order_R, sorted_ids_R, top_k)
     y_RH = _grouped_gemms(x_RH, sorted_ids_R, count_E, w13_EFH, w2_EHI, b13_EF, act, alpha,
                           limit)
     return gather_weighted_sum(y_RH, rows_of_slots(order_R), topk_weights_TK, topk_ids_TK,

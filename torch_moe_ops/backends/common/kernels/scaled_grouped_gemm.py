@@ -157,8 +157,8 @@ def experts_quant(hidden_TH, topk_weights_TK, topk_ids_TK, w13, w2, w13_scale, w
         return torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
     order_R, sorted_ids_R, count_E = sort_rows(topk_ids_TK, w13.shape[0])
     q_TH, scale_T = quantize_rows(hidden_TH)
-    token_R = order_R // top_k
-    y_RH = _grouped_gemms(q_TH[token_R], scale_T[token_R], sorted_ids_R, count_E, w13, w2,
+    y_RH = _grouped_gemms(grouped_gemm.routed_rows(q_TH, order_R, sorted_ids_R, top_k),
+                          scale_T[order_R // top_k], sorted_ids_R, count_E, w13, w2,
                           w13_scale, w2_scale, b13_EF, weight_format, act, alpha, limit)
     out_TH = grouped_gemm.gather_weighted_sum(y_RH, rows_of_slots(order_R), topk_weights_TK,
                                               topk_ids_TK, b2_EH)
