@@ -7,7 +7,7 @@ of one expert's gradient.
 Forward:
 
     x[r]   = values[order[r] // K]                                  e = expert[r] >= 0
-    a[r]   = act(h[r, :I] + b13[e, :I], h[r, I:] + b13[e, I:])   e = expert[r] >= 0, else 0
+    a[r]   = act(h[r, :I] + b13[e, :I], h[r, I:] + b13[e, I:])   e = expert[r] >= 0
     out[t] = sum over k with e = ids[t, k] >= 0 of
              weight[t, k] * (y[row_of_slot[t * K + k]] + b2[e])
 
@@ -74,11 +74,9 @@ def moe_bias_act_rows_kernel(h_ptr, b13_ptr, expert_ptr, a_ptr, inter_size,
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_range = cols < inter_size
     expert = tl.load(expert_ptr + row)
-    if expert < 0:
-        # Rows past the counted ones were never written by the GEMM: zero, never read.
-        tl.store(a_ptr + row * stride_a_r + cols, tl.zeros([BLOCK], tl.float32)
-                 .to(a_ptr.dtype.element_ty), mask=in_range)
-    else:
+    # Rows of expert -1 follow the counted ones, which the GEMM never wrote and the next
+    # GEMM never reads: left unwritten (most of a rank's rows under expert parallelism).
+    if expert >= 0:
         gate = tl.load(h_ptr + row * stride_h_r + cols, mask=in_range).to(tl.float32)
         up = tl.load(h_ptr + row * stride_h_r + inter_size + cols, mask=in_range).to(tl.float32)
         if HAS_BIAS:
@@ -190,7 +188,8 @@ def routed_rows(values_TH: torch.Tensor, order_R: torch.Tensor, expert_R: torch.
 
 def bias_act_rows(h_RF: torch.Tensor, b13_EF: torch.Tensor | None, expert_R: torch.Tensor,
                   activation: str, swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
-    """``a_RI [R, I]`` in ``h_RF``'s dtype: bias, gated activation, 0 for rows of expert -1.
+    """``a_RI [R, I]`` in ``h_RF``'s dtype: bias, gated activation; rows of expert -1 are
+    left unwritten (undefined), as the grouped GEMMs leave the rows past the counted ones.
 
     ``h_RF [R, 2I]`` rows must be contiguous in the last dimension; ``expert_R [R]`` int.
     """
