@@ -57,7 +57,8 @@ def host_profile(fn, calls: int, sync) -> str:
     profiler = cProfile.Profile()
     profiler.runcall(lambda: [fn() for _ in range(calls)])
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
+    # Bare file names: the results keep no path of the machine that ran them.
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)
     return text.getvalue()

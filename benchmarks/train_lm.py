@@ -112,19 +112,19 @@ SMOKE = dict(layers=3, experts=8, top_k=2, hidden=64, expert_intermediate=32, he
 # ---------------------------------------------------------------- data
 
 
-def corpus_files() -> tuple[Path, list[Path]]:
-    """The standard library's folder and its ``.py`` files outside `SKIPPED_FOLDERS`,
-    in sorted path order."""
+def corpus_files() -> list[Path]:
+    """The standard library's ``.py`` files outside `SKIPPED_FOLDERS`, in sorted path order
+    (relative to the library's folder, so the same on every machine)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [path for path in root.rglob("*.py")
              if not SKIPPED_FOLDERS & set(path.relative_to(root).parts[:-1])]
-    return root, sorted(files, key=lambda path: path.relative_to(root).as_posix())
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
 def corpus(max_bytes: int) -> dict:
     """``{"train": uint8 [n], "heldout": uint8 [m], ...}``: the first files (sorted) up to
     ``max_bytes`` in all, every 20th one held out, each followed by a blank line."""
-    root, files = corpus_files()
+    files = corpus_files()
     parts: dict[str, list[bytes]] = {"train": [], "heldout": []}
     total = 0
     for index, path in enumerate(files):
@@ -135,7 +135,7 @@ def corpus(max_bytes: int) -> dict:
         total += len(text)
     data = {name: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
             for name, chunks in parts.items()}
-    return {**data, "root": str(root), "files": sum(len(chunks) for chunks in parts.values())}
+    return {**data, "files": sum(len(chunks) for chunks in parts.values())}
 
 
 def windows(tokens_N: torch.Tensor, offsets_B: torch.Tensor, seq: int) -> torch.Tensor:
@@ -380,8 +380,9 @@ def markdown(report: dict) -> str:
              (f"Model: Qwen3-MoE, {run['layers']} layers, {run['experts']} experts, top-"
               f"{run['top_k']}, hidden {run['hidden']}, expert intermediate "
               f"{run['expert_intermediate']}, byte vocabulary (256); "
-              f"{report['parameters']:,} parameters. Data: the standard library's `.py` files "
-              f"under `{data['root']}` ({data['files']} files, {data['train_bytes']:,} bytes "
+              f"{report['parameters']:,} parameters. Data: the `.py` files of Python "
+              f"{data['python']}'s standard library ({data['files']} files, "
+              f"{data['train_bytes']:,} bytes "
               f"to train on, {data['heldout_bytes']:,} held out); {run['steps']} steps of "
               f"{run['batch']} x {run['seq']} tokens, AdamW lr {run['lr']}, seed "
               f"{run['seed']}; bias update speed {run['bias_update_speed']}; "
@@ -518,9 +519,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(run.seed)
     init = transformers.AutoModelForCausalLM.from_config(hf_config(run)).to(device)
     report = {"environment": environment(device), "run": dataclasses.asdict(run),
-              "command": " ".join(["python benchmarks/train_lm.py",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-              "data": {"root": data["root"], "files": data["files"],
+              "command": command_line(sys.argv[1:] if argv is None else argv),
+              "data": {"python": platform.python_version(), "files": data["files"],
                        "train_bytes": data["train"].numel(),
                        "heldout_bytes": data["heldout"].numel()},
               "parameters": sum(p.numel() for p in init.parameters()),
@@ -563,6 +563,16 @@ def main(argv=None) -> dict:
           + "".join(f", {out / p}" for p in report["plots"]), flush=True)
     report["stem"] = str(stem)
     return report
+
+
+def command_line(argv: list[str]) -> str:
+    """The run's command as the results show it: the output folder, a path of the machine
+    that ran it, as ``DIR``."""
+    shown, hide_next = [], False
+    for arg in argv:
+        shown.append("DIR" if hide_next else "--out=DIR" if arg.startswith("--out=") else arg)
+        hide_next = arg == "--out"
+    return " ".join(["python benchmarks/train_lm.py", *shown])
 
 
 def gpu_model(device_name: str) -> str:

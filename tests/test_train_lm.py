@@ -87,6 +87,7 @@ def test_resume_keeps_finished_ways_and_refuses_another_run(smoke):
                            "--ways", "transformers,balance_bias"])
     assert {way: again["ways"][way]["loss"] for way in kept} == kept  # read back, not retrained
     assert list(again["ways"]) == list(train_lm.WAYS)
-    assert "--resume" in json.loads(Path(again["stem"] + ".json").read_text())["command"]
+    command = json.loads(Path(again["stem"] + ".json").read_text())["command"]
+    assert "--resume" in command and "--out DIR" in command and str(out) not in command
     with pytest.raises(ValueError, match=r"--resume: .* \(steps 24 there, 3 here\)"):
         train_lm.main(["--smoke", "--out", str(out), "--resume", "--steps", "3"])
