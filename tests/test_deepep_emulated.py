@@ -5,7 +5,9 @@ rank, skipped slots, every slot on one rank, a capacity below the worst case, an
 low-latency messages arriving in a random order. The tokens format (DeepEP's normal mode,
 ``dispatch_tokens -> moe_reference::experts -> combine_tokens``) against the same reference
 with an idle rank, skipped slots, repeated ids and every slot on one rank, its fakes
-(opcheck), and compiled layers that take it without gradients and rows with. The masked
+(opcheck), and compiled layers that take it without gradients and rows with; in flight
+(``dispatch_tokens_start`` waited by the graph's ``wait_tensor``), compiled in 2 and 3
+chunks and with the shared experts issued between a dispatch and its wait. The masked
 format (DeepEP's low-latency mode, ``dispatch_masked -> moe_reference::experts_masked ->
 combine_masked``) on 2 and 3 ranks against the same reference with an idle rank, uneven
 token counts, skipped slots, repeated ids, every slot on one rank and one expert that
@@ -54,6 +56,7 @@ from torch_moe_ops.backends.common.kernels.rows import masked_valid
 from torch_moe_ops.backends.deepep import ROWS_NAMESPACES, fp8_transport_reason
 from torch_moe_ops.backends.registry import REGISTRY
 from torch_moe_ops.config import QuantSpec
+from torch_moe_ops.lowering import plan
 from torch_moe_ops.lowering.rewrite import moe_op_sequence
 
 # A hidden size DeepEP's low-latency kernels are compiled for.
@@ -332,6 +335,91 @@ def _tokens_cases(rank, world_size):
 
 def test_tokens_chain_matches_single_process():
     run_on_ranks(2, _tokens_cases)
+
+
+# The tokens format in flight (`backends.deepep.in_flight`): issued by one op, waited by the
+# graph's wait node (`_c10d_functional.wait_tensor`, which calls back into the backend).
+
+IN_FLIGHT_H = 64
+
+
+def _in_flight_layers(world_size, max_tokens, shared):
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    cfg = dict(hidden_size=IN_FLIGHT_H, intermediate_size=I, num_experts=2 * world_size,
+               top_k=2, renormalize=True,
+               **({"shared_expert_intermediate_size": I} if shared else {}))
+    single = tmo.MoE(tmo.MoEConfig(**cfg)).bfloat16()
+    sharded = tmo.MoE(tmo.MoEConfig(**cfg, ep_size=world_size, max_tokens_per_rank=max_tokens),
+                      ep_group=dist.group.WORLD).bfloat16()
+    sharded.load_full_weights(single.state_dict())
+    return single, sharded
+
+
+def _check_in_flight(rank, world_size, deepep, inner, chunks, shared, tokens_per_rank,
+                     max_tokens):
+    """A layer compiled with ``a2a="deepep"`` whose tokens move in flight (in ``chunks``, or
+    with ``overlap=True`` around its shared experts) equals the single-process layer; its
+    lowered graph issues each chunk's dispatch and combine and waits for them, and no
+    chunk stays in flight after the call."""
+    single, sharded = _in_flight_layers(world_size, max_tokens, shared)
+    x_NH = torch.randn(sum(tokens_per_rank), IN_FLIGHT_H,
+                       generator=torch.Generator().manual_seed(9)).bfloat16()
+    mine = token_slice(tokens_per_rank, rank)
+    options = {"chunks": chunks} if chunks > 1 else {"overlap": True}
+    backend = tmo.backend(inner=inner, a2a="deepep", experts="reference", **options)
+    lowered = []
+
+    def recording(gm, example_inputs):
+        compiled = backend(gm, example_inputs)  # lowers gm in place
+        lowered.append(gm)
+        return compiled
+
+    compiled = torch.compile(sharded, fullgraph=True, backend=recording)
+    with torch.no_grad():
+        check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
+    ops = moe_op_sequence(lowered[-1]).splitlines()
+    assert ops.count("moe_deepep::dispatch_tokens_start") == chunks, ops
+    assert ops.count("moe_deepep::combine_tokens_start") == chunks, ops
+    assert "moe_deepep::dispatch_tokens" not in ops, ops
+    # Every transfer was waited for (each wait consumed its registration), and every chunk
+    # combined.
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+    assert all(not comm.in_flight for comm in deepep.open_communicators())
+    if shared:
+        nodes = list(lowered[-1].graph.nodes)
+        started = next(i for i, n in enumerate(nodes)
+                       if "dispatch_tokens_start" in str(n.target))
+        first_wait = next(i for i, n in enumerate(nodes) if "wait_tensor" in str(n.target))
+        shared_work = [i for i, n in enumerate(nodes) if n.op == "call_function" and any(
+            a.op == "placeholder" and "shared_experts" in a.name for a in n.all_input_nodes)]
+        assert shared_work and started < shared_work[0] < first_wait, lowered[-1].code
+
+
+def _in_flight_cases(rank, world_size):
+    deepep = deepep_emulator.install()
+    tokens_per_rank = TOKENS_PER_RANK[world_size]
+    for inner in ("aot_eager", "inductor"):
+        # 2 and 3 chunks of M_NORMAL: an idle rank, windows past a rank's tokens.
+        for chunks in (2, 3):
+            _check_in_flight(rank, world_size, deepep, inner, chunks, False, tokens_per_rank,
+                             M_NORMAL)
+    # The shared experts under the transfer: prefill sizes (`plan.IN_FLIGHT_TOKENS`).
+    _check_in_flight(rank, world_size, deepep, "inductor", 1, True, (600, 900),
+                     plan.IN_FLIGHT_TOKENS)
+    # A combine of a chunk that is not in flight fails, sending nothing (the communicator of
+    # the 2 chunks' M is open, none of its chunks in flight).
+    chunk_tokens = M_NORMAL // 2
+    ep_args = (world_size, dist.group.WORLD.group_name, chunk_tokens)
+    with pytest.raises(RuntimeError, match="must answer a dispatch_tokens_start of that chunk"):
+        torch.ops.moe_deepep.combine_tokens_start(
+            torch.zeros(world_size * chunk_tokens, IN_FLIGHT_H, dtype=torch.bfloat16),
+            torch.zeros(3, 2, dtype=torch.int32), 2 * world_size, *ep_args, 1, 2)
+    deepep.close_all()
+
+
+def test_tokens_in_flight_match_single_process():
+    run_on_ranks(2, _in_flight_cases)
 
 
 # The masked format: DeepEP's low-latency blocks as they arrive, for layers without gradients.

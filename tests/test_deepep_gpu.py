@@ -8,7 +8,9 @@ the masked format at decode size and the tokens format where low-latency mode ca
 it). The tokens format on DeepEP's normal mode (``dispatch_tokens ->
 moe_reference::experts -> combine_tokens``) against the same reference at two token
 counts (one where rows would take the low-latency kernels), with one rank idle, and
-captured in a CUDA graph replayed on new inputs. The masked format on DeepEP's
+captured in a CUDA graph replayed on new inputs; the same chain in flight
+(``dispatch_tokens_start``, the functional collectives' wait, ``combine_tokens_start``)
+likewise. The masked format on DeepEP's
 low-latency mode (``dispatch_masked -> experts_masked -> combine_masked``, with each
 experts backend that reads it: reference, triton, grouped_mm) against the same reference,
 one rank idle, and captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and
@@ -55,6 +57,7 @@ from ep_problems import (
     token_slice,
 )
 from torch_moe_ops.backends import deepep
+from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.config import BackendSpec, QuantSpec
 from torch_moe_ops.lowering.rewrite import moe_op_sequence
@@ -315,6 +318,22 @@ def _tokens_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens):
     return torch.ops.moe_deepep.combine_tokens(y_NH, ids_TK, E, *ep_args)
 
 
+def _in_flight_pipeline(hidden_TH, weights_TK, ids_TK, experts, max_tokens):
+    """The same chain in flight (`backends.deepep.in_flight`), as a compiled graph runs it
+    with one chunk: each transfer issued by its ``*_start`` op on DeepEP's stream, read after
+    the functional collectives' wait."""
+    ep_args = (E, _world(), dist.group.WORLD.group_name, max_tokens)
+    x_in_flight, routing_in_flight = torch.ops.moe_deepep.dispatch_tokens_start(
+        hidden_TH, weights_TK, ids_TK, *ep_args, 0, 1)
+    weights_NK, local_NK = torch.ops.moe_deepep.dispatch_tokens_finish(
+        collectives.wait(routing_in_flight), *ep_args)
+    y_NH = torch.ops.moe_reference.experts(collectives.wait(x_in_flight), weights_NK, local_NK,
+                                           *experts, *STATIC)
+    returned_MH = collectives.wait(torch.ops.moe_deepep.combine_tokens_start(
+        y_NH, ids_TK, *ep_args, 0, 1))
+    return returned_MH[:hidden_TH.shape[0]]
+
+
 def _check_chain(rank, route, pipeline):
     """``pipeline`` (this rank's tokens, routing and experts -> its ``[T, H]`` output)
     against ``moe_reference::experts`` on all tokens."""
@@ -330,10 +349,11 @@ def _check_chain(rank, route, pipeline):
 def _run_tokens(rank, world_size):
     # M_LOW_LATENCY: the size where rows take the low-latency kernels; tokens stay normal.
     for max_tokens in (M_NORMAL, M_LOW_LATENCY):
-        pipeline = functools.partial(_tokens_pipeline, max_tokens=max_tokens)
-        for route in ("random", "one_rank"):
-            _check_chain(rank, route, pipeline)
-        check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
+        for chain in (_tokens_pipeline, _in_flight_pipeline):
+            pipeline = functools.partial(chain, max_tokens=max_tokens)
+            for route in ("random", "one_rank"):
+                _check_chain(rank, route, pipeline)
+            check_graph_replays(pipeline, _full_problem, _mine(rank), _local(rank), STATIC)
     assert [c.mode for c in deepep.open_communicators()] == ["normal", "normal"]
     deepep.close_all()
 

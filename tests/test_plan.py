@@ -35,6 +35,14 @@ def deepep_runs_here(monkeypatch):
                         dataclasses.replace(deepep, supports=lambda *_: None))
 
 
+@pytest.fixture
+def flashinfer_runs_here(monkeypatch):
+    """FlashInfer's a2a planned as where it runs, without FlashInfer or a GPU."""
+    flashinfer = REGISTRY.a2a["flashinfer"]
+    monkeypatch.setitem(REGISTRY.a2a, "flashinfer",
+                        dataclasses.replace(flashinfer, supports=lambda *_: None))
+
+
 @pytest.mark.parametrize("fields, fmt, why", [
     # Decode sizes: DeepEP's low-latency blocks, read where they arrive.
     ({}, "masked", "decode layout, read where it arrives"),
@@ -125,19 +133,25 @@ def test_layers_move_in_the_chunks_asked_where_the_transport_overlaps(a2a, field
     ({"max_tokens_per_rank": 4096}, "all_to_all", False, False, "overlap=False: not yet shown"),
     ({"max_tokens_per_rank": 128}, "all_to_all", True, False, "a decode transfer is latency"),
     ({"max_tokens_per_rank": 4096, "training": True}, "all_to_all", True, False, "training"),
-    ({"max_tokens_per_rank": 4096}, "deepep", True, False, "issues and waits each transfer"),
-], ids=["prefill", "allgather", "not_asked", "decode", "training", "deepep"])
-def test_prefill_transfers_stay_in_flight_under_independent_work(deepep_runs_here, fields, a2a,
-                                                                 overlap, in_flight, why):
+    ({"max_tokens_per_rank": 4096}, "deepep", True, True, "runs while they travel"),
+    ({"max_tokens_per_rank": 4096}, "flashinfer", True, False, "issues and waits each transfer"),
+], ids=["prefill", "allgather", "not_asked", "decode", "training", "deepep", "flashinfer"])
+def test_prefill_transfers_stay_in_flight_under_independent_work(
+        deepep_runs_here, flashinfer_runs_here, fields, a2a, overlap, in_flight, why):
     plan = plan_layer(BackendSpec(a2a=a2a, experts="reference", overlap=overlap),
                       _problem(**fields), CPU)
     assert plan.in_flight == in_flight and why in plan.in_flight_reason, plan
 
 
-def test_transports_that_wait_inside_their_ops_move_whole(deepep_runs_here):
+def test_transports_that_wait_inside_their_ops_move_whole(deepep_runs_here,
+                                                          flashinfer_runs_here):
+    plan = plan_layer(BackendSpec(a2a="flashinfer", experts="reference", chunks=4),
+                      _problem(max_tokens_per_rank=4096), CPU)
+    assert plan.chunks == 1 and "flashinfer issues and waits" in plan.chunks_reason, plan
+    # DeepEP's normal mode moves the tokens format in flight (`backends.deepep.in_flight`).
     plan = plan_layer(BackendSpec(a2a="deepep", experts="reference", chunks=4),
                       _problem(max_tokens_per_rank=4096), CPU)
-    assert plan.chunks == 1 and "deepep issues and waits" in plan.chunks_reason, plan
+    assert plan.chunks == 4 and plan.format.name == "tokens", plan
 
 
 @pytest.mark.parametrize("chunks", [0, -2, 1.5, True])

@@ -6,7 +6,9 @@
   per-expert receive blocks as they are, for decode layers
   (``max_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS``) without gradients, quantized too;
 - tokens (`tokens`: ``moe::dispatch_tokens`` / ``moe::combine_tokens``), DeepEP's normal
-  mode at its worst-case token count, for layers without gradients;
+  mode at its worst-case token count, for layers without gradients; also in flight
+  (`in_flight`, `ops.tokens_in_flight`: issued by one op, waited by the graph's wait node,
+  with the shared experts or another chunk's experts between);
 - rows (`rows`: ``moe::dispatch``, ``moe::dispatch_quant``, ``moe::combine`` and their
   gradients), in normal mode (`normal`, namespace ``moe_deepep``) or, for decode batches,
   low-latency mode (`low_latency`, namespace ``moe_deepep_low_latency``): layers that train,
@@ -29,7 +31,8 @@ kernels through NVSHMEM; that path is written against DeepEP's API but has not b
 
 from __future__ import annotations
 
-from torch_moe_ops.backends.deepep import masked, rows, tokens
+from torch_moe_ops.backends.common.transport.token_routing import finish_dispatch
+from torch_moe_ops.backends.deepep import in_flight, masked, rows, tokens
 from torch_moe_ops.backends.deepep.buffer import (
     NOT_INSTALLED,
     DeepEPCommunicator,
@@ -52,7 +55,7 @@ from torch_moe_ops.backends.deepep.modes import (
 )
 from torch_moe_ops.backends.deepep.supports import format_reason, mode_of, supports
 from torch_moe_ops.backends.registry import REGISTRY, A2ABackend
-from torch_moe_ops.ops import define_backend_ops
+from torch_moe_ops.ops import define_backend_ops, tokens_in_flight
 
 # The tokens and masked ops have no gradient ops (`tokens`, `masked` say why): a layer that
 # trains takes rows. Quantized layers have no gradient in any format.
@@ -63,6 +66,11 @@ define_backend_ops(NAMESPACE, {**rows.kernels(NORMAL),
                                "dispatch_masked_quant": masked.dispatch_masked_quant,
                                "combine_masked": masked.combine_masked})
 define_backend_ops(ROWS_NAMESPACES[LOW_LATENCY], rows.kernels(LOW_LATENCY))
+# The tokens format in flight, on normal mode: DeepEP returns each token's sum at home.
+define_backend_ops(NAMESPACE, {"dispatch_tokens_start": in_flight.dispatch_tokens_start,
+                               "dispatch_tokens_finish": finish_dispatch,
+                               "combine_tokens_start": in_flight.combine_tokens_start},
+                   tokens_in_flight.contracts(sums_at_home=False))
 
 
 def prepare(fmt, mode, hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,

@@ -112,7 +112,8 @@ class DeepEPCommunicator:
     """DeepEP's state for one layer shape and mode on one process group: the
     ``deep_ep.Buffer`` (sized for ``mode`` from DeepEP's hints, allocated once), its
     configs, the normal-mode handles of the rows dispatches whose ``src_rows`` are still
-    alive, and that of the last tokens dispatch (``tokens_dispatch``).
+    alive, that of the last tokens dispatch (``tokens_dispatch``) and those of the chunks in
+    flight (``in_flight``, `in_flight`).
 
     Build it with `communicator` (which caches it); ``close()`` releases the buffer
     (collective: every rank of the group calls it).
@@ -131,6 +132,8 @@ class DeepEPCommunicator:
         self.topk_idx_dtype = deep_ep.topk_idx_t
         self.handles: dict[int, _Dispatched] = {}
         self.tokens_dispatch: TokensDispatch | None = None
+        # The handles of the chunks dispatched in flight and not yet combined (`in_flight`).
+        self.in_flight: dict[int, tuple] = {}
         buffer_cls = deep_ep.Buffer
         normal = mode == NORMAL
         self.dispatch_config = buffer_cls.get_dispatch_config(self.ep_size) if normal else None
@@ -194,6 +197,7 @@ class DeepEPCommunicator:
             return
         self.handles.clear()
         self.tokens_dispatch = None
+        self.in_flight.clear()
         with on(self.device):
             self.buffer.destroy()
         self.buffer = None

@@ -43,12 +43,14 @@ from torch_moe_ops.backends.deepep.modes import DTYPE
 from torch_moe_ops.backends.deepep.received import received_rows
 
 
-def send(comm, x, topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor):
+def send(comm, x, topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor,
+         async_finish: bool = False):
     """``Buffer.dispatch`` of ``x`` (``[T1, H]`` bf16 or DeepEP's fp8 pair, padded by
     the caller) at the worst-case token count N: ``(recv_x, recv_ids_NK, recv_weights_NK,
     handle)``, the ids local to this rank (-1: another rank's expert, a skipped slot,
     padding). An idle rank hands DeepEP one row routed nowhere: no kernel sees an empty
-    tensor, and the rank joins the exchange."""
+    tensor, and the rank joins the exchange. ``async_finish``: DeepEP's kernels left
+    running on its communication stream, which the caller must wait for."""
     padded = max(topk_ids_TK.shape[0], 1)
     ids_TK = pad_tokens(topk_ids_TK.to(comm.topk_idx_dtype), padded, -1)
     weights_TK = pad_tokens(topk_weights_TK.float(), padded, 0)
@@ -59,7 +61,8 @@ def send(comm, x, topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor):
         x, topk_idx=ids_TK, topk_weights=weights_TK, num_tokens_per_rank=per_rank,
         num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert,
-        num_worst_tokens=comm.ep_size * comm.max_tokens_per_rank, config=comm.dispatch_config)
+        num_worst_tokens=comm.ep_size * comm.max_tokens_per_rank, config=comm.dispatch_config,
+        async_finish=async_finish)
     return recv_x, recv_ids_NK, recv_weights_NK, handle
 
 
