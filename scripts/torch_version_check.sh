@@ -21,6 +21,7 @@ TESTS=(
   tests/test_experts_backward.py
   tests/test_explain.py
   tests/test_chunked_tokens.py::test_independent_work_splits_between_dispatch_and_combine
+  tests/test_deepep_emulated.py::test_tokens_in_flight_match_single_process
   tests/test_eager_call.py
   tests/test_grouped_mm_quant.py
   tests/test_flashinfer_experts.py::test_weights_are_prepared_once_per_version

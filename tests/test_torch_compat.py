@@ -147,6 +147,15 @@ def test_functional_collectives_take_the_group_by_name(world_of_one):
         functional.reduce_scatter_tensor(x, "sum", 1, name)), x)
 
 
+def test_wait_tensor_calls_what_is_registered_in_flight():
+    x, arrivals = torch.arange(4.0), []
+    torch_compat.register_in_flight(x, lambda: arrivals.append("arrived"))
+    assert arrivals == []
+    assert torch_compat.c10d_functional.wait_tensor(x) is x and arrivals == ["arrived"]
+    torch_compat.c10d_functional.wait_tensor(x)  # waited once: nothing registered now
+    assert arrivals == ["arrived"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mm_by_rows_and_by_contraction(dtype):
     # The CPU kernels (torch 2.11 on): the CPU backend and the gradients run on them.

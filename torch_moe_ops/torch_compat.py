@@ -35,6 +35,7 @@ lookup_backend           2.11, 2.13  test_lookup_backend_runs_a_graph
 op_calls_intercepted     2.11, 2.13  test_op_calls_intercepted_by_modes_transforms_and_profiler
 packet_name              2.11, 2.13  test_packet_name
 profiler_enabled         2.11, 2.13  test_profiler_enabled_follows_the_profiler
+register_in_flight       2.11, 2.13  test_wait_tensor_calls_what_is_registered_in_flight
 register_ordered_effect  2.11, 2.13  test_ordered_effect_threads_a_token_through_the_traced_op
 resolve_process_group    2.11, 2.13  test_resolve_process_group
 saved_tensor_hooks_off   2.11, 2.13  test_saved_tensor_hooks_off_while_compiling
@@ -63,6 +64,8 @@ runs them, tests/test_torch_compat.py and the import tests included):
   sm90 alone, so on the CPU a stand-in checked by torch's meta kernel takes its place.
 - backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
   version" tests of tests/test_flashinfer_experts.py.
+- backends/deepep/in_flight.py (register_in_flight): tests/test_deepep_emulated.py
+  (its tokens in flight).
 - lowering/explain.py (compiled_module, discard_compiled): tests/test_explain.py.
 - lowering/overlap.py (linear_targets): tests/test_chunked_tokens.py.
 - lowering/rewrite.py (OpOverload, OpOverloadPacket, packet_name) and
@@ -93,9 +96,9 @@ __all__ = ["TESTED_ON", "FakeTensor", "FunctionalTensor", "FunctionalTensorMode"
            "checkpoint_wrapper", "compiled_module", "discard_compiled", "flatten_mesh",
            "fsdp_shard_placement", "grouped_mm", "has_scaled_grouped_mm", "inductor_compiler",
            "linear_targets", "lookup_backend", "op_calls_intercepted", "packet_name",
-           "profiler_enabled", "register_ordered_effect", "resolve_process_group",
-           "saved_tensor_hooks_off",
-           "scaled_grouped_mm", "schema", "tensor_version"]
+           "profiler_enabled", "register_in_flight", "register_ordered_effect",
+           "resolve_process_group", "saved_tensor_hooks_off", "scaled_grouped_mm", "schema",
+           "tensor_version"]
 
 # torch's functional collectives (all_to_all_single, all_gather_into_tensor,
 # reduce_scatter_tensor, all_reduce, wait_tensor): they take the group by name,
@@ -285,6 +288,19 @@ def op_calls_intercepted() -> bool:
             or torch._C._functorch.peek_interpreter_stack() is not None
             or torch.autograd.forward_ad._current_level >= 0
             or torch._C._get_tracing_state() is not None or profiler_enabled())
+
+
+def register_in_flight(tensor: torch.Tensor, arrived) -> None:
+    """Make the next ``_c10d_functional.wait_tensor(tensor)`` (the wait of a functional
+    collective, a node of traced graphs) call ``arrived()``, as it waits for a collective's
+    work: for a transfer issued outside torch.distributed whose result ``tensor`` is."""
+    from torch._C import _distributed_c10d
+
+    def wait(timeout):
+        arrived()
+        return True
+
+    _distributed_c10d._register_work(tensor, _distributed_c10d.PythonCallbackWork(wait))
 
 
 def profiler_enabled() -> bool:

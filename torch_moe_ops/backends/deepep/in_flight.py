@@ -8,7 +8,8 @@ run on its communication stream, which first waits for the current one. Behind t
 that stream, the received ids and weights are packed into the routing columns
 (`common.transport.token_routing`, the ids global again, so that ``dispatch_tokens_finish``
 is every transport's `token_routing.finish_dispatch`), and an event marks the end. Each
-output is registered with torch.distributed as in flight (`arriving`): the graph's
+output is registered with torch.distributed as in flight (`_arriving`,
+`torch_compat.register_in_flight`): the graph's
 ``_c10d_functional.wait_tensor`` node, the same wait a functional collective gets, makes
 the current stream wait for that event, and Inductor and CUDA graphs treat it as they
 treat a collective's. ``combine_tokens_start`` likewise runs ``Buffer.combine`` of one
@@ -29,8 +30,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch._C._distributed_c10d as c10d
 
+from torch_moe_ops import torch_compat
 from torch_moe_ops.backends.common.transport.token_routing import routing_columns
 from torch_moe_ops.backends.deepep import normal
 from torch_moe_ops.backends.deepep.buffer import answering, dispatching
@@ -50,17 +51,16 @@ def _arriving(device: torch.device, *in_flight: torch.Tensor) -> None:
     communication stream) so that a ``wait_tensor`` of each makes the stream then current
     wait for that work, as for a functional collective's result."""
     if device.type != "cuda":
-        def arrived(timeout):
-            return True
+        def arrived():
+            pass
     else:
         done = torch.cuda.Event()
         done.record()
 
-        def arrived(timeout):
+        def arrived():
             torch.cuda.current_stream().wait_event(done)
-            return True
     for tensor in in_flight:
-        c10d._register_work(tensor, c10d.PythonCallbackWork(arrived))
+        torch_compat.register_in_flight(tensor, arrived)
 
 
 def dispatch_tokens_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, ep_size,
