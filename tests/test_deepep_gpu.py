@@ -5,9 +5,10 @@ DeepEP's normal and low-latency modes, with one rank idle, in a captured CUDA gr
 replayed on new inputs, and as the a2a of a `MoE` compiled by Inductor (forward and
 backward, through the rows format; and forward under ``mode="reduce-overhead"``, through
 the masked format at decode size and the tokens format where low-latency mode cannot run
-it). The tokens format on DeepEP's normal mode (``dispatch_tokens ->
-moe_reference::experts -> combine_tokens``) against the same reference at two token
-counts (one where rows would take the low-latency kernels), with one rank idle, and
+it, whole and in 2 chunks in flight). The tokens format on DeepEP's normal mode
+(``dispatch_tokens -> moe_reference::experts -> combine_tokens``) against the same
+reference at two token counts (one where rows would take the low-latency kernels), with
+one rank idle, and
 captured in a CUDA graph replayed on new inputs; the same chain in flight
 (``dispatch_tokens_start``, the functional collectives' wait, ``combine_tokens_start``)
 likewise. The masked format on DeepEP's
@@ -74,6 +75,7 @@ M_NORMAL, M_LOW_LATENCY = 8, 6
 M_NOT_LOW_LATENCY = deepep.LOW_LATENCY_MAX_TOKENS + 1
 STATIC = ("silu", 1.702, 7.0)
 TOKENS_OPS = ("moe_deepep::dispatch_tokens", "moe_deepep::combine_tokens")
+IN_FLIGHT_OPS = ("moe_deepep::dispatch_tokens_start", "moe_deepep::combine_tokens_start")
 MASKED_OPS = ("moe_deepep::dispatch_masked", "moe_deepep::combine_masked")
 # The experts backends that read the masked format, each on DeepEP's blocks as they arrive.
 MASKED_EXPERTS = ("moe_reference", "moe_triton", "moe_grouped_mm")
@@ -228,16 +230,17 @@ def _check_module(rank, max_tokens):
                         getattr(single, name).grad[local.start:local.stop])
 
 
-def _check_reduce_overhead(rank, max_tokens, served_ops):
+def _check_reduce_overhead(rank, max_tokens, served_ops, **options):
     """`MoE` compiled by Inductor with ``a2a="deepep"`` and ``mode="reduce-overhead"``
     (CUDA graphs: warm-up, one recording, replays) for inference, through the format whose
-    transport ops are ``served_ops`` (masked at decode sizes, else tokens), against the
-    single-process `MoE`."""
+    transport ops are ``served_ops`` (masked at decode sizes, else tokens; in flight with
+    ``chunks=``), against the single-process `MoE`."""
     single, sharded = _single_and_sharded(max_tokens, seed=6)
     device = single.w13.device
     sequences = []
     compiled = torch.compile(sharded, backend=recording_backend(sequences, a2a="deepep",
-                                                                mode="reduce-overhead"),
+                                                                mode="reduce-overhead",
+                                                                **options),
                              fullgraph=True, dynamic=False)
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -273,8 +276,11 @@ def _run_normal(rank, world_size):
     _check_graph(rank, "normal", M_NORMAL)
     # A layer that trains where low-latency mode cannot run it: rows, on normal mode.
     _check_module(rank, M_NOT_LOW_LATENCY)
-    # Without gradients, where low-latency mode cannot run it: tokens, on normal mode.
+    # Without gradients, where low-latency mode cannot run it: tokens, on normal mode; and
+    # in 2 chunks, each transfer in flight on DeepEP's stream until the graph's wait.
     _check_reduce_overhead(rank, M_NOT_LOW_LATENCY, TOKENS_OPS)
+    _check_reduce_overhead(rank, M_NOT_LOW_LATENCY, IN_FLIGHT_OPS, chunks=2)
+    assert all(not comm.in_flight for comm in deepep.open_communicators())
     _no_handles_left()
     # Collective: on every rank, and only once every rank got here.
     deepep.close_all()
