@@ -8,16 +8,15 @@ the masked format at decode size and the tokens format where low-latency mode ca
 it, whole and in 2 chunks in flight). The tokens format on DeepEP's normal mode
 (``dispatch_tokens -> moe_reference::experts -> combine_tokens``) against the same
 reference at two token counts (one where rows would take the low-latency kernels), with
-one rank idle, and
-captured in a CUDA graph replayed on new inputs; the same chain in flight
-(``dispatch_tokens_start``, the functional collectives' wait, ``combine_tokens_start``)
-likewise. The masked format on DeepEP's
-low-latency mode (``dispatch_masked -> experts_masked -> combine_masked``, with each
-experts backend that reads it: reference, triton, grouped_mm) against the same reference,
-one rank idle, and captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and
-their scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``) against
-dispatch then quantize, and quantized `MoE` layers compiled with ``a2a="deepep"``
-against one GPU holding every expert (in low-latency mode, fp8 masked blocks where
+one rank idle, and captured in a CUDA graph replayed on new inputs; the same chain in
+flight (``dispatch_tokens_start``, the functional collectives' wait,
+``combine_tokens_start``) likewise. The masked format on DeepEP's low-latency mode
+(``dispatch_masked -> experts_masked -> combine_masked``, with each experts backend that
+reads it: reference, triton, grouped_mm) against the same reference, one rank idle, and
+captured in a CUDA graph replayed on new inputs. Quantized layers: fp8 rows and their
+scales through DeepEP's fp8 dispatch (``moe_deepep::dispatch_quant``) against dispatch then
+quantize, and quantized `MoE` layers compiled with ``a2a="deepep"`` against one GPU
+holding every expert (in low-latency mode, fp8 masked blocks where
 DeepEP's cast takes the format: ``dispatch_masked_quant -> experts_masked_quant``).
 
 Legend: P ranks, T tokens of one rank, N tokens of all ranks, H hidden size,
