@@ -69,6 +69,11 @@ class _Builder:
         return [self.call(operator.getitem, node, i) for i in range(count)]
 
 
+def chunk_tokens(max_tokens_per_rank: int, chunks: int) -> int:
+    """M of one chunk: the tokens of one rank's window, ``ceil(M / chunks)``."""
+    return -(-max_tokens_per_rank // chunks)
+
+
 def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
                     dispatch_args: tuple, a2a_namespace: str, experts_op, expert_args: tuple,
                     chunks: int) -> None:
@@ -79,8 +84,7 @@ def lower_in_chunks(gm: fx.GraphModule, chain: tuple[fx.Node, fx.Node, fx.Node],
     backend's tokens op) takes after the routing."""
     dispatch, experts, combine = chain
     hidden, topk_weights, topk_ids, num_experts, ep_size, group_name, max_tokens = dispatch_args
-    chunk_tokens = -(-max_tokens // chunks)
-    ep_args = (num_experts, ep_size, group_name, chunk_tokens)
+    ep_args = (num_experts, ep_size, group_name, chunk_tokens(max_tokens, chunks))
     build = _Builder(gm.graph, combine, meta_key(dispatch), fake_value(hidden).fake_mode)
 
     def op(name):

@@ -47,7 +47,7 @@ from torch_moe_ops.backends.registry import (
 )
 from torch_moe_ops.config import BackendSpec
 from torch_moe_ops.lowering.graph_values import fake_value, meta_key
-from torch_moe_ops.lowering.overlap import has_independent_work, lower_in_chunks
+from torch_moe_ops.lowering.overlap import chunk_tokens, has_independent_work, lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
 from torch_moe_ops.ops.library import full_args, named_args, op_overload
@@ -160,7 +160,10 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     plans = layer_plans(gm, spec)
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
-            plan.a2a.prepare(plan.format, plan.mode, *_example_args(node)[:7])
+            # The transport's state for the size it moves: each chunk's M where chunked.
+            *layer_args, max_tokens = _example_args(node)[:7]
+            plan.a2a.prepare(plan.format, plan.mode, *layer_args,
+                             chunk_tokens(max_tokens, plan.chunks))
     chains = _lower_chains(gm, plans)
     changed = bool(chains)
     for node, plan in plans.items():

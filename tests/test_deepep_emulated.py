@@ -368,16 +368,24 @@ def _check_in_flight(rank, world_size, deepep, inner, chunks, shared, tokens_per
     mine = token_slice(tokens_per_rank, rank)
     options = {"chunks": chunks} if chunks > 1 else {"overlap": True}
     backend = tmo.backend(inner=inner, a2a="deepep", experts="reference", **options)
-    lowered = []
+    lowered, prepared = [], []
 
     def recording(gm, example_inputs):
         compiled = backend(gm, example_inputs)  # lowers gm in place
         lowered.append(gm)
         return compiled
 
-    compiled = torch.compile(sharded, fullgraph=True, backend=recording)
-    with torch.no_grad():
-        check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
+    deepep_a2a = REGISTRY.a2a["deepep"]
+    # The communicator is opened when the layer is compiled, for the M each chunk moves.
+    REGISTRY.a2a["deepep"] = dataclasses.replace(deepep_a2a, prepare=lambda *args: (
+        prepared.append(args[-1]), deepep_a2a.prepare(*args)))
+    try:
+        compiled = torch.compile(sharded, fullgraph=True, backend=recording)
+        with torch.no_grad():
+            check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
+    finally:
+        REGISTRY.a2a["deepep"] = deepep_a2a
+    assert prepared == [-(-max_tokens // chunks)], prepared
     ops = moe_op_sequence(lowered[-1]).splitlines()
     assert ops.count("moe_deepep::dispatch_tokens_start") == chunks, ops
     assert ops.count("moe_deepep::combine_tokens_start") == chunks, ops
