@@ -587,11 +587,12 @@ def _resumed(report: dict, stem: Path) -> dict:
     if not path.exists():
         return report
     earlier = json.loads(path.read_text())
-    settings = {**earlier["run"], "precision": earlier["precision"],
-                "compiled": earlier["compiled"]}
-    differ = {key: (value, report["run"].get(key, report.get(key)))
-              for key, value in settings.items()
-              if value != report["run"].get(key, report.get(key))}
+    def settings(of):
+        return {**of["run"], "precision": of["precision"], "compiled": of["compiled"]}
+
+    now = settings(report)
+    differ = {key: (was, now.get(key)) for key, was in settings(earlier).items()
+              if was != now.get(key)}
     if differ:
         raise ValueError(f"--resume: {path} is another run ("
                          + ", ".join(f"{key} {was!r} there, {now!r} here"
