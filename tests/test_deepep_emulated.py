@@ -357,9 +357,10 @@ def _in_flight_layers(world_size, max_tokens, shared):
 
 
 def _check_in_flight(rank, world_size, deepep, inner, chunks, shared, tokens_per_rank,
-                     max_tokens):
-    """A layer compiled with ``a2a="deepep"`` whose tokens move in flight (in ``chunks``, or
-    with ``overlap=True`` around its shared experts) equals the single-process layer; its
+                     max_tokens, dynamic=None):
+    """A layer compiled with ``a2a="deepep"`` (and ``dynamic``) whose tokens move in flight
+    (in ``chunks``, or with ``overlap=True`` around its shared experts) equals the
+    single-process layer; its
     lowered graph issues each chunk's dispatch and combine and waits for them, and no
     chunk stays in flight after the call."""
     single, sharded = _in_flight_layers(world_size, max_tokens, shared)
@@ -380,7 +381,7 @@ def _check_in_flight(rank, world_size, deepep, inner, chunks, shared, tokens_per
     REGISTRY.a2a["deepep"] = dataclasses.replace(deepep_a2a, prepare=lambda *args: (
         prepared.append(args[-1]), deepep_a2a.prepare(*args)))
     try:
-        compiled = torch.compile(sharded, fullgraph=True, backend=recording)
+        compiled = torch.compile(sharded, fullgraph=True, backend=recording, dynamic=dynamic)
         with torch.no_grad():
             check_bf16_out(compiled(x_NH[mine]), single(x_NH)[mine])
     finally:
@@ -412,6 +413,10 @@ def _in_flight_cases(rank, world_size):
         for chunks in (2, 3):
             _check_in_flight(rank, world_size, deepep, inner, chunks, False, tokens_per_rank,
                              M_NORMAL)
+    # dynamic=True: ranks of 0 and 1 tokens (graphs of their own) issue the same transfers.
+    for tokens in ((5, 0), (1, 6), (0, 1)):
+        _check_in_flight(rank, world_size, deepep, "aot_eager", 2, False, tokens, M_NORMAL,
+                         dynamic=True)
     # The shared experts under the transfer: prefill sizes (`plan.IN_FLIGHT_TOKENS`).
     _check_in_flight(rank, world_size, deepep, "inductor", 1, True, (600, 900),
                      plan.IN_FLIGHT_TOKENS)
