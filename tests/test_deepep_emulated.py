@@ -360,9 +360,8 @@ def _check_in_flight(rank, world_size, deepep, inner, chunks, shared, tokens_per
                      max_tokens, dynamic=None):
     """A layer compiled with ``a2a="deepep"`` (and ``dynamic``) whose tokens move in flight
     (in ``chunks``, or with ``overlap=True`` around its shared experts) equals the
-    single-process layer; its
-    lowered graph issues each chunk's dispatch and combine and waits for them, and no
-    chunk stays in flight after the call."""
+    single-process layer; its lowered graph issues each chunk's dispatch and combine and
+    waits for them, and no chunk stays in flight after the call."""
     single, sharded = _in_flight_layers(world_size, max_tokens, shared)
     x_NH = torch.randn(sum(tokens_per_rank), IN_FLIGHT_H,
                        generator=torch.Generator().manual_seed(9)).bfloat16()
