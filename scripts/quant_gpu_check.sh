@@ -3,7 +3,10 @@
 # tests/test_triton_quant.py, tests/test_grouped_mm_quant.py, tests/test_quant.py,
 # tests/test_dispatch_quant.py, tests/test_checkpoints.py, tests/test_hf_quant.py,
 # tests/test_bench_experts.py and tests/test_peer_triton_kernels.py, those that exist;
-# TESTS=0 skips them, TEST_SECONDS bounds them), then benchmarks/bench_experts.py once
+# TESTS=0 skips them, TEST_SECONDS bounds them), with TUNE=1 the Triton configs of
+# SHAPES x FORMATS tuned at TUNE_TOKENS (default TOKENS; benchmarks/tune_shapes.py,
+# bounded by TUNE_SECONDS) and used by the benchmark ($OUT/tuned.tgz brings them back),
+# then benchmarks/bench_experts.py once
 # per shape of SHAPES (default the five) with --formats $FORMATS --tokens $TOKENS
 # --peers $PEERS $BENCH_ARGS (BENCH=0 skips it), each run bounded by SHAPE_SECONDS and
 # by what is left of BUDGET_SECONDS since the start (none started with less than a
@@ -46,6 +49,17 @@ if [ "${TESTS:-1}" = 1 ]; then
   tests="rc=$rc: $(tail -1 "$work/quant_tests.log")"
   # 5: no GPU test collected in the files that exist.
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1
+fi
+if [ "${TUNE:-0}" = 1 ]; then
+  tuned=$(mktemp -d)
+  shapes=${SHAPES:-mixtral-8x7b deepseek-v3 qwen3-30b-a3b olmoe gpt-oss-20b}
+  timeout -k 10 "${TUNE_SECONDS:-300}" python3 benchmarks/tune_shapes.py --out "$tuned" \
+    --shapes "${shapes// /,}" --formats "${FORMATS:-bf16,fp8_block,fp8_channel,mxfp4}" \
+    --tokens "${TUNE_TOKENS:-${TOKENS:-1,16,4096,16384}}" 2>&1 | tee "$work/tune.log" \
+    | grep -E "^(==|M=)" | tail -60
+  # One archive: few files come back from a call, and none whose name holds '=' or ','.
+  tar czf "$OUT/tuned.tgz" -C "$tuned" .
+  cp "$tuned"/*.json torch_moe_ops/backends/triton/configs/ 2>/dev/null
 fi
 bench=""
 if [ "${BENCH:-1}" = 1 ]; then

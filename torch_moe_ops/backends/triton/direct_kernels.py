@@ -16,14 +16,16 @@ needs 16 rows), and a down program sums all K slots of its token in fp32 in a
 fixed order, so the output needs no third kernel and no float atomics.
 
 Quantized weights (``WEIGHT_FORMAT``, `quant_tiles`) are read as stored, fp8
-bytes or packed MXFP4, each byte once. Weight-only formats widen them to fp32 in
-registers. With fp8 activations (w8a8, ``ACT_FORMAT``) fp8 meets fp8 in the
-tensor cores instead: the slot's row is the first of a 16-row tile (``tl.dot``
-takes no fewer rows) whose other rows are zeros, and the product's rows are
-summed, which is that row exactly. Widening every fp8 weight to fp32 made the
-kernels convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
-DeepSeek-V3 widths); the tensor cores convert nothing. With both 0 the kernels
-compile to the unquantized ones.
+bytes or packed MXFP4, each byte once. fp8 weights with activations in their
+own dtype (W8A16) are widened to fp32 in registers. With fp8 activations (w8a8,
+``ACT_FORMAT``), and with MXFP4 weights, the product runs on the tensor cores
+instead: the slot's row is the first of a 16-row tile (``tl.dot`` takes no
+fewer rows) whose other rows are zeros, and the product's rows are summed,
+which is that row exactly. Widening every fp8 weight to fp32 made the kernels
+convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
+DeepSeek-V3 widths), and decoding MXFP4 with integer arithmetic more so (9x);
+``tl.dot_scaled`` decodes MXFP4 beside the tensor cores (`quant_tiles._mxfp4_dot`).
+With both 0 the kernels compile to the unquantized ones.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch_moe_ops.backends.triton.quant_tiles import (
     _activation_scales,
     _fp8_weight_scales,
     _mma,
-    _mxfp4_row_dot,
+    _mxfp4_dot,
     _scale_after_loop,
 )
 
@@ -86,31 +88,33 @@ def moe_direct_gate_up_kernel(
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if WEIGHT_FORMAT == MXFP4:
+        ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
-        x_ptrs = hidden_ptr + token * stride_hidden_t + 2 * ps * stride_hidden_h
-        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
-                     + ps[None, :] * stride_w13_h)
+        x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
+                     + ps[:, None] * stride_w13_h)
         gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_f
                            + gs[None, :] * stride_ws_h)
+        gate_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+        up_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
         for k in range(tl.cdiv(hidden_size, BLOCK_K)):
             left = hidden_size - k * BLOCK_K
-            p_ok = ps < left // 2
-            x_even = tl.load(x_ptrs, mask=p_ok, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptrs + stride_hidden_h, mask=p_ok, other=0.0).to(tl.float32)
-            w_ok = col_ok[:, None] & p_ok[None, :]
+            x_MK = _row_tile(x_ptrs, ks < left)
+            w_ok = (ps < left // 2)[:, None] & col_ok[None, :]
             s_ok = col_ok[:, None] & (gs < left // 32)[None, :]
-            gate += _mxfp4_row_dot(x_even, x_odd, tl.load(gate_ptrs, mask=w_ok, other=0),
-                                   tl.load(gate_scale_ptrs, mask=s_ok, other=0), BLOCK_K,
-                                   BLOCK_N)
-            up += _mxfp4_row_dot(x_even, x_odd,
-                                 tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok,
-                                         other=0),
-                                 tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
-                                         other=0), BLOCK_K, BLOCK_N)
+            gate_MN = _mxfp4_dot(gate_MN, x_MK, tl.load(gate_ptrs, mask=w_ok, other=0),
+                                 tl.load(gate_scale_ptrs, mask=s_ok, other=0), "ieee")
+            up_MN = _mxfp4_dot(up_MN, x_MK,
+                               tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok,
+                                       other=0),
+                               tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
+                                       other=0), "ieee")
             x_ptrs += BLOCK_K * stride_hidden_h
             gate_ptrs += (BLOCK_K // 2) * stride_w13_h
             gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+        gate = tl.sum(gate_MN, axis=0)
+        up = tl.sum(up_MN, axis=0)
     elif ACT_FORMAT != 0:
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
@@ -240,30 +244,32 @@ def moe_direct_down_sum_kernel(
     # K experts at once, so one program keeps K weight tiles in flight instead of
     # walking its experts one after the other.
     if WEIGHT_FORMAT == MXFP4:
+        ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
-        for k in range(tl.cdiv(inter_size, BLOCK_K)):
-            for j in tl.static_range(TOP_K):
-                slot = token * TOP_K + j
-                expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-                # A skipped slot's inter row was never written: no column of it is read.
-                left = tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
-                p_ok = ps < left // 2
-                a_ptrs = inter_ptr + slot * stride_inter_s + (k * BLOCK_K + 2 * ps) * stride_inter_i
-                a_even = tl.load(a_ptrs, mask=p_ok, other=0.0).to(tl.float32)
-                a_odd = tl.load(a_ptrs + stride_inter_i, mask=p_ok, other=0.0).to(tl.float32)
-                if HAS_WEIGHTS:
-                    weight = tl.load(weights_ptr + slot).to(tl.float32)
-                    a_even *= weight
-                    a_odd *= weight
-                expert = tl.maximum(expert, 0)
-                packed = tl.load(w2_ptr + expert * stride_w2_e + cols[:, None] * stride_w2_h
-                                 + (k * BLOCK_K // 2 + ps)[None, :] * stride_w2_i,
-                                 mask=col_ok[:, None] & p_ok[None, :], other=0)
+        acc_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+        # Slots outside, K inside, as with fp8 activations below; each slot's sum
+        # takes its routing weight before it joins the token's.
+        for j in range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
+            slot_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+            # A skipped slot's inter row was never written: no column of it is read.
+            for k in range(tl.cdiv(tl.where(expert >= 0, inter_size, 0), BLOCK_K)):
+                left = inter_size - k * BLOCK_K
+                a_MK = _row_tile(inter_ptr + slot * stride_inter_s
+                                 + (k * BLOCK_K + ks) * stride_inter_i, ks < left)
+                packed = tl.load(w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
+                                 + (k * BLOCK_K // 2 + ps)[:, None] * stride_w2_i,
+                                 mask=(ps < left // 2)[:, None] & col_ok[None, :], other=0)
                 scales = tl.load(w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
                                  + (k * BLOCK_K // 32 + gs)[None, :] * stride_ws_i,
                                  mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0)
-                acc += _mxfp4_row_dot(a_even, a_odd, packed, scales, BLOCK_K, BLOCK_N)
+                slot_MN = _mxfp4_dot(slot_MN, a_MK, packed, scales, "ieee")
+            if HAS_WEIGHTS:
+                slot_MN *= tl.load(weights_ptr + slot).to(tl.float32)
+            acc_MN += slot_MN
+        acc = tl.sum(acc_MN, axis=0)
     elif ACT_FORMAT != 0:
         ks = tl.arange(0, BLOCK_K)
         acc_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)

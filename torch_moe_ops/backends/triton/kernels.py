@@ -107,28 +107,25 @@ def moe_gate_up_act_kernel(
     # The gate and up columns of one tile are I rows apart in w13: one program
     # computes both so the activation is applied before anything is stored.
     if WEIGHT_FORMAT == MXFP4:
+        ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
-        a_ptrs = (hidden_ptr + rows[:, None] * stride_hidden_t
-                  + (2 * ps)[None, :] * stride_hidden_h)
+        a_ptrs = hidden_ptr + rows[:, None] * stride_hidden_t + ks[None, :] * stride_hidden_h
         gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
                      + ps[:, None] * stride_w13_h)
-        gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[None, :] * stride_ws_f
-                           + gs[:, None] * stride_ws_h)
+        gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_f
+                           + gs[None, :] * stride_ws_h)
         for k in range(tl.cdiv(hidden_size, BLOCK_K)):
             left = hidden_size - k * BLOCK_K
-            a_ok = slot_ok[:, None] & (ps < left // 2)[None, :]
-            a_even = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            a_odd = tl.load(a_ptrs + stride_hidden_h, mask=a_ok, other=0.0)
+            a = tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left)[None, :], other=0.0)
             w_ok = (ps < left // 2)[:, None] & col_ok[None, :]
-            s_ok = (gs < left // 32)[:, None] & col_ok[None, :]
-            gate = _mxfp4_dot(gate, a_even, a_odd, tl.load(gate_ptrs, mask=w_ok, other=0),
-                              tl.load(gate_scale_ptrs, mask=s_ok, other=0), BLOCK_K, BLOCK_N,
-                              DOT_PRECISION)
-            up = _mxfp4_dot(up, a_even, a_odd,
+            s_ok = col_ok[:, None] & (gs < left // 32)[None, :]
+            gate = _mxfp4_dot(gate, a, tl.load(gate_ptrs, mask=w_ok, other=0),
+                              tl.load(gate_scale_ptrs, mask=s_ok, other=0), DOT_PRECISION)
+            up = _mxfp4_dot(up, a,
                             tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok, other=0),
                             tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
-                                    other=0), BLOCK_K, BLOCK_N, DOT_PRECISION)
+                                    other=0), DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_hidden_h
             gate_ptrs += (BLOCK_K // 2) * stride_w13_h
             gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
@@ -213,23 +210,21 @@ def moe_down_weighted_kernel(
         return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if WEIGHT_FORMAT == MXFP4:
+        ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
-        a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + (2 * ps)[None, :] * stride_inter_i
+        a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
         w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
                   + ps[:, None] * stride_w2_i)
-        scale_ptrs = (w2_scale_ptr + expert * stride_ws_e + cols[None, :] * stride_ws_h
-                      + gs[:, None] * stride_ws_i)
+        scale_ptrs = (w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
+                      + gs[None, :] * stride_ws_i)
         for k in range(tl.cdiv(inter_size, BLOCK_K)):
             left = inter_size - k * BLOCK_K
-            a_ok = slot_ok[:, None] & (ps < left // 2)[None, :]
-            a_even = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            a_odd = tl.load(a_ptrs + stride_inter_i, mask=a_ok, other=0.0)
             acc = _mxfp4_dot(
-                acc, a_even, a_odd,
+                acc, tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left)[None, :], other=0.0),
                 tl.load(w_ptrs, mask=(ps < left // 2)[:, None] & col_ok[None, :], other=0),
-                tl.load(scale_ptrs, mask=(gs < left // 32)[:, None] & col_ok[None, :], other=0),
-                BLOCK_K, BLOCK_N, DOT_PRECISION)
+                tl.load(scale_ptrs, mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0),
+                DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_inter_i
             w_ptrs += (BLOCK_K // 2) * stride_w2_i
             scale_ptrs += (BLOCK_K // 32) * stride_ws_i

@@ -12,9 +12,10 @@ BLOCK_K), P = BK / 2 packed bytes, G = BK / 32 MXFP4 scale groups.
     mxfp4        w[n, k] = e2m1(nibble k % 2 of q[n, k // 2]) * 2 ** (s[e, n, k // 32] - 127)
     activations  x[m, k] = q[m, k] * a[m] (fp8_token) or * a[m, k // bk] (fp8_group)
 
-A K tile of MXFP4 weights is read as its packed bytes ``[P, BN]`` and decoded
-into two tiles, the even and the odd K columns, which multiply the even and
-the odd columns of the activations: no interleaving in registers.
+A K tile of MXFP4 weights is read as its packed bytes ``[P, BN]`` with its
+scales ``[BN, G]``, the operands of ``tl.dot_scaled`` (`_mxfp4_dot`); the
+decoded tile has the activations' dtype. `dequant` decodes whole matrices
+with the same bit arithmetic as the fp32 path (`_mxfp4_tiles`).
 """
 
 from __future__ import annotations
@@ -159,18 +160,27 @@ def _scale_after_loop(acc, row_scale, col_scale, WEIGHT_FORMAT: tl.constexpr,
 
 
 @triton.jit
-def _mxfp4_dot(acc, a_even, a_odd, packed, scales, BLOCK_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc`` plus one K tile's product of activations (their even and odd
-    columns, ``[M, P]`` each) with MXFP4 weights (``packed [P, BN]``, ``scales [G, BN]``)."""
-    w_even, w_odd = _mxfp4_tiles(packed, scales, a_even.dtype, 0, BLOCK_K // 2, BLOCK_N)
-    acc = tl.dot(a_even, w_even, acc, input_precision=DOT_PRECISION)
-    return tl.dot(a_odd, w_odd, acc, input_precision=DOT_PRECISION)
+def _mxfp4_dot(acc, a, packed, scales, DOT_PRECISION: tl.constexpr):
+    """``acc`` plus one K tile's ``a [M, BK] @ w [BK, BN]`` of MXFP4 weights:
+    ``packed [P, BN]`` uint8 (K column 2p in the low nibble of byte p, 2p + 1
+    in the high one) and ``scales [BN, G]`` e8m0 bytes.
 
-
-@triton.jit
-def _mxfp4_row_dot(x_even, x_odd, packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[BN]`` fp32: one activation row (its even and odd columns, ``[P]`` fp32
-    each) times an MXFP4 weight tile (``packed [BN, P]``, ``scales [BN, G]``)."""
-    w_even, w_odd = _mxfp4_tiles(packed, scales, tl.float32, 1, BLOCK_K // 2, BLOCK_N)
-    return tl.sum(w_even * x_even[None, :] + w_odd * x_odd[None, :], axis=1)
+    fp16 and bf16 activations meet the weights in `tl.dot_scaled`, which decodes
+    them in the registers that feed the tensor cores, a few instructions per
+    byte (decoding them with integer arithmetic made the decode kernels
+    ALU-bound: one token, H200, 9x the byte floor). The decode is exact: an
+    e2m1 value times a power of two is a bf16 value, and an fp16 one within
+    fp16's range. fp32 activations meet the weights decoded to fp32
+    (`_mxfp4_tiles`), at ``DOT_PRECISION``.
+    """
+    if a.dtype == tl.float32:
+        even, odd = _mxfp4_tiles(packed, tl.trans(scales), tl.float32, 0, packed.shape[0],
+                                 packed.shape[1])
+        # Row 2p of the K tile is the even column of byte p, row 2p + 1 the odd one.
+        w = tl.reshape(tl.permute(tl.join(even, odd), (0, 2, 1)),
+                       (2 * packed.shape[0], packed.shape[1]))
+        return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    elif a.dtype == tl.bfloat16:
+        return tl.dot_scaled(a, None, "bf16", packed, scales, "e2m1", acc)
+    else:
+        return tl.dot_scaled(a, None, "fp16", packed, scales, "e2m1", acc)

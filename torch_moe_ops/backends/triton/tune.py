@@ -42,9 +42,11 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 def direct_candidates(spec: QuantSpec | None = None):
     """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert.
-    w8a8 multiplies on the tensor cores, whose tiles are 16 columns and more."""
-    if spec is not None and spec.activations != "none":
-        shapes = itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4))
+    w8a8 and MXFP4 multiply on the tensor cores, whose tiles are 16 columns and
+    more; MXFP4's half bytes a weight also try K tiles twice as deep."""
+    if configs.direct_dots(spec):
+        depths = (128, 256, 512) if spec.weights == "mxfp4" else (128, 256)
+        shapes = itertools.product((16, 32, 64, 128), depths, (4, 8), (3, 4))
     else:
         shapes = itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,))
     for block_n, block_k, num_warps, num_stages in shapes:
@@ -57,8 +59,10 @@ def tiled_candidates(slots_per_expert: float, spec: QuantSpec | None = None):
 
     fp8 x fp8 tiles (w8a8) take half the shared memory of bf16 ones per element,
     so they also try twice as deep (short tiles) or twice as wide (tall ones), and
-    more stages in flight."""
+    more stages in flight; MXFP4 weights take a quarter of bf16's and try deeper
+    tiles too."""
     w8a8 = spec is not None and spec.activations != "none"
+    mxfp4 = spec is not None and spec.weights == "mxfp4"
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * slots_per_expert)]
     for block_m in block_ms[-2:]:
         short = block_m <= 32
@@ -66,8 +70,8 @@ def tiled_candidates(slots_per_expert: float, spec: QuantSpec | None = None):
             shapes = itertools.product((32, 64, 128) if short else (128, 256),
                                        (128, 256) if short else (128,), (4, 8), (3, 4, 5))
         else:
-            shapes = itertools.product((32, 64, 128) if short else (64, 128), (64, 128),
-                                       (4, 8), (3, 4))
+            shapes = itertools.product((32, 64, 128) if short else (64, 128),
+                                       (64, 128, 256) if mxfp4 else (64, 128), (4, 8), (3, 4))
         for block_n, block_k, num_warps, num_stages in shapes:
             yield configs.KernelConfig(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                        GROUP_M=1 if block_m == 16 else 8, num_warps=num_warps,
