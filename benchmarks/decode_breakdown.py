@@ -1,6 +1,7 @@
 """Where the time of a few-token experts call goes, kernel by kernel.
 
     python benchmarks/decode_breakdown.py [--shapes qwen3-30b-a3b,olmoe] [--tokens 1,4]
+        [--formats bf16,mxfp4]
 
 For each shape and token count, the `triton` backend's call is captured in a
 CUDA graph and timed three ways: with ``do_bench`` (whose L2 flush writes 256 MB, so the
@@ -26,6 +27,7 @@ from bench_experts import (
     make_weights,
     measure_ceilings,
 )
+from weight_formats import FORMATS, expert_weights, why_not
 
 REPLAYS = 50
 
@@ -60,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", default="1,4,16")
+    parser.add_argument("--formats", default="bf16", help=f"of {', '.join(FORMATS)}")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     flush_buffer = torch.empty(2**28, device="cuda", dtype=torch.float32)
@@ -67,24 +70,30 @@ def main() -> None:
     lines = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        weights = make_weights(shape, generator)
-        for num_tokens in map(int, args.tokens.split(",")):
-            problem = make_problem(shape, num_tokens, weights, generator)
-            floor_s = floor_seconds(shape, num_tokens, problem[2], ceilings)[0]
-            static = (shape.activation, 1.702, 7.0)
-            replay, _ = graph_timer(
-                lambda problem=problem, static=static: torch.ops.moe_triton.experts(*problem,
-                                                                                    *static))
-            write_flushed = triton.testing.do_bench(replay, return_mode="median") * 1e3
-            read_flushed = cold_median_seconds(replay, flush_buffer) * 1e6
-            kernels = kernel_us(replay, flush_buffer)
-            parts = ", ".join(f"{k[:28]} {v:.1f}" for k, v in kernels.items())
-            lines.append(f"{name:14} T={num_tokens:<5} floor {floor_s * 1e6:7.1f} us | "
-                         f"do_bench {write_flushed:7.1f} ({floor_s * 1e6 / write_flushed:4.0%}) | "
-                         f"read-flushed {read_flushed:7.1f} ({floor_s * 1e6 / read_flushed:4.0%})"
-                         f" | kernels: {parts}")
-        del weights
-        torch.cuda.empty_cache()
+        for fmt in args.formats.split(","):
+            if why_not(fmt, shape.hidden, shape.inter) is not None:
+                continue
+            float_weights = make_weights(shape, generator)
+            weights = expert_weights(fmt, *float_weights)
+            op = weights.op("moe_triton")
+            for num_tokens in map(int, args.tokens.split(",")):
+                routing = make_problem(shape, num_tokens, float_weights, generator)[:3]
+                problem = (*routing, *weights.op_args())
+                floor_s = floor_seconds(shape, num_tokens, problem[2], ceilings, weights)[0]
+                static = (shape.activation, 1.702, 7.0)
+                replay, _ = graph_timer(
+                    lambda problem=problem, static=static, op=op: op(*problem, *static))
+                write_flushed = triton.testing.do_bench(replay, return_mode="median") * 1e3
+                read_flushed = cold_median_seconds(replay, flush_buffer) * 1e6
+                kernels = kernel_us(replay, flush_buffer)
+                parts = ", ".join(f"{k[:28]} {v:.1f}" for k, v in kernels.items())
+                lines.append(
+                    f"{name:14} {fmt:11} T={num_tokens:<5} floor {floor_s * 1e6:7.1f} us | "
+                    f"do_bench {write_flushed:7.1f} ({floor_s * 1e6 / write_flushed:4.0%}) | "
+                    f"read-flushed {read_flushed:7.1f} ({floor_s * 1e6 / read_flushed:4.0%})"
+                    f" | kernels: {parts}")
+            del weights, float_weights
+            torch.cuda.empty_cache()
     print("\n".join(lines))
 
 

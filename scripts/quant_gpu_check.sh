@@ -59,7 +59,9 @@ if [ "${TUNE:-0}" = 1 ]; then
     | grep -E "^(==|M=)" | tail -60
   # One archive: few files come back from a call, and none whose name holds '=' or ','.
   tar czf "$OUT/tuned.tgz" -C "$tuned" .
-  cp "$tuned"/*.json torch_moe_ops/backends/triton/configs/ 2>/dev/null
+  # Into the config folder of the package that runs (PYTHONPATH may name another tree).
+  cp "$tuned"/*.json "$(python3 -c "from torch_moe_ops.backends.triton import configs
+print(configs.CONFIG_DIR)")" 2>/dev/null
 fi
 bench=""
 if [ "${BENCH:-1}" = 1 ]; then
