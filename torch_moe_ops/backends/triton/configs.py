@@ -38,7 +38,7 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 # The device name used for tensors off CUDA (the Triton interpreter on CPU).
 INTERPRETER_DEVICE = "cpu"
 # The kernels one call can run:
-#   direct      each slot multiplied on its own, no align: 2 launches, for a
+#   direct      each slot multiplied on its own, no align: 3 launches, for a
 #               few tokens, where each expert gets at most about one slot;
 #   tiled       align, then grouped GEMMs over expert-sorted tiles of BLOCK_M rows;
 #   grouped_mm  align, then torch._grouped_mm (bf16, sm90+); where it cannot
@@ -124,16 +124,12 @@ def block_k_limits(quant: QuantSpec | None, path: str) -> tuple[int, int | None]
     return least, divides
 
 
-def direct_dots(quant: QuantSpec | None) -> bool:
-    """Whether the direct kernels of ``quant`` multiply on the tensor cores
-    (w8a8 and MXFP4: `direct_kernels`) rather than reduce with ``tl.sum``."""
-    return quant is not None and (quant.activations != "none" or quant.weights == "mxfp4")
-
-
 def least_block_n(quant: QuantSpec | None, path: str) -> int:
-    """The narrowest ``BLOCK_N`` of ``quant``'s kernels on ``path``: ``tl.dot``
-    takes 16 columns and more; direct kernels that reduce with ``tl.sum`` any."""
-    return 1 if path == "direct" and not direct_dots(quant) else 16
+    """The narrowest ``BLOCK_N`` of ``quant``'s kernels on ``path``: w8a8's direct
+    kernels multiply on the tensor cores too, where ``tl.dot`` takes 16 columns
+    and more; the other direct kernels reduce with ``tl.sum``."""
+    w8a8 = quant is not None and quant.activations != "none"
+    return 1 if path == "direct" and not w8a8 else 16
 
 
 def fits_format(config: KernelConfig, quant: QuantSpec | None) -> bool:

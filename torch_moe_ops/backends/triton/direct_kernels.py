@@ -5,27 +5,30 @@ K experts per token, S = T * K slots, N columns of one program's output.
 
     for each slot s with e = topk_ids[s] >= 0:
         inter[s] = act(hidden[s // K] @ w13[e].T + b13[e])                 moe_direct_gate_up_kernel
-    out[t] = sum over k with e = topk_ids[t, k] >= 0 of
-             weight[t, k] * (inter[t * K + k] @ w2[e].T + b2[e])          moe_direct_down_sum_kernel
+        slot[s]  = weight[s] * (inter[s] @ w2[e].T + b2[e])                moe_direct_down_kernel
+
+(then `kernels.moe_sum_over_topk_kernel` sums each token's slots in k order).
 
 In decode each expert gets about one slot, so a grouped GEMM's tiles would be
-mostly padding and the align's three launches cost more than the kernels'
-work: here a program multiplies one slot's row by a [N, H] slice of its
-expert's weights (a matrix-vector product, reduced with tl.sum, so no tile
-needs 16 rows), and a down program sums all K slots of its token in fp32 in a
-fixed order, so the output needs no third kernel and no float atomics.
+mostly padding and the align's launches cost more than the kernels' work:
+here a program multiplies one slot's row by a [N, H] slice of its expert's
+weights (a matrix-vector product, reduced with tl.sum, so no tile needs 16
+rows). Both GEMMs give each slot programs of its own, so a token's K experts
+stream side by side on K times the SMs; the slots' rows are kept in fp32 and
+summed in a fixed order, with no float atomics. (A down program per token
+walking its K slots one after the other ran at a third of the byte rate:
+one token, H100, GPT-OSS-20B widths, bf16 30.6 us and MXFP4 72.9 us for
+16.6 and 33 MB.)
 
 Quantized weights (``WEIGHT_FORMAT``, `quant_tiles`) are read as stored, fp8
-bytes or packed MXFP4, each byte once. fp8 weights with activations in their
-own dtype (W8A16) are widened to fp32 in registers. With fp8 activations (w8a8,
-``ACT_FORMAT``), and with MXFP4 weights, the product runs on the tensor cores
-instead: the slot's row is the first of a 16-row tile (``tl.dot`` takes no
-fewer rows) whose other rows are zeros, and the product's rows are summed,
-which is that row exactly. Widening every fp8 weight to fp32 made the kernels
-convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
-DeepSeek-V3 widths), and decoding MXFP4 with integer arithmetic more so (9x);
-``tl.dot_scaled`` decodes MXFP4 beside the tensor cores (`quant_tiles._mxfp4_dot`).
-With both 0 the kernels compile to the unquantized ones.
+bytes or packed MXFP4, each byte once. Weight-only formats widen them to fp32 in
+registers. With fp8 activations (w8a8, ``ACT_FORMAT``) fp8 meets fp8 in the
+tensor cores instead: the slot's row is the first of a 16-row tile (``tl.dot``
+takes no fewer rows) whose other rows are zeros, and the product's rows are
+summed, which is that row exactly. Widening every fp8 weight to fp32 made the
+kernels convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
+DeepSeek-V3 widths); the tensor cores convert nothing. With both 0 the kernels
+compile to the unquantized ones.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from torch_moe_ops.backends.triton.quant_tiles import (
     _activation_scales,
     _fp8_weight_scales,
     _mma,
-    _mxfp4_dot,
+    _mxfp4_row_dot,
     _scale_after_loop,
 )
 
@@ -88,33 +91,31 @@ def moe_direct_gate_up_kernel(
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if WEIGHT_FORMAT == MXFP4:
-        ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
-        x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
-        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
-                     + ps[:, None] * stride_w13_h)
+        x_ptrs = hidden_ptr + token * stride_hidden_t + 2 * ps * stride_hidden_h
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
+                     + ps[None, :] * stride_w13_h)
         gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_f
                            + gs[None, :] * stride_ws_h)
-        gate_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
-        up_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
         for k in range(tl.cdiv(hidden_size, BLOCK_K)):
             left = hidden_size - k * BLOCK_K
-            x_MK = _row_tile(x_ptrs, ks < left)
-            w_ok = (ps < left // 2)[:, None] & col_ok[None, :]
+            p_ok = ps < left // 2
+            x_even = tl.load(x_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptrs + stride_hidden_h, mask=p_ok, other=0.0).to(tl.float32)
+            w_ok = col_ok[:, None] & p_ok[None, :]
             s_ok = col_ok[:, None] & (gs < left // 32)[None, :]
-            gate_MN = _mxfp4_dot(gate_MN, x_MK, tl.load(gate_ptrs, mask=w_ok, other=0),
-                                 tl.load(gate_scale_ptrs, mask=s_ok, other=0), "ieee")
-            up_MN = _mxfp4_dot(up_MN, x_MK,
-                               tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok,
-                                       other=0),
-                               tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
-                                       other=0), "ieee")
+            gate += _mxfp4_row_dot(x_even, x_odd, tl.load(gate_ptrs, mask=w_ok, other=0),
+                                   tl.load(gate_scale_ptrs, mask=s_ok, other=0), BLOCK_K,
+                                   BLOCK_N)
+            up += _mxfp4_row_dot(x_even, x_odd,
+                                 tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok,
+                                         other=0),
+                                 tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
+                                         other=0), BLOCK_K, BLOCK_N)
             x_ptrs += BLOCK_K * stride_hidden_h
             gate_ptrs += (BLOCK_K // 2) * stride_w13_h
             gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
-        gate = tl.sum(gate_MN, axis=0)
-        up = tl.sum(up_MN, axis=0)
     elif ACT_FORMAT != 0:
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
@@ -218,122 +219,109 @@ def moe_direct_gate_up_kernel(
 
 
 @triton.jit
-def moe_direct_down_sum_kernel(
-        inter_ptr, ids_ptr, weights_ptr, w2_ptr, b2_ptr, out_ptr,
+def moe_direct_down_kernel(
+        inter_ptr, ids_ptr, weights_ptr, w2_ptr, b2_ptr, slot_out_ptr,
         hidden_size, inter_size,
         stride_inter_s, stride_inter_i, stride_ids_t, stride_ids_k,
         stride_w2_e, stride_w2_h, stride_w2_i,
         stride_b2_e, stride_b2_h,
-        stride_out_t, stride_out_h,
+        stride_out_s, stride_out_h,
         x_scale_ptr, stride_xs_s, stride_xs_g,
         w2_scale_ptr, stride_ws_e, stride_ws_h, stride_ws_i,
         TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
         WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
         SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, n] for token t = program 0, columns n of program 1; zeros for a
-    token whose slots are all skipped. ``weights`` is ``[S]``, weight 1 without.
+    """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])) for slot s =
+    program 0, columns n of program 1; a skipped slot's row is not written.
+    ``weights`` is ``[S]``, weight 1 without.
 
     Quantized as `moe_direct_gate_up_kernel`, with ``inter`` and ``x_scale`` the
     quantized intermediate rows.
     """
-    token = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + (slot // TOP_K) * stride_ids_t
+                     + (slot % TOP_K) * stride_ids_k).to(tl.int64)
+    # The sum over the token's slots skips this one.
+    if expert < 0:
+        return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
+    a_row_ptr = inter_ptr + slot * stride_inter_s
+    w_ptr = w2_ptr + expert * stride_w2_e
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # The K slots are the inner, unrolled loop: each step issues the loads of all
-    # K experts at once, so one program keeps K weight tiles in flight instead of
-    # walking its experts one after the other.
     if WEIGHT_FORMAT == MXFP4:
-        ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
-        acc_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
-        # Slots outside, K inside, as with fp8 activations below; each slot's sum
-        # takes its routing weight before it joins the token's.
-        for j in range(TOP_K):
-            slot = token * TOP_K + j
-            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-            slot_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
-            # A skipped slot's inter row was never written: no column of it is read.
-            for k in range(tl.cdiv(tl.where(expert >= 0, inter_size, 0), BLOCK_K)):
-                left = inter_size - k * BLOCK_K
-                a_MK = _row_tile(inter_ptr + slot * stride_inter_s
-                                 + (k * BLOCK_K + ks) * stride_inter_i, ks < left)
-                packed = tl.load(w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
-                                 + (k * BLOCK_K // 2 + ps)[:, None] * stride_w2_i,
-                                 mask=(ps < left // 2)[:, None] & col_ok[None, :], other=0)
-                scales = tl.load(w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
-                                 + (k * BLOCK_K // 32 + gs)[None, :] * stride_ws_i,
-                                 mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0)
-                slot_MN = _mxfp4_dot(slot_MN, a_MK, packed, scales, "ieee")
-            if HAS_WEIGHTS:
-                slot_MN *= tl.load(weights_ptr + slot).to(tl.float32)
-            acc_MN += slot_MN
-        acc = tl.sum(acc_MN, axis=0)
+        a_ptrs = a_row_ptr + 2 * ps * stride_inter_i
+        w_ptrs = w_ptr + cols[:, None] * stride_w2_h + ps[None, :] * stride_w2_i
+        scale_ptrs = (w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
+                      + gs[None, :] * stride_ws_i)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            left = inter_size - k * BLOCK_K
+            p_ok = ps < left // 2
+            a_even = tl.load(a_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+            a_odd = tl.load(a_ptrs + stride_inter_i, mask=p_ok, other=0.0).to(tl.float32)
+            acc += _mxfp4_row_dot(
+                a_even, a_odd, tl.load(w_ptrs, mask=col_ok[:, None] & p_ok[None, :], other=0),
+                tl.load(scale_ptrs, mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0),
+                BLOCK_K, BLOCK_N)
+            a_ptrs += BLOCK_K * stride_inter_i
+            w_ptrs += (BLOCK_K // 2) * stride_w2_i
+            scale_ptrs += (BLOCK_K // 32) * stride_ws_i
     elif ACT_FORMAT != 0:
         ks = tl.arange(0, BLOCK_K)
         acc_MN = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
-        # Slots outside, K inside: the pipeliner buffers each load of the loop
-        # it pipelines num_stages times, and K unrolled slots' tiles in flight
-        # passed the shared memory of an H200 (T=4, DeepSeek-V3 widths: 240 KB).
-        for j in range(TOP_K):
-            slot = token * TOP_K + j
-            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-            # A skipped slot's inter row was never written: no column of it is read.
-            for k in range(tl.cdiv(tl.where(expert >= 0, inter_size, 0), BLOCK_K)):
-                k_ok = ks < inter_size - k * BLOCK_K
-                a_MK = _row_tile(inter_ptr + slot * stride_inter_s
-                                 + (k * BLOCK_K + ks) * stride_inter_i, k_ok)
-                w_KN = tl.load(w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
-                               + (k * BLOCK_K + ks)[:, None] * stride_w2_i,
-                               mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                # Each slot has scales and a weight of its own: all of them scale
-                # its tile's product before it joins the token's sum.
-                scale = _activation_scales(x_scale_ptr, slot, True, k * BLOCK_K,
-                                           stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
-                if HAS_WEIGHTS:
-                    scale *= tl.load(weights_ptr + slot).to(tl.float32)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            k_ok = ks < inter_size - k * BLOCK_K
+            a_MK = _row_tile(a_row_ptr + (k * BLOCK_K + ks) * stride_inter_i, k_ok)
+            w_KN = tl.load(w_ptr + cols[None, :] * stride_w2_h
+                           + (k * BLOCK_K + ks)[:, None] * stride_w2_i,
+                           mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            # Per K tile: fp8_group activations' and fp8_block weights' scales
+            # (`_mma`); the others are applied after the loop.
+            if ACT_FORMAT == FP8_TOKEN:
+                row_scale = 1.0
+            else:
+                row_scale = _activation_scales(x_scale_ptr, slot, True, k * BLOCK_K,
+                                               stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
+            if WEIGHT_FORMAT == FP8_BLOCK:
                 col_scale = _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
                                                stride_ws_e, stride_ws_h, stride_ws_i,
                                                WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
-                # fp8_tensor's scale is one scalar: as wide as the others' [BN].
-                col_scale += tl.zeros((BLOCK_N,), dtype=tl.float32)
-                acc_MN += tl.dot(a_MK, w_KN) * (scale * col_scale[None, :])
-        acc = tl.sum(acc_MN, axis=0)
+            else:
+                col_scale = 1.0
+            acc_MN = _mma(acc_MN, a_MK, w_KN, row_scale, col_scale, WEIGHT_FORMAT, ACT_FORMAT,
+                          "ieee")
+        acc = tl.sum(_scale_after_loop(
+            acc_MN,
+            _activation_scales(x_scale_ptr, slot, True, 0, stride_xs_s, stride_xs_g,
+                               ACT_FORMAT, SCALE_BK),
+            _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, 0, stride_ws_e, stride_ws_h,
+                               stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK),
+            WEIGHT_FORMAT, ACT_FORMAT), axis=0)
     else:
         ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_row_ptr + ks * stride_inter_i
+        w_ptrs = w_ptr + cols[:, None] * stride_w2_h + ks[None, :] * stride_w2_i
         for k in range(tl.cdiv(inter_size, BLOCK_K)):
-            for j in tl.static_range(TOP_K):
-                slot = token * TOP_K + j
-                expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-                # A skipped slot's inter row was never written: no column of it is read.
-                k_ok = ks < tl.where(expert >= 0, inter_size - k * BLOCK_K, 0)
-                a = tl.load(inter_ptr + slot * stride_inter_s
-                            + (k * BLOCK_K + ks) * stride_inter_i,
-                            mask=k_ok, other=0.0).to(tl.float32)
-                if ACT_FORMAT != 0:
-                    a *= _activation_scales(x_scale_ptr, slot, expert >= 0, k * BLOCK_K,
-                                            stride_xs_s, stride_xs_g, ACT_FORMAT, SCALE_BK)
-                if HAS_WEIGHTS:
-                    a *= tl.load(weights_ptr + slot).to(tl.float32)
-                w = tl.load(w2_ptr + tl.maximum(expert, 0) * stride_w2_e
-                            + cols[:, None] * stride_w2_h
-                            + (k * BLOCK_K + ks)[None, :] * stride_w2_i,
-                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc_k = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-                if WEIGHT_FORMAT != 0:
-                    acc_k *= _fp8_weight_scales(w2_scale_ptr, tl.maximum(expert, 0), cols, col_ok,
-                                                k * BLOCK_K, stride_ws_e, stride_ws_h,
-                                                stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
-                acc += acc_k
+            k_ok = ks < inter_size - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            acc_k = tl.sum(tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :],
+                                   other=0.0).to(tl.float32) * a[None, :], axis=1)
+            if WEIGHT_FORMAT == FP8_BLOCK:
+                acc_k *= _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, k * BLOCK_K,
+                                            stride_ws_e, stride_ws_h, stride_ws_i, WEIGHT_FORMAT,
+                                            SCALE_BN, SCALE_BK)
+            acc += acc_k
+            a_ptrs += BLOCK_K * stride_inter_i
+            w_ptrs += BLOCK_K * stride_w2_i
+        if WEIGHT_FORMAT != 0 and WEIGHT_FORMAT != FP8_BLOCK:
+            acc *= _fp8_weight_scales(w2_scale_ptr, expert, cols, col_ok, 0, stride_ws_e,
+                                      stride_ws_h, stride_ws_i, WEIGHT_FORMAT, SCALE_BN, SCALE_BK)
     if HAS_BIAS:
-        for j in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + token * stride_ids_t + j * stride_ids_k).to(tl.int64)
-            if expert >= 0:
-                bias = tl.load(b2_ptr + expert * stride_b2_e + cols * stride_b2_h, mask=col_ok,
-                               other=0.0).to(tl.float32)
-                if HAS_WEIGHTS:
-                    bias *= tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
-                acc += bias
-    tl.store(out_ptr + token * stride_out_t + cols * stride_out_h,
-             acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        acc += tl.load(b2_ptr + expert * stride_b2_e + cols * stride_b2_h, mask=col_ok,
+                       other=0.0).to(tl.float32)
+    if HAS_WEIGHTS:
+        acc *= tl.load(weights_ptr + slot).to(tl.float32)
+    tl.store(slot_out_ptr + slot * stride_out_s + cols * stride_out_h,
+             acc.to(slot_out_ptr.dtype.element_ty), mask=col_ok)

@@ -1,6 +1,6 @@
 """The fused MoE on Triton: align, gate-up GEMM with activation, down GEMM with
-routing weight, sum over experts; or, for a few tokens, two kernels that take
-each slot on its own (`direct_kernels`).
+routing weight, sum over experts; or, for a few tokens, GEMM kernels that
+take each slot on its own (`direct_kernels`), no align, then the same sum.
 
 Legend: T tokens, H hidden size, I expert intermediate size, F = 2 * I, E experts,
 K experts per token, S = T * K slots, R rows (rows format).
@@ -52,7 +52,7 @@ from torch_moe_ops.backends.triton.configs import (
 )
 from torch_moe_ops.backends.triton.dequant import dequantize_mxfp4
 from torch_moe_ops.backends.triton.direct_kernels import (
-    moe_direct_down_sum_kernel,
+    moe_direct_down_kernel,
     moe_direct_gate_up_kernel,
 )
 from torch_moe_ops.backends.triton.kernels import (
@@ -197,20 +197,36 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
 
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+    # The slots' rows stay in fp32 until their sum is rounded once, as the
+    # reference rounds; with one expert per token they are the output rows.
+    slot_SH = out_TH if top_k == 1 else torch.empty((num_tokens * top_k, hidden_size),
+                                                    dtype=torch.float32, device=device)
     # Absent inputs are never read: unmutated tensors fill their slots (an output
     # there would look to torch.compile like another use of the buffer written).
     b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    launcher(moe_direct_down_sum_kernel)[(num_tokens, cdiv(hidden_size, config.BLOCK_N))](
-        inter_SI, ids_TK, weights, w2, b2, out_TH, hidden_size, inter_size,
+    launcher(moe_direct_down_kernel)[(num_tokens * top_k, cdiv(hidden_size, config.BLOCK_N))](
+        inter_SI, ids_TK, weights, w2, b2, slot_SH, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
-        out_TH.stride(0), out_TH.stride(1),
+        slot_SH.stride(0), slot_SH.stride(1),
         *experts.scale_args(inter_scale, experts.w2_scale, w2),
         TOP_K=top_k, HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         **tiles)
+    _sum_over_topk(slot_SH, ids_TK, out_TH)
     return out_TH
+
+
+def _sum_over_topk(slot_SH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor) -> None:
+    """``out_TH[t]`` = the sum of ``slot_SH[t * K + k]`` over the slots not skipped;
+    with K == 1 ``slot_SH`` is ``out_TH`` and only skipped rows are written (zeros)."""
+    num_tokens, hidden_size = out_TH.shape
+    top_k = ids_TK.shape[1]
+    launcher(moe_sum_over_topk_kernel)[(num_tokens, cdiv(hidden_size, SUM_BLOCK_H))](
+        slot_SH, ids_TK, out_TH, hidden_size,
+        slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
+        TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
 
 
 def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
@@ -225,10 +241,7 @@ def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     slot_SH = out_TH if top_k == 1 else torch.empty((num_tokens * top_k, hidden_size),
                                                     dtype=dtype, device=x_TH.device)
     tiled_gemms(config, experts, x_TH, x_scale, weights_S, top_k, blocks, slot_SH)
-    launcher(moe_sum_over_topk_kernel)[(num_tokens, cdiv(hidden_size, SUM_BLOCK_H))](
-        slot_SH, ids_TK, out_TH, hidden_size,
-        slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
-        TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
+    _sum_over_topk(slot_SH, ids_TK, out_TH)
     return out_TH
 
 

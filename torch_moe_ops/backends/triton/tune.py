@@ -42,11 +42,9 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 def direct_candidates(spec: QuantSpec | None = None):
     """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert.
-    w8a8 and MXFP4 multiply on the tensor cores, whose tiles are 16 columns and
-    more; MXFP4's half bytes a weight also try K tiles twice as deep."""
-    if configs.direct_dots(spec):
-        depths = (128, 256, 512) if spec.weights == "mxfp4" else (128, 256)
-        shapes = itertools.product((16, 32, 64, 128), depths, (4, 8), (3, 4))
+    w8a8 multiplies on the tensor cores, whose tiles are 16 columns and more."""
+    if spec is not None and spec.activations != "none":
+        shapes = itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4))
     else:
         shapes = itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,))
     for block_n, block_k, num_warps, num_stages in shapes:
