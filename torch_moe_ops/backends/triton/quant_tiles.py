@@ -37,6 +37,11 @@ WEIGHT_FORMAT_CODES = {None: 0, "fp8_tensor": FP8_TENSOR.value, "fp8_channel": F
 FP8_TOKEN = tl.constexpr(1)
 FP8_GROUP = tl.constexpr(2)
 ACT_FORMAT_CODES = {"none": 0, "fp8_token": FP8_TOKEN.value, "fp8_group": FP8_GROUP.value}
+# `tl.dot_scaled`'s operand formats, as constexprs: Triton 3.6's interpreter reads
+# `.value` of them, where a string literal stays a str.
+E2M1 = tl.constexpr("e2m1")
+BF16 = tl.constexpr("bf16")
+FP16 = tl.constexpr("fp16")
 # float16 bits with an e2m1 nibble in them read as its value * 2 ** -14 (see _e2m1_halves).
 E2M1_IN_FP16 = tl.constexpr(16384.0)
 
@@ -182,9 +187,9 @@ def _mxfp4_dot(acc, a, packed, scales, DOT_PRECISION: tl.constexpr):
                        (2 * packed.shape[0], packed.shape[1]))
         return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     elif a.dtype == tl.bfloat16:
-        return tl.dot_scaled(a, None, "bf16", packed, scales, "e2m1", acc)
+        return tl.dot_scaled(a, None, BF16, packed, scales, E2M1, acc)
     else:
-        return tl.dot_scaled(a, None, "fp16", packed, scales, "e2m1", acc)
+        return tl.dot_scaled(a, None, FP16, packed, scales, E2M1, acc)
 
 
 @triton.jit
