@@ -70,10 +70,10 @@ def main() -> None:
     lines = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
+        float_weights = make_weights(shape, generator)
         for fmt in args.formats.split(","):
             if why_not(fmt, shape.hidden, shape.inter) is not None:
                 continue
-            float_weights = make_weights(shape, generator)
             weights = expert_weights(fmt, *float_weights)
             op = weights.op("moe_triton")
             for num_tokens in map(int, args.tokens.split(",")):
@@ -92,8 +92,9 @@ def main() -> None:
                     f"do_bench {write_flushed:7.1f} ({floor_s * 1e6 / write_flushed:4.0%}) | "
                     f"read-flushed {read_flushed:7.1f} ({floor_s * 1e6 / read_flushed:4.0%})"
                     f" | kernels: {parts}")
-            del weights, float_weights
-            torch.cuda.empty_cache()
+            del weights
+        del float_weights
+        torch.cuda.empty_cache()
     print("\n".join(lines))
 
 

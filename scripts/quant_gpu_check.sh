@@ -34,6 +34,9 @@ python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import peer_vllm, peer
 # on PYTHONPATH (the peer puts it on sys.path too).
 tk_parent=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import peer_triton_kernels; print(peer_triton_kernels.package_parent())")
 if [ -d "$tk_parent/triton_kernels" ]; then export PYTHONPATH="$tk_parent${PYTHONPATH:+:$PYTHONPATH}"; fi
+shapes=${SHAPES:-mixtral-8x7b deepseek-v3 qwen3-30b-a3b olmoe gpt-oss-20b}
+formats=${FORMATS:-bf16,fp8_block,fp8_channel,mxfp4}
+tokens=${TOKENS:-1,16,4096,16384}
 status=0
 tests="not run"
 if [ "${TESTS:-1}" = 1 ]; then
@@ -52,10 +55,9 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${TUNE:-0}" = 1 ]; then
   tuned=$(mktemp -d)
-  shapes=${SHAPES:-mixtral-8x7b deepseek-v3 qwen3-30b-a3b olmoe gpt-oss-20b}
   timeout -k 10 "${TUNE_SECONDS:-300}" python3 benchmarks/tune_shapes.py --out "$tuned" \
-    --shapes "${shapes// /,}" --formats "${FORMATS:-bf16,fp8_block,fp8_channel,mxfp4}" \
-    --tokens "${TUNE_TOKENS:-${TOKENS:-1,16,4096,16384}}" 2>&1 | tee "$work/tune.log" \
+    --shapes "${shapes// /,}" --formats "$formats" --tokens "${TUNE_TOKENS:-$tokens}" 2>&1 \
+    | tee "$work/tune.log" \
     | grep -E "^(==|M=)" | tail -60
   # One archive: few files come back from a call, and none whose name holds '=' or ','.
   tar czf "$OUT/tuned.tgz" -C "$tuned" .
@@ -65,7 +67,7 @@ print(configs.CONFIG_DIR)")" 2>/dev/null
 fi
 bench=""
 if [ "${BENCH:-1}" = 1 ]; then
-  for shape in ${SHAPES:-mixtral-8x7b deepseek-v3 qwen3-30b-a3b olmoe gpt-oss-20b}; do
+  for shape in $shapes; do
     left=$(( ${BUDGET_SECONDS:-540} - (SECONDS - start) ))
     if [ "$left" -lt 60 ]; then
       bench+=" $shape: not started (${left} s of BUDGET_SECONDS left);"
@@ -73,8 +75,7 @@ if [ "${BENCH:-1}" = 1 ]; then
     fi
     limit=$(( left < ${SHAPE_SECONDS:-240} ? left : ${SHAPE_SECONDS:-240} ))
     timeout -k 10 "$limit" python3 benchmarks/bench_experts.py --out "$work/$shape" \
-      --shapes "$shape" --formats "${FORMATS:-bf16,fp8_block,fp8_channel,mxfp4}" \
-      --tokens "${TOKENS:-1,16,4096,16384}" --peers "${PEERS:-vllm}" ${BENCH_ARGS:-} 2>&1 \
+      --shapes "$shape" --formats "$formats" --tokens "$tokens" --peers "${PEERS:-vllm}" ${BENCH_ARGS:-} 2>&1 \
       | tee "$work/bench-$shape.log" | grep -E "skipped|failed|out of memory" | tail -20
     rc=${PIPESTATUS[0]}
     bench+=" $shape: rc=$rc;"
