@@ -31,7 +31,7 @@ from torch_moe_ops.backends.triton.quant_tiles import (
     _activation_scales,
     _fp8_weight_scales,
     _mma,
-    _mxfp4_dot,
+    _mxfp4_dot_t,
     _scale_after_loop,
 )
 
@@ -111,24 +111,30 @@ def moe_gate_up_act_kernel(
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
         a_ptrs = hidden_ptr + rows[:, None] * stride_hidden_t + ks[None, :] * stride_hidden_h
-        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[None, :] * stride_w13_f
-                     + ps[:, None] * stride_w13_h)
+        # [BN, P] packed tiles and [BN, M] sums: the weights are the left operand.
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
+                     + ps[None, :] * stride_w13_h)
         gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_f
                            + gs[None, :] * stride_ws_h)
+        gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(tl.cdiv(hidden_size, BLOCK_K)):
             left = hidden_size - k * BLOCK_K
             a = tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left)[None, :], other=0.0)
-            w_ok = (ps < left // 2)[:, None] & col_ok[None, :]
+            w_ok = col_ok[:, None] & (ps < left // 2)[None, :]
             s_ok = col_ok[:, None] & (gs < left // 32)[None, :]
-            gate = _mxfp4_dot(gate, a, tl.load(gate_ptrs, mask=w_ok, other=0),
-                              tl.load(gate_scale_ptrs, mask=s_ok, other=0), DOT_PRECISION)
-            up = _mxfp4_dot(up, a,
-                            tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok, other=0),
-                            tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
-                                    other=0), DOT_PRECISION)
+            gate_t = _mxfp4_dot_t(gate_t, a, tl.load(gate_ptrs, mask=w_ok, other=0),
+                                  tl.load(gate_scale_ptrs, mask=s_ok, other=0), DOT_PRECISION)
+            up_t = _mxfp4_dot_t(up_t, a,
+                                tl.load(gate_ptrs + inter_size * stride_w13_f, mask=w_ok,
+                                        other=0),
+                                tl.load(gate_scale_ptrs + inter_size * stride_ws_f, mask=s_ok,
+                                        other=0), DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_hidden_h
             gate_ptrs += (BLOCK_K // 2) * stride_w13_h
             gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+        gate = tl.trans(gate_t)
+        up = tl.trans(up_t)
     else:
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = (hidden_ptr + rows[:, None] * stride_hidden_t
@@ -214,20 +220,22 @@ def moe_down_weighted_kernel(
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
         a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
-        w_ptrs = (w2_ptr + expert * stride_w2_e + cols[None, :] * stride_w2_h
-                  + ps[:, None] * stride_w2_i)
+        w_ptrs = (w2_ptr + expert * stride_w2_e + cols[:, None] * stride_w2_h
+                  + ps[None, :] * stride_w2_i)
         scale_ptrs = (w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
                       + gs[None, :] * stride_ws_i)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(tl.cdiv(inter_size, BLOCK_K)):
             left = inter_size - k * BLOCK_K
-            acc = _mxfp4_dot(
-                acc, tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left)[None, :], other=0.0),
-                tl.load(w_ptrs, mask=(ps < left // 2)[:, None] & col_ok[None, :], other=0),
+            acc_t = _mxfp4_dot_t(
+                acc_t, tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left)[None, :], other=0.0),
+                tl.load(w_ptrs, mask=col_ok[:, None] & (ps < left // 2)[None, :], other=0),
                 tl.load(scale_ptrs, mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0),
                 DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_inter_i
             w_ptrs += (BLOCK_K // 2) * stride_w2_i
             scale_ptrs += (BLOCK_K // 32) * stride_ws_i
+        acc = tl.trans(acc_t)
     else:
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i

@@ -68,7 +68,9 @@ def tiled_candidates(slots_per_expert: float, spec: QuantSpec | None = None):
             shapes = itertools.product((32, 64, 128) if short else (128, 256),
                                        (128, 256) if short else (128,), (4, 8), (3, 4, 5))
         else:
-            shapes = itertools.product((32, 64, 128) if short else (64, 128),
+            # MXFP4 tiles are decoded as the left operand: up to 256 weight rows.
+            widths = (32, 64, 128, 256) if mxfp4 else (32, 64, 128)
+            shapes = itertools.product(widths if short else (64, 128),
                                        (64, 128, 256) if mxfp4 else (64, 128), (4, 8), (3, 4))
         for block_n, block_k, num_warps, num_stages in shapes:
             yield configs.KernelConfig(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
