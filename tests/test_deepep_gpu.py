@@ -249,7 +249,12 @@ def _check_reduce_overhead(rank, max_tokens, served_ops, **options):
             x_NH = torch.randn(sum(_layout()), H, generator=gen).to(device,
                                                                           torch.bfloat16)
             out_TH = compiled(x_NH[_mine(rank)]).clone()
-            check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
+            try:
+                check_bf16_out(out_TH, single(x_NH)[_mine(rank)])
+            except AssertionError as error:
+                # Which run of CUDA graph trees went wrong: warm-up, recording or a replay.
+                raise AssertionError(f"call {seed} of 4 (0: warm-up, 1: recording, 2-3: "
+                                     f"replays), options {options}: {error}") from None
     assert all(op in sequences[-1] for op in served_ops), sequences[-1]
     # DeepEP's ops ran inside the CUDA graphs, not beside them.
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
