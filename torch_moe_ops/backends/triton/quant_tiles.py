@@ -57,6 +57,43 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 E2M1_IN_FP16 = tl.constexpr(16384.0)
 
 
+def _e2m1_pairs_ptx(out: str, pair: str, scale: str, em_shift: int, sign_shift: int) -> str:
+    """PTX of one bf16x2 output of `_mxfp4_bf16_pairs`: the nibbles of the two bytes in
+    ``pair``'s half-words (their exponent-mantissa bits shifted left by ``em_shift`` to bits
+    6-8, their sign by ``sign_shift`` to bit 15), times 2 ** 126, times ``scale``."""
+    return f"""
+        shl.b32 a, {pair}, {em_shift};
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, {pair}, {sign_shift};
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        fma.rn.bf16x2 a, a, bias, negz;
+        fma.rn.bf16x2 {out}, a, {scale}, negz;"""
+
+
+# $4 holds four packed bytes and $5 their four scale bytes; t0 / t1 and s0 / s1 put bytes
+# 0-1 and 2-3 of each in the low bytes of a register's half-words. Outputs: $0 / $1 the
+# low nibbles (even K columns) of bytes 0-1 / 2-3, $2 / $3 the high nibbles (odd columns).
+MXFP4_BF16_PAIRS_PTX = tl.constexpr("""
+        {
+        .reg .b32 z, t0, t1, s0, s1, a, b, bias, negz;
+        mov.b32 z, 0;
+        mov.b32 bias, 0x7E807E80;
+        mov.b32 negz, 0x80008000;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        prmt.b32 s0, $5, z, 0x4140;
+        prmt.b32 s1, $5, z, 0x4342;
+        shl.b32 s0, s0, 7;
+        shl.b32 s1, s1, 7;""" + "".join(
+    _e2m1_pairs_ptx(out, pair, scale, em_shift, sign_shift)
+    for out, pair, scale, em_shift, sign_shift in (
+        ("$0", "t0", "s0", 6, 12), ("$1", "t1", "s1", 6, 12),
+        ("$2", "t0", "s0", 2, 8), ("$3", "t1", "s1", 2, 8))) + """
+        }
+        """)
+
+
 def format_codes(spec: QuantSpec | None) -> dict:
     """The format constexprs of a kernel launch: ``WEIGHT_FORMAT``, ``ACT_FORMAT``
     and the scale block ``SCALE_BN`` x ``SCALE_BK`` (1 x 1 without blocks)."""
@@ -187,52 +224,11 @@ def _mxfp4_bf16_pairs(packed, scale_bytes):
     at a time, which reads as the e2m1 value * 2 ** -126 (the e2m1 subnormal 0.5
     a bf16 subnormal); fma.rn.bf16x2 by 2 ** 126, then by the scale (its byte
     shifted into a bf16 exponent), brings it to the weight, both products exact.
-    About 3.5 instructions a weight, where the decode written in Triton takes one
-    instruction per element for each step and a conversion at a quarter of the rate.
+    About 3.5 instructions a weight, where the decode written in Triton takes an
+    instruction per element for each step and an fp16-to-fp32 conversion per weight.
     """
     return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 z, t0, t1, s0, s1, a, b, bias, negz;
-        mov.b32 z, 0;
-        mov.b32 bias, 0x7E807E80;
-        mov.b32 negz, 0x80008000;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        prmt.b32 s0, $5, z, 0x4140;
-        prmt.b32 s1, $5, z, 0x4342;
-        shl.b32 s0, s0, 7;
-        shl.b32 s1, s1, 7;
-        shl.b32 a, t0, 6;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t0, 12;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        fma.rn.bf16x2 a, a, bias, negz;
-        fma.rn.bf16x2 $0, a, s0, negz;
-        shl.b32 a, t1, 6;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t1, 12;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        fma.rn.bf16x2 a, a, bias, negz;
-        fma.rn.bf16x2 $1, a, s1, negz;
-        shl.b32 a, t0, 2;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t0, 8;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        fma.rn.bf16x2 a, a, bias, negz;
-        fma.rn.bf16x2 $2, a, s0, negz;
-        shl.b32 a, t1, 2;
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, t1, 8;
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        fma.rn.bf16x2 a, a, bias, negz;
-        fma.rn.bf16x2 $3, a, s1, negz;
-        }
-        """,
+        MXFP4_BF16_PAIRS_PTX,
         constraints="=r,=r,=r,=r,r,r",
         args=[packed, scale_bytes],
         dtype=(tl.bfloat16, tl.bfloat16),
