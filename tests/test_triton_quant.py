@@ -139,6 +139,24 @@ def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
     assert (out[-1] == 0).all()  # every slot skipped: exact zeros
 
 
+@pytest.mark.parametrize("block_n", [16, 64], ids=["rows", "tensor_cores"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mxfp4_direct_routes(block_n, dtype, generator, monkeypatch, poisoned_empty):
+    """The direct MXFP4 kernels meet the slot's row on the CUDA cores below
+    ``MXFP4_DOT_MIN_N`` columns and in the tensor cores from there."""
+    from torch_moe_ops.backends.triton import direct_kernels
+    assert (block_n >= direct_kernels.MXFP4_DOT_MIN_N.value) == (block_n == 64)
+
+    def pick(*key):
+        return dataclasses.replace(configs.default_config(*key), path="direct", BLOCK_N=block_n)
+
+    monkeypatch.setattr(fused, "get_config", pick)
+    q = inputs(FORMATS["mxfp4"], generator, dtype=dtype, bias=True)
+    out, ref = run_both(q, "swiglu_oai")
+    assert_close_to(out, ref, bound(q.spec, dtype))
+    assert (out[-1] == 0).all()
+
+
 # Each on one path: both paths run swiglu_oai in test_experts_quant.
 @pytest.mark.parametrize("activation,kernel_path", [("silu", "direct"), ("gelu", "tiled")],
                          indirect=["kernel_path"])

@@ -29,6 +29,18 @@ summed, which is that row exactly. Widening every fp8 weight to fp32 made the
 kernels convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
 DeepSeek-V3 widths); the tensor cores convert nothing. With both 0 the kernels
 compile to the unquantized ones.
+
+MXFP4 weights are decoded to bf16 in PTX either way (`quant_tiles._mxfp4_bf16_pairs`).
+Column tiles of ``MXFP4_DOT_MIN_N`` and more meet the row in the tensor cores as the
+left operand of a 16-column tile (the row, then zeros); narrower ones widen to fp32
+and multiply on the CUDA cores. The narrow kernels are issue-bound: on an H200 the
+gate-up kernel at GPT-OSS-20B widths, one token, took 29.1 us, what about 14 SASS
+instructions per weight cost at one instruction per clock per scheduler, and its loop
+(BLOCK_N 16, BLOCK_K 512, 2 warps, compiled for sm90 by Triton 3.9's ptxas) holds 14,
+spills included. On 64- and 128-column tensor-core tiles it holds 10-11: the decode is
+3.5 of them, and most of the rest moves the packed bytes and scales from the layout they
+load in to the one the decoded operand needs. Which is faster is measured by the tuner
+(`tune.direct_candidates`); the shipped configs predate this route.
 """
 
 from __future__ import annotations
@@ -44,12 +56,16 @@ from torch_moe_ops.backends.triton.quant_tiles import (
     _activation_scales,
     _fp8_weight_scales,
     _mma,
+    _mxfp4_dot_t,
     _mxfp4_row_dot,
     _scale_after_loop,
 )
 
 # Rows of the tile one slot's row is padded to for tl.dot (its least M).
 DOT_ROWS = tl.constexpr(16)
+# MXFP4 column tiles this wide meet the slot's row in the tensor cores (the decoded weights
+# the left operand, `_mxfp4_dot_t`); narrower ones in fp32 on the CUDA cores.
+MXFP4_DOT_MIN_N = tl.constexpr(64)
 
 
 @triton.jit
@@ -90,7 +106,37 @@ def moe_direct_gate_up_kernel(
     col_ok = cols < inter_size
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if WEIGHT_FORMAT == MXFP4:
+    if WEIGHT_FORMAT == MXFP4 and BLOCK_N >= MXFP4_DOT_MIN_N:
+        ks = tl.arange(0, BLOCK_K)
+        ps = tl.arange(0, BLOCK_K // 2)
+        gs = tl.arange(0, BLOCK_K // 32)
+        x_ptrs = hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h
+        gate_ptrs = (w13_ptr + expert * stride_w13_e + cols[:, None] * stride_w13_f
+                     + ps[None, :] * stride_w13_h)
+        gate_scale_ptrs = (w13_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_f
+                           + gs[None, :] * stride_ws_h)
+        up_ptrs = gate_ptrs + inter_size * stride_w13_f
+        up_scale_ptrs = gate_scale_ptrs + inter_size * stride_ws_f
+        gate_t = tl.zeros((BLOCK_N, DOT_ROWS), dtype=tl.float32)
+        up_t = tl.zeros((BLOCK_N, DOT_ROWS), dtype=tl.float32)
+        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
+            left = hidden_size - k * BLOCK_K
+            x_MK = _row_tile(x_ptrs, ks < left)
+            w_ok = col_ok[:, None] & (ps < left // 2)[None, :]
+            s_ok = col_ok[:, None] & (gs < left // 32)[None, :]
+            gate_t = _mxfp4_dot_t(gate_t, x_MK, tl.load(gate_ptrs, mask=w_ok, other=0),
+                                  tl.load(gate_scale_ptrs, mask=s_ok, other=0), "ieee")
+            up_t = _mxfp4_dot_t(up_t, x_MK, tl.load(up_ptrs, mask=w_ok, other=0),
+                                tl.load(up_scale_ptrs, mask=s_ok, other=0), "ieee")
+            x_ptrs += BLOCK_K * stride_hidden_h
+            gate_ptrs += (BLOCK_K // 2) * stride_w13_h
+            up_ptrs += (BLOCK_K // 2) * stride_w13_h
+            gate_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+            up_scale_ptrs += (BLOCK_K // 32) * stride_ws_h
+        # Only column 0 of the products is the row's; the others are zeros.
+        gate = tl.sum(gate_t, axis=1)
+        up = tl.sum(up_t, axis=1)
+    elif WEIGHT_FORMAT == MXFP4:
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
         x_ptrs = hidden_ptr + token * stride_hidden_t + 2 * ps * stride_hidden_h
@@ -249,7 +295,25 @@ def moe_direct_down_kernel(
     a_row_ptr = inter_ptr + slot * stride_inter_s
     w_ptr = w2_ptr + expert * stride_w2_e
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if WEIGHT_FORMAT == MXFP4:
+    if WEIGHT_FORMAT == MXFP4 and BLOCK_N >= MXFP4_DOT_MIN_N:
+        ks = tl.arange(0, BLOCK_K)
+        ps = tl.arange(0, BLOCK_K // 2)
+        gs = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + cols[:, None] * stride_w2_h + ps[None, :] * stride_w2_i
+        scale_ptrs = (w2_scale_ptr + expert * stride_ws_e + cols[:, None] * stride_ws_h
+                      + gs[None, :] * stride_ws_i)
+        acc_t = tl.zeros((BLOCK_N, DOT_ROWS), dtype=tl.float32)
+        for k in range(tl.cdiv(inter_size, BLOCK_K)):
+            left = inter_size - k * BLOCK_K
+            acc_t = _mxfp4_dot_t(
+                acc_t, _row_tile(a_row_ptr + (k * BLOCK_K + ks) * stride_inter_i, ks < left),
+                tl.load(w_ptrs, mask=col_ok[:, None] & (ps < left // 2)[None, :], other=0),
+                tl.load(scale_ptrs, mask=col_ok[:, None] & (gs < left // 32)[None, :], other=0),
+                "ieee")
+            w_ptrs += (BLOCK_K // 2) * stride_w2_i
+            scale_ptrs += (BLOCK_K // 32) * stride_ws_i
+        acc = tl.sum(acc_t, axis=1)
+    elif WEIGHT_FORMAT == MXFP4:
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
         a_ptrs = a_row_ptr + 2 * ps * stride_inter_i

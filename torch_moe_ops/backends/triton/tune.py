@@ -42,11 +42,15 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 def direct_candidates(spec: QuantSpec | None = None):
     """Narrow, deep tiles: a program streams a [BLOCK_N, H] slice of one expert.
-    w8a8 multiplies on the tensor cores, whose tiles are 16 columns and more."""
+    w8a8 multiplies on the tensor cores, whose tiles are 16 columns and more; MXFP4
+    also tries the tensor cores' wide tiles (`direct_kernels.MXFP4_DOT_MIN_N`)."""
     if spec is not None and spec.activations != "none":
         shapes = itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4))
     else:
         shapes = itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,))
+        if spec is not None and spec.weights == "mxfp4":
+            shapes = itertools.chain(shapes, itertools.product((64, 128), (128, 256), (4, 8),
+                                                               (3, 4)))
     for block_n, block_k, num_warps, num_stages in shapes:
         yield configs.KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                                    num_warps=num_warps, num_stages=num_stages, path="direct")
