@@ -33,14 +33,13 @@ compile to the unquantized ones.
 MXFP4 weights are decoded to bf16 in PTX either way (`quant_tiles._mxfp4_bf16_pairs`).
 Column tiles of ``MXFP4_DOT_MIN_N`` and more meet the row in the tensor cores as the
 left operand of a 16-column tile (the row, then zeros); narrower ones widen to fp32
-and multiply on the CUDA cores. The narrow kernels are issue-bound: on an H200 the
-gate-up kernel at GPT-OSS-20B widths, one token, took 29.1 us, what about 14 SASS
-instructions per weight cost at one instruction per clock per scheduler, and its loop
-(BLOCK_N 16, BLOCK_K 512, 2 warps, compiled for sm90 by Triton 3.9's ptxas) holds 14,
-spills included. On 64- and 128-column tensor-core tiles it holds 10-11: the decode is
-3.5 of them, and most of the rest moves the packed bytes and scales from the layout they
-load in to the one the decoded operand needs. Which is faster is measured by the tuner
-(`tune.direct_candidates`); the shipped configs predate this route.
+and multiply on the CUDA cores. Both loops hold 7-8 SASS instructions per weight
+(`benchmarks/kernel_sass.py`, GPT-OSS-20B widths, sm90). The narrow one loads its weights
+with plain loads that each iteration waits for; the tensor-core one's weights arrive
+through Triton's multi-stage asynchronous copies (``num_stages``). The narrow gate-up
+kernel took 29.1 us at one token on an H200, about twice what its instruction count
+alone costs there. Which is faster is measured by the tuner (`tune.direct_candidates`);
+the shipped configs predate the tensor-core route.
 """
 
 from __future__ import annotations
