@@ -38,8 +38,6 @@ from torch_moe_ops.backends.registry import REGISTRY, Problem
 from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
-    from triton.runtime.interpreter import InterpreterBuilder
-
     from torch_moe_ops.backends.common.kernels import act_quant, grouped_gemm
     from torch_moe_ops.backends.triton import configs, dequant, fused
 
@@ -97,14 +95,6 @@ def kernel_path(request, monkeypatch):
     return request.param
 
 
-def skip_without_dot_scaled(spec: QuantSpec, dtype: torch.dtype, path: str) -> None:
-    """The tiled MXFP4 kernels multiply fp16 and bf16 rows with ``tl.dot_scaled``,
-    which the interpreter of older Tritons (3.6, torch 2.11's) does not run."""
-    if (spec.weights == "mxfp4" and dtype != torch.float32 and path == "tiled"
-            and DEVICE.type != "cuda" and not hasattr(InterpreterBuilder, "create_dot_scaled")):
-        pytest.skip("this Triton's interpreter has no tl.dot_scaled")
-
-
 def inputs(spec: QuantSpec, generator, **sizes):
     """`make_quant_inputs` at `SIZES` (overridden by ``sizes``), on DEVICE, with the
     last token's slots all skipped."""
@@ -129,7 +119,6 @@ def run_both(q, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
     spec = FORMATS[fmt]
-    skip_without_dot_scaled(spec, dtype, kernel_path)
     activation = {"fp8_channel": "gelu", "mxfp4": "swiglu_oai"}.get(fmt.split("_w8")[0], "silu")
     q = inputs(spec, generator, dtype=dtype, bias=dtype == torch.float16,
                ids_dtype=torch.int64 if dtype == torch.float16 else torch.int32)
@@ -228,7 +217,6 @@ def rows_args(q, prequantized: bool):
     ("fp8_tensor", False, "direct"), ("mxfp4", False, "direct"), ("mxfp4", False, "tiled")],
     indirect=["kernel_path"])
 def test_experts_rows_quant(fmt, prequantized, kernel_path, generator, poisoned_empty):
-    skip_without_dot_scaled(FORMATS[fmt], torch.float16, kernel_path)
     q = inputs(FORMATS[fmt], generator, dtype=torch.float16, bias=True)
     args = rows_args(q, prequantized)
     out = torch.ops.moe_triton.experts_rows_quant(*args)

@@ -15,8 +15,9 @@ BLOCK_K), P = BK / 2 packed bytes, G = BK / 32 MXFP4 scale groups.
 A K tile of MXFP4 weights is read as its packed bytes ``[BN, P]`` with its
 scales ``[BN, G]``. On the GPU both the tiles of rows (`_mxfp4_dot_t`, the
 weights the left operand) and the decode kernels' single rows (`_mxfp4_row_dot`)
-decode them to bf16 in PTX (`_mxfp4_bf16_pairs`); fp32 rows, the interpreter and
-`dequant` decode with Triton arithmetic (`_mxfp4_tiles`).
+decode them to bf16 in PTX (`_mxfp4_bf16_pairs`). Tiles of fp16 rows meet them in
+``tl.dot_scaled``; tiles of fp32 rows, the interpreter and `dequant` decode them with
+Triton arithmetic (`_mxfp4_tiles`).
 
 Measured (H200, 2026-11-28, torch 2.11, Triton 3.6, same call, GPT-OSS-20B widths,
 us, two kernels): the PTX decode against the one before it (``tl.dot_scaled``
@@ -45,10 +46,9 @@ WEIGHT_FORMAT_CODES = {None: 0, "fp8_tensor": FP8_TENSOR.value, "fp8_channel": F
 FP8_TOKEN = tl.constexpr(1)
 FP8_GROUP = tl.constexpr(2)
 ACT_FORMAT_CODES = {"none": 0, "fp8_token": FP8_TOKEN.value, "fp8_group": FP8_GROUP.value}
-# `tl.dot_scaled`'s operand formats, as constexprs: Triton 3.6's interpreter reads
-# `.value` of them, where a string literal stays a str.
+# `tl.dot_scaled`'s operand formats, as constexprs (a string literal stays a str where
+# Triton 3.6 reads `.value`).
 E2M1 = tl.constexpr("e2m1")
-BF16 = tl.constexpr("bf16")
 FP16 = tl.constexpr("fp16")
 # Under Triton's interpreter no PTX runs: the decodes written in PTX
 # (`_mxfp4_bf16_pairs`) give way there to the ones written in Triton.
@@ -254,20 +254,19 @@ def _mxfp4_dot_t(acc_t, a, packed, scales, DOT_PRECISION: tl.constexpr):
 
     bf16 activations meet weights decoded in PTX (`_mxfp4_bf16_pairs`), fp16 ones
     meet them in ``tl.dot_scaled``, fp32 ones meet them decoded to fp32 at
-    ``DOT_PRECISION``.
+    ``DOT_PRECISION``. Under the interpreter (no PTX there, and no ``tl.dot_scaled`` in
+    Triton 3.6's) the weights are decoded to the activations' dtype in Triton.
     """
     BLOCK_N: tl.constexpr = packed.shape[0]
     PACKED_K: tl.constexpr = packed.shape[1]
-    if a.dtype == tl.float32:
-        even, odd = _mxfp4_tiles(packed, scales, tl.float32, 1, PACKED_K, BLOCK_N)
+    if a.dtype == tl.float32 or INTERPRETED:
+        even, odd = _mxfp4_tiles(packed, scales, a.dtype, 1, PACKED_K, BLOCK_N)
         w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
         return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
-    elif a.dtype == tl.bfloat16 and not INTERPRETED:
+    elif a.dtype == tl.bfloat16:
         even, odd = _mxfp4_bf16_pairs(packed, _scale_bytes_per_byte(scales, BLOCK_N, PACKED_K))
         w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
         return tl.dot(w, tl.trans(a), acc_t)
-    elif a.dtype == tl.bfloat16:
-        return tl.dot_scaled(packed, scales, E2M1, tl.trans(a), None, BF16, acc_t)
     else:
         return tl.dot_scaled(packed, scales, E2M1, tl.trans(a), None, FP16, acc_t)
 
