@@ -131,7 +131,7 @@ def _specialized(launch: Launch, backend) -> tuple[dict, dict, dict]:
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(names):
         value = values[name]
-        if name in launch.kernel.constexprs or names.index(name) in launch.kernel.constexprs:
+        if index in launch.kernel.constexprs:
             signature[name], constants[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]

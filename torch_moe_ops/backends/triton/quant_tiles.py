@@ -259,16 +259,14 @@ def _mxfp4_dot_t(acc_t, a, packed, scales, DOT_PRECISION: tl.constexpr):
     """
     BLOCK_N: tl.constexpr = packed.shape[0]
     PACKED_K: tl.constexpr = packed.shape[1]
-    if a.dtype == tl.float32 or INTERPRETED:
-        even, odd = _mxfp4_tiles(packed, scales, a.dtype, 1, PACKED_K, BLOCK_N)
-        w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
-        return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
-    elif a.dtype == tl.bfloat16:
-        even, odd = _mxfp4_bf16_pairs(packed, _scale_bytes_per_byte(scales, BLOCK_N, PACKED_K))
-        w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
-        return tl.dot(w, tl.trans(a), acc_t)
-    else:
+    if a.dtype == tl.float16 and not INTERPRETED:
         return tl.dot_scaled(packed, scales, E2M1, tl.trans(a), None, FP16, acc_t)
+    if a.dtype == tl.bfloat16 and not INTERPRETED:
+        even, odd = _mxfp4_bf16_pairs(packed, _scale_bytes_per_byte(scales, BLOCK_N, PACKED_K))
+    else:
+        even, odd = _mxfp4_tiles(packed, scales, a.dtype, 1, PACKED_K, BLOCK_N)
+    w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
+    return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 
 @triton.jit
