@@ -61,37 +61,26 @@ def _e2m1_pairs_ptx(out: str, pair: str, scale: str, em_shift: int, sign_shift: 
     """PTX of one bf16x2 output of `_mxfp4_bf16_pairs`: the nibbles of the two bytes in
     ``pair``'s half-words (their exponent-mantissa bits shifted left by ``em_shift`` to bits
     6-8, their sign by ``sign_shift`` to bit 15), times 2 ** 126, times ``scale``."""
-    return f"""
-        shl.b32 a, {pair}, {em_shift};
-        and.b32 a, a, 0x01C001C0;
-        shl.b32 b, {pair}, {sign_shift};
-        and.b32 b, b, 0x80008000;
-        or.b32 a, a, b;
-        fma.rn.bf16x2 a, a, bias, negz;
-        fma.rn.bf16x2 {out}, a, {scale}, negz;"""
+    return (f" shl.b32 a, {pair}, {em_shift}; and.b32 a, a, 0x01C001C0;"
+            f" shl.b32 b, {pair}, {sign_shift}; and.b32 b, b, 0x80008000; or.b32 a, a, b;"
+            f" fma.rn.bf16x2 a, a, bias, negz; fma.rn.bf16x2 {out}, a, {scale}, negz;")
 
 
 # $4 holds four packed bytes and $5 their four scale bytes; t0 / t1 and s0 / s1 put bytes
 # 0-1 and 2-3 of each in the low bytes of a register's half-words. Outputs: $0 / $1 the
 # low nibbles (even K columns) of bytes 0-1 / 2-3, $2 / $3 the high nibbles (odd columns).
-MXFP4_BF16_PAIRS_PTX = tl.constexpr("""
-        {
-        .reg .b32 z, t0, t1, s0, s1, a, b, bias, negz;
-        mov.b32 z, 0;
-        mov.b32 bias, 0x7E807E80;
-        mov.b32 negz, 0x80008000;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        prmt.b32 s0, $5, z, 0x4140;
-        prmt.b32 s1, $5, z, 0x4342;
-        shl.b32 s0, s0, 7;
-        shl.b32 s1, s1, 7;""" + "".join(
-    _e2m1_pairs_ptx(out, pair, scale, em_shift, sign_shift)
-    for out, pair, scale, em_shift, sign_shift in (
-        ("$0", "t0", "s0", 6, 12), ("$1", "t1", "s1", 6, 12),
-        ("$2", "t0", "s0", 2, 8), ("$3", "t1", "s1", 2, 8))) + """
-        }
-        """)
+# One line: torch 2.11's Inductor pastes a kernel's globals, repr'd, into a triple-quoted
+# string of its generated module, where an escaped newline becomes a real one.
+MXFP4_BF16_PAIRS_PTX = tl.constexpr(
+    "{ .reg .b32 z, t0, t1, s0, s1, a, b, bias, negz;"
+    " mov.b32 z, 0; mov.b32 bias, 0x7E807E80; mov.b32 negz, 0x80008000;"
+    " prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342;"
+    " prmt.b32 s0, $5, z, 0x4140; prmt.b32 s1, $5, z, 0x4342;"
+    " shl.b32 s0, s0, 7; shl.b32 s1, s1, 7;" + "".join(
+        _e2m1_pairs_ptx(out, pair, scale, em_shift, sign_shift)
+        for out, pair, scale, em_shift, sign_shift in (
+            ("$0", "t0", "s0", 6, 12), ("$1", "t1", "s1", 6, 12),
+            ("$2", "t0", "s0", 2, 8), ("$3", "t1", "s1", 2, 8))) + " }")
 
 
 def format_codes(spec: QuantSpec | None) -> dict:
