@@ -427,7 +427,45 @@ def _in_flight_cases(rank, world_size):
         torch.ops.moe_deepep.combine_tokens_start(
             torch.zeros(world_size * chunk_tokens, IN_FLIGHT_H, dtype=torch.bfloat16),
             torch.zeros(3, 2, dtype=torch.int32), 2 * world_size, *ep_args, 1, 2)
+    _check_in_flight_reads_its_own_copies(rank, world_size, deepep, ep_args)
     deepep.close_all()
+
+
+def _check_in_flight_reads_its_own_copies(rank, world_size, deepep, ep_args):
+    """DeepEP's kernels in flight read their tokens after the op returns, when a compiled
+    graph may have given the op's input buffers to other kernels (Inductor keeps only a
+    functional collective's input alive until its wait): what the in-flight ops hand
+    DeepEP shares no storage with their inputs."""
+    (comm,) = [c for c in deepep.open_communicators() if c.max_tokens_per_rank == ep_args[-1]]
+    buffer_type = type(comm.buffer)
+    sent = []
+
+    def spy(method):
+        def call(self, x, *args, **kwargs):
+            if kwargs.get("async_finish"):
+                sent.append(x)
+            return method(self, x, *args, **kwargs)
+        return call
+
+    gen = torch.Generator().manual_seed(rank)
+    hidden_TH = torch.randn(3, IN_FLIGHT_H, generator=gen).bfloat16()
+    weights_TK = torch.rand(3, 2, generator=gen)
+    ids_TK = torch.randint(0, 2 * world_size, (3, 2), generator=gen, dtype=torch.int32)
+    dispatch, combine = buffer_type.dispatch, buffer_type.combine
+    buffer_type.dispatch, buffer_type.combine = spy(dispatch), spy(combine)
+    try:
+        x_NH, routing_NX = torch.ops.moe_deepep.dispatch_tokens_start(
+            hidden_TH, weights_TK, ids_TK, 2 * world_size, *ep_args, 0, 2)
+        for tensor in (x_NH, routing_NX):
+            torch.ops._c10d_functional.wait_tensor(tensor)
+        y_NH = x_NH * 2
+        torch.ops._c10d_functional.wait_tensor(torch.ops.moe_deepep.combine_tokens_start(
+            y_NH, ids_TK, 2 * world_size, *ep_args, 0, 2))
+    finally:
+        buffer_type.dispatch, buffer_type.combine = dispatch, combine
+    assert len(sent) == 2, sent
+    for read, given in zip(sent, (hidden_TH, y_NH)):
+        assert read.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
 
 
 def test_tokens_in_flight_match_single_process():

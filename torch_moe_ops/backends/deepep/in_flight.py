@@ -15,7 +15,11 @@ the current stream wait for that event, and Inductor and CUDA graphs treat it as
 treat a collective's. ``combine_tokens_start`` likewise runs ``Buffer.combine`` of one
 chunk's ``[N, H]`` and returns its tokens' sums, ``[M, H]`` (the window's padding rows,
 routed nowhere, come back zero): DeepEP sums at home itself, so there is no
-``combine_tokens_finish``.
+``combine_tokens_finish``. Neither op hands DeepEP a tensor of the graph's: its kernels
+read after the op returns, and Inductor, which keeps a functional collective's input
+alive until the wait, may give a custom op's input buffer to the next kernel (2 GPUs,
+CUDA graph trees' warm-up, 2026-11-29: 29% of a rank's output wrong when the combine read
+the experts' output buffer in place).
 
 Each chunk's DeepEP handle stays in the communicator (`DeepEPCommunicator.in_flight`,
 by chunk) from its dispatch to its combine. On the CPU (the tests' stand-in for DeepEP)
@@ -69,6 +73,8 @@ def dispatch_tokens_start(hidden_TH, topk_weights_TK, topk_ids_TK, num_experts, 
     window = (chunk, max_tokens_per_rank, num_chunks)
     with dispatching("hidden", hidden_TH, top_k, num_experts, ep_size, group_name,
                      max_tokens_per_rank, NORMAL) as comm:
+        # The windows are copies of the allocator's (`window_rows` pads): DeepEP reads them
+        # after this op returns, when the graph's own buffers may hold other data.
         ids_WK = window_rows(topk_ids_TK, *window, fill=-1)
         x_NH, ids_NK, weights_NK, handle = normal.send(
             comm, window_rows(hidden_TH, *window), window_rows(topk_weights_TK, *window),
@@ -95,7 +101,12 @@ def combine_tokens_start(y_NH, topk_ids_TK, num_experts, ep_size, group_name,
                                f"must answer a dispatch_tokens_start of that chunk on {comm!r}, "
                                f"which has none in flight (chunks in flight: "
                                f"{sorted(comm.in_flight)})")
-        combined_MH, _, _ = comm.buffer.combine(y_NH.contiguous(), handle,
+        # DeepEP reads its input after this op returns, and the graph may give y_NH's
+        # buffer to a later kernel by then: Inductor keeps a collective's input alive until
+        # its wait, not a custom op's. The kernels read a copy of the allocator's instead,
+        # which DeepEP's record_stream keeps from reuse until they are done.
+        y_sent_NH = y_NH.clone(memory_format=torch.contiguous_format)
+        combined_MH, _, _ = comm.buffer.combine(y_sent_NH, handle,
                                                 config=comm.combine_config, async_finish=True)
         with _on_comm_stream(comm, y_NH.device):
             _arriving(y_NH.device, combined_MH)
