@@ -50,7 +50,7 @@ from torch_moe_ops.lowering.graph_values import fake_value, meta_key
 from torch_moe_ops.lowering.overlap import chunk_tokens, has_independent_work, lower_in_chunks
 from torch_moe_ops.lowering.plan import LayerPlan, plan_layer
 from torch_moe_ops.ops import GENERIC_NAMESPACE
-from torch_moe_ops.ops.library import full_args, named_args, op_overload
+from torch_moe_ops.ops.library import full_args, named_args, op_overload, output_index
 
 # The ops that carry a layer's activations: they decide (and must agree on) its backends.
 ACTIVATION_OPS = EXPERTS_OPS + QUANT_EXPERTS_OPS + A2A_OPS + QUANT_A2A_OPS
@@ -75,9 +75,7 @@ def _example_args(node: fx.Node) -> tuple:
     if not isinstance(args[0], torch.Tensor):
         raise TypeError(f"cannot lower {node.format_node()}: its first input carries no "
                         "tensor metadata (was the graph traced by Dynamo?)")
-    target = node.target
-    return full_args(target if isinstance(target, torch_compat.OpOverload) else target.default,
-                     args, kwargs)
+    return full_args(_target_op(node), args, kwargs)
 
 
 def generic_op(node: fx.Node) -> str | None:
@@ -161,9 +159,9 @@ def _lower_graph(gm: fx.GraphModule, spec: BackendSpec) -> None:
     for node, plan in plans.items():
         if generic_op(node) == "dispatch" and plan.a2a.prepare is not None:
             # The transport's state for the size it moves: each chunk's M where chunked.
-            *layer_args, max_tokens = _example_args(node)[:7]
-            plan.a2a.prepare(plan.format, plan.mode, *layer_args,
-                             chunk_tokens(max_tokens, plan.chunks))
+            sent = named_args(_target_op(node), _example_args(node))
+            plan.a2a.prepare(plan.format, plan.mode, *(sent[name] for name in _PREPARED_BY),
+                             chunk_tokens(sent["max_tokens_per_rank"], plan.chunks))
     chains = _lower_chains(gm, plans)
     changed = bool(chains)
     for node, plan in plans.items():
@@ -208,10 +206,11 @@ def _rows_chain(dispatch: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     # Rows read unquantized: no scales in, the experts' own dtype out.
     if rows.get("x_scale") is not None or rows.get("out_dtype") is not None:
         return None
-    read = (rows["x_rows"], rows["expert_rows"], rows["count_experts"], back["weight_rows"],
-            back["src_rows"], back["combine_map"])
-    if ([output.get(a) for a in read] != [0, 1, 4, 2, 3, 5] or back["y_rows"] is not experts
-            or set(experts.users) != {combine}):
+    # Each of the dispatch's outputs reaches the argument of the same name.
+    sent = output_index(_target_op(dispatch))
+    read = {name: (rows if name in rows else back)[name] for name in sent}
+    if (any(output.get(value) != sent[name] for name, value in read.items())
+            or back["y_rows"] is not experts or set(experts.users) != {combine}):
         return None
     return experts, combine
 
@@ -273,12 +272,16 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
                     for i in range(len(fake_value(dispatch)))]
         for item, value in zip(sent, fake_value(dispatch)):
             item.meta[meta_key(dispatch)] = value
-        experts_inputs, combine_inputs = _CHAINS[fmt](sent, topk_weights, topk_ids)
+        # The dispatch's outputs by name, and the layer's routing beside them.
+        values = dict(zip(output_index(_target_op(dispatch)), sent),
+                      topk_weights=topk_weights, topk_ids=topk_ids)
+        experts_inputs, combine_inputs = (tuple(values[name] for name in names)
+                                          for names in _CHAINS[fmt])
         if quant is not None and fmt is MASKED:
             # experts_masked_quant(x, x_scale, count, weights..., out_dtype): the scales
-            # come last from a quantized dispatch.
+            # come from a quantized dispatch.
             x_masked, count = experts_inputs
-            experts_args = (x_masked, sent[-1] if fp8 else None, count, *weight_args,
+            experts_args = (x_masked, values["x_scale"] if fp8 else None, count, *weight_args,
                             plan.problem.dtype if fp8 else None)
         else:
             # experts / experts_masked, or experts_quant, which quantizes the tokens inside.
@@ -291,27 +294,31 @@ def _lower_chains(gm: fx.GraphModule, plans: dict[fx.Node, LayerPlan]) -> set[fx
     return lowered
 
 
-# Per format: from its dispatch's outputs and the layer's routing, the inputs of its experts
-# op before the weights, and those of its combine between the experts' output and E.
+# Per format, by the names of its dispatch's outputs and of the layer's routing: the inputs
+# of its experts op before the weights, and those of its combine between the experts'
+# output and E.
 _CHAINS = {
-    # x_tokens, topk_weights_tokens, topk_ids_tokens -> experts; combine_tokens(y, topk_ids).
-    TOKENS: lambda sent, topk_weights, topk_ids: (sent, (topk_ids,)),
-    # x_masked, count_experts -> experts_masked; combine_masked(y, src_info, layout_range,
-    # topk_weights, topk_ids).
-    MASKED: lambda sent, topk_weights, topk_ids: (sent[:2], (*sent[2:4], topk_weights,
-                                                             topk_ids)),
+    TOKENS: (("x_tokens", "topk_weights_tokens", "topk_ids_tokens"), ("topk_ids",)),
+    MASKED: (("x_masked", "count_experts"),
+             ("src_info", "layout_range", "topk_weights", "topk_ids")),
 }
 
 
 # The expert-parallel arguments every dispatch and combine ends with, in schema order.
 _EP_ARGS = ("ep_size", "group_name", "max_tokens_per_rank")
+# The dispatch's arguments a transport's `prepare` takes before the tokens it moves.
+_PREPARED_BY = ("hidden", "topk_weights", "topk_ids", "num_experts", "ep_size", "group_name")
+
+
+def _target_op(node: fx.Node) -> torch_compat.OpOverload:
+    """The op overload ``node`` calls (a packet's default)."""
+    target = node.target
+    return target if isinstance(target, torch_compat.OpOverload) else target.default
 
 
 def _node_args(node: fx.Node) -> dict[str, object]:
     """``node``'s arguments (nodes and constants) by schema name, defaults filled in."""
-    target = node.target
-    op = target if isinstance(target, torch_compat.OpOverload) else target.default
-    return named_args(op, node.args, node.kwargs)
+    return named_args(_target_op(node), node.args, node.kwargs)
 
 
 def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:

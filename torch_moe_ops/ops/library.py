@@ -115,6 +115,14 @@ def named_args(op: torch_compat.OpOverload, args: tuple, kwargs: dict | None = N
 
 
 @functools.cache
+def output_index(op: torch_compat.OpOverload) -> dict[str, int]:
+    """The position of each of ``op``'s outputs in the tuple it returns, by the schema's
+    name for it: code that picks outputs reads them by name, as `named_args` reads
+    arguments."""
+    return {output.name: i for i, output in enumerate(op._schema.returns)}
+
+
+@functools.cache
 def _argument_names(op: torch_compat.OpOverload) -> tuple[str, ...]:
     # Cached as `_arguments` is: each name read from the schema costs ~0.2 us.
     return tuple(argument.name for argument in _arguments(op))
