@@ -79,6 +79,8 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
+from torch_moe_ops.config import QuantSpec
+
 # The script's default: the GPU run.
 MODELS = ("qwen3-30b-a3b", "olmoe", "mixtral-8x7b", "gpt-oss-20b")
 WAYS = ("hf-grouped_mm", "tmo-patch")
@@ -250,7 +252,7 @@ def bench_model_ways(name: str, shape: bench_model.ModelShape, ways: list[str], 
     torch._dynamo.reset()
     counters.clear()
     models = {way: bench_model.build(shape, way, args.layers, device=args.device,
-                                     dtype=args.dtype) for way in ways}
+                                     dtype=args.dtype, quant=args.quant_spec) for way in ways}
     compiled = {way: compile_config(way, args) for way in ways}
     counts = {way: CompileCounts() for way in ways}
     results = []
@@ -371,7 +373,7 @@ def meta(args) -> dict:
             "dtype": str(args.dtype).removeprefix("torch."), "layers": args.layers,
             "new_tokens": args.new_tokens, "mode": args.mode, "inner": args.inner,
             "compiled_prefill": args.compiled_prefill, "warmup": args.warmup,
-            "repeats": args.repeats, "smoke": args.smoke}
+            "repeats": args.repeats, "smoke": args.smoke, "quant": args.quant}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -393,8 +395,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, fp32, tiny models of the same families, aot_eager graphs, "
                              "short prompts: checks the script in seconds")
+    parser.add_argument("--quant", choices=("mxfp4",),
+                        help="the experts stored in this format (GPT-OSS's checkpoints: "
+                             "mxfp4): tmo-patch runs them so, transformers the same values in "
+                             "bf16, as it runs that checkpoint without its hub kernels")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    args.quant_spec = None if args.quant is None else QuantSpec(args.quant)
     shapes = SMOKE_SHAPES if args.smoke else bench_model.SHAPES
     names = args.shapes.split(",")
     unknown = [name for name in names if name not in MODELS]

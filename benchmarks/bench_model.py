@@ -40,6 +40,10 @@ import transformers
 
 import torch_moe_ops as tmo
 import torch_moe_ops.hf  # registers the "torch_moe_ops" experts implementation
+from torch_moe_ops import quant
+from torch_moe_ops.config import QuantSpec
+from torch_moe_ops.hf.block import HFMoEBlock
+from torch_moe_ops.hf.weights import QuantizedExperts, quantized_weights
 
 # Legend: B batch, S sequence, T = B * S tokens, H hidden size, V vocabulary.
 
@@ -112,9 +116,15 @@ def moe_sizes(cfg) -> dict:
 
 
 def build(shape: ModelShape, way: str, layers: int | None, device: str = "cuda",
-          dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+          dtype: torch.dtype = torch.bfloat16, quant: QuantSpec | None = None
+          ) -> torch.nn.Module:
     """The model for ``way``, random weights made on ``device`` from seed 0 (the
-    same for every way)."""
+    same for every way).
+
+    With ``quant``, ``tmo-patch`` stores and runs the experts in that format
+    (`quantize_patched_experts`), and transformers' ways run the same values rounded back to
+    ``dtype`` (`round_experts`), as transformers runs a quantized checkpoint it has no
+    kernels for (GPT-OSS's MXFP4 without its hub kernels)."""
     torch.manual_seed(0)
     impl = {"hf-grouped_mm": "grouped_mm", "hf-batched_mm": "batched_mm",
             "hf+tmo-experts": "torch_moe_ops", "tmo-patch": "grouped_mm"}[way]
@@ -126,7 +136,51 @@ def build(shape: ModelShape, way: str, layers: int | None, device: str = "cuda",
         report = tmo.hf.patch(model)
         if not report.blocks:
             raise RuntimeError(f"patch replaced no block: {report}")
+        if quant is not None:
+            quantize_patched_experts(model, quant)
+    elif quant is not None:
+        # From the same float weights, in the same groups: the values tmo-patch stores.
+        round_experts(model, quant)
     return model
+
+
+def round_experts(model: torch.nn.Module, spec: QuantSpec) -> None:
+    """Round every transformers experts module's ``gate_up_proj`` and ``down_proj`` through
+    ``spec``'s format in place, grouped along their inputs as the format groups them
+    (inputs last, ``[E, N, K]``, as Qwen3-MoE, OLMoE and Mixtral store them; first,
+    ``[E, K, N]``, as GPT-OSS does)."""
+    hidden, rounded = model.config.hidden_size, 0
+    for module in model.modules():
+        gate_up, down = (getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (gate_up, down)):
+            continue
+        if gate_up.shape[1] == hidden != gate_up.shape[2]:
+            inputs_first = True
+        elif gate_up.shape[2] == hidden != gate_up.shape[1]:
+            inputs_first = False
+        else:
+            raise ValueError(f"cannot tell the inputs' dimension of gate_up_proj "
+                             f"{list(gate_up.shape)} at hidden size {hidden}")
+        for tensor in (gate_up, down):
+            w_ENK = tensor.data.transpose(1, 2) if inputs_first else tensor.data
+            q, scale = quant.quantize_weights(w_ENK.contiguous(), spec)
+            rounded_ENK = quant.dequantize_weights(q, scale, spec).to(tensor.dtype)
+            tensor.data.copy_(rounded_ENK.transpose(1, 2) if inputs_first else rounded_ENK)
+        rounded += 1
+    if not rounded:
+        raise ValueError(f"{type(model).__name__} has no experts module with 3-D gate_up_proj "
+                         f"and down_proj to store in {spec.name}")
+
+
+def quantize_patched_experts(model: torch.nn.Module, spec: QuantSpec) -> None:
+    """Every patched block's experts stored in ``spec``'s format (`tmo.hf.QuantizedExperts`):
+    the block then runs ``moe::experts_quant``."""
+    for block in model.modules():
+        if isinstance(block, HFMoEBlock):
+            w13, w2, b13, b2 = block.expert_weights()
+            (q13, s13), (q2, s2) = (quant.quantize_weights(w, spec) for w in (w13, w2))
+            experts = QuantizedExperts(spec, q13, q2, s13, s2, b13, b2)
+            block.use_experts(experts, quantized_weights(experts))
 
 
 def compile_kwargs(way: str, mode: str | None, inner: str = "inductor") -> dict:

@@ -85,3 +85,39 @@ def test_first_token_agreement(monkeypatch):
         "first_token_differs_beyond_rounding"] == 1
     got_BV[0, 3] = 0.0  # masked in one way only
     assert bench_generate.first_token_agreement(got_BV, want_BV)["logits_rel_diff"] == math.inf
+
+
+@pytest.mark.usefixtures("benchmarks_importable")
+@pytest.mark.parametrize("name", MODELS)
+def test_quantized_ways_run_the_same_weights(name):
+    """``--quant mxfp4``: the patched model stores its experts in MXFP4 and transformers runs
+    the same values rounded back to float (GPT-OSS's experts store their inputs first,
+    Qwen3-MoE's last), so the two agree as closely as float rounding lets them, and neither
+    agrees with the model left in float."""
+    import dataclasses
+
+    import bench_generate
+    import bench_model
+    import torch
+
+    from torch_moe_ops.config import QuantSpec
+
+    shape = bench_generate.SMOKE_SHAPES[name]
+    # 2I != H, so that the experts' input dimension is told by its size; both multiples of
+    # 32 (MXFP4's group).
+    widths = {"moe_intermediate_size" if name == "qwen3-30b-a3b" else "intermediate_size": 64}
+    shape = dataclasses.replace(shape, kwargs={**shape.kwargs, **widths})
+    spec = QuantSpec("mxfp4")
+    ids_BS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def logits(way, quant):
+        model = bench_model.build(shape, way, None, device="cpu", dtype=torch.float32,
+                                  quant=quant)
+        with torch.no_grad():
+            return model(ids_BS).logits
+
+    hf, ours = logits("hf-grouped_mm", spec), logits("tmo-patch", spec)
+    unquantized = logits("hf-grouped_mm", None)
+    scale = hf.abs().max()
+    assert (hf - ours).abs().max() < 1e-4 * scale
+    assert (hf - unquantized).abs().max() > 1e-2 * scale
