@@ -326,10 +326,11 @@ def _quantized_readers(dispatch: fx.Node) -> list[fx.Node] | None:
     unquantized (``x_scale`` and ``out_dtype`` None): those that can read fp8 rows
     and scales instead. None where ``x_rows`` reaches anything else, or nothing."""
     readers = []
+    x_rows = output_index(_target_op(dispatch))["x_rows"]
     for item in dispatch.users:
         if item.target is not operator.getitem:
             return None
-        if item.args[1] != 0:
+        if item.args[1] != x_rows:
             continue
         for reader in item.users:
             if generic_op(reader) != "experts_rows_quant":
