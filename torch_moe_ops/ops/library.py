@@ -119,7 +119,7 @@ def output_index(op: torch_compat.OpOverload) -> dict[str, int]:
     """The position of each of ``op``'s outputs in the tuple it returns, by the schema's
     name for it: code that picks outputs reads them by name, as `named_args` reads
     arguments."""
-    return {output.name: i for i, output in enumerate(op._schema.returns)}
+    return {output.name: i for i, output in enumerate(torch_compat.schema(op).returns)}
 
 
 @functools.cache
