@@ -100,7 +100,7 @@ def expected_alignment(topk_ids_TK, E, block_m):
 @pytest.mark.parametrize("programs", ["one", "three"])
 def test_align_rows(T, K, E, block_m, id_dtype, programs, poisoned_empty, monkeypatch):
     # Whatever the size: all three steps in one program, or three launches.
-    monkeypatch.setattr(align, "ONE_PROGRAM_MAX_TILES", 10**9 if programs == "one" else -1)
+    monkeypatch.setattr(align, "ONE_PROGRAM_MAX_WORK", 10**9 if programs == "one" else -1)
     _, topk_ids_TK = make_routing(T, E, K, id_dtype, seed=T + E)
     sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align.align_rows(topk_ids_TK, E,
                                                                           block_m)

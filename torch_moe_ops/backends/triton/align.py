@@ -26,7 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe_ops.backends.common.kernels.launch import cdiv, in_traced_body, launcher
+from torch_moe_ops.backends.common.kernels.launch import (
+    cdiv,
+    in_traced_body,
+    launcher,
+    next_power_of_2,
+)
 
 # Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
 # one-hot tile [SLOT_TILE, EXPERT_CHUNK] stays at 8K elements whatever E is.
@@ -35,11 +40,16 @@ EXPERT_CHUNK = 32
 # The scan program walks the [tiles, E] count table in [TILE_CHUNK, SCAN_EXPERT_CHUNK] pieces.
 TILE_CHUNK = 64
 SCAN_EXPERT_CHUNK = 64
-# An eager call (one not traced into a compiled graph) of up to this many tiles runs the
-# three steps in one program: each eager launch costs 30-50 us on the host (H200 hosts,
-# 2026-11-26), more than the one program's extra GPU time at these sizes. Compiled
-# graphs launch from Inductor's code and keep the three kernels, which run in parallel.
-ONE_PROGRAM_MAX_TILES = 16
+# An eager call (one not traced into a compiled graph) of up to this many slots times
+# experts runs the three steps in one program: each eager launch costs 30-50 us on the host
+# (H200 hosts, 2026-11-26), and up to here the one program's GPU time is no more than the
+# three launches' (10.9 against 11.7 us at 128 slots and 128 experts; at 512 slots and
+# 256 experts 44.5 against 21.8: its work grows as slots times experts on one SM; H200,
+# 2026-11-29). Compiled graphs launch from Inductor's code and keep the three kernels.
+ONE_PROGRAM_MAX_WORK = 256 * 256
+# The one program's tiles hold at most this many elements; its tiles are sized to the call
+# (a token's 8 slots are not a 256-slot tile), so few slots take few steps.
+ONE_PROGRAM_TILE_ELEMENTS = 8192
 
 
 def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -109,31 +119,35 @@ def _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr,
 
 
 @triton.jit
-def _write_block(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
-                 block_expert_ptr, block, num_slots, num_experts, BLOCK_M: tl.constexpr,
-                 EXPERT_CHUNK: tl.constexpr):
-    """Block ``block``'s expert (-1 past the rows in use) and the sentinel in its padding."""
-    block_start = block * BLOCK_M
-    # The block's expert is the number of experts whose padded range ends at
+def _write_blocks(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                  block_expert_ptr, first_block, num_blocks, num_slots, num_experts,
+                  BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    """Blocks ``[first_block, first_block + BLOCKS)``' experts (-1 past the rows in use)
+    and the sentinel in their padding."""
+    blocks = first_block + tl.arange(0, BLOCKS)
+    block_ok = blocks < num_blocks
+    block_start = blocks * BLOCK_M
+    # A block's expert is the number of experts whose padded range ends at
     # or before the block's first row.
-    expert = 0
+    expert = tl.zeros((BLOCKS,), dtype=tl.int32)
     for first in range(0, num_experts, EXPERT_CHUNK):
         experts = first + tl.arange(0, EXPERT_CHUNK)
         expert_ok = experts < num_experts
         count = tl.load(expert_count_ptr + experts, mask=expert_ok, other=0)
         end = (tl.load(expert_start_ptr + experts, mask=expert_ok, other=0)
                + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
-        expert += tl.sum(((end <= block_start) & expert_ok).to(tl.int32), axis=0)
+        expert += tl.sum(((end[None, :] <= block_start[:, None]) & expert_ok[None, :])
+                         .to(tl.int32), axis=1)
     num_padded = tl.load(num_padded_ptr)
     in_use = block_start < num_padded
     safe_expert = tl.where(in_use, expert, 0)
-    rows = block_start + tl.arange(0, BLOCK_M)
+    rows = block_start[:, None] + tl.arange(0, BLOCK_M)[None, :]
     padding = ((rows >= num_padded)
-               | (rows - tl.load(expert_start_ptr + safe_expert)
-                  >= tl.load(expert_count_ptr + safe_expert)))
-    tl.store(sorted_row_ids_ptr + rows, tl.zeros((BLOCK_M,), dtype=tl.int32) + num_slots,
-             mask=padding)
-    tl.store(block_expert_ptr + block, tl.where(in_use, expert, -1))
+               | (rows - tl.load(expert_start_ptr + safe_expert)[:, None]
+                  >= tl.load(expert_count_ptr + safe_expert)[:, None]))
+    tl.store(sorted_row_ids_ptr + rows, tl.zeros((BLOCKS, BLOCK_M), dtype=tl.int32) + num_slots,
+             mask=padding & block_ok[:, None])
+    tl.store(block_expert_ptr + blocks, tl.where(in_use, expert, -1), mask=block_ok)
 
 
 @triton.jit
@@ -164,8 +178,9 @@ def moe_align_scatter_kernel(ids_ptr, tile_offsets_ptr, expert_count_ptr, expert
         _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, pid,
                     num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK)
     if pid < num_blocks:
-        _write_block(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
-                     block_expert_ptr, pid, num_slots, num_experts, BLOCK_M, EXPERT_CHUNK)
+        _write_blocks(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                      block_expert_ptr, pid, num_blocks, num_slots, num_experts, BLOCK_M, 1,
+                      EXPERT_CHUNK)
 
 
 @triton.jit
@@ -174,7 +189,8 @@ def moe_align_one_program_kernel(ids_ptr, tile_counts_ptr, tile_offsets_ptr, exp
                                   block_expert_ptr, num_slots, num_tiles, num_blocks,
                                   num_experts, BLOCK_M: tl.constexpr, SLOT_TILE: tl.constexpr,
                                   EXPERT_CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr,
-                                  SCAN_EXPERT_CHUNK: tl.constexpr):
+                                  SCAN_EXPERT_CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
+                                  BLOCK_EXPERT_CHUNK: tl.constexpr):
     # The three kernels' work in one program; a barrier between the steps makes
     # each step's stores visible to the program's other threads.
     for tile in range(num_tiles):
@@ -187,9 +203,12 @@ def moe_align_one_program_kernel(ids_ptr, tile_counts_ptr, tile_offsets_ptr, exp
     for tile in range(num_tiles):
         _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, tile,
                     num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK)
-    for block in range(num_blocks):
-        _write_block(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
-                     block_expert_ptr, block, num_slots, num_experts, BLOCK_M, EXPERT_CHUNK)
+    # Many blocks a step: one at a time, the step's chain of loads made this loop
+    # most of the call (46.6 of 230 us at 16 tokens of Qwen3-30B-A3B, H200, 2026-11-29).
+    for first_block in range(0, num_blocks, BLOCKS):
+        _write_blocks(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
+                      block_expert_ptr, first_block, num_blocks, num_slots, num_experts,
+                      BLOCK_M, BLOCKS, BLOCK_EXPERT_CHUNK)
 
 
 def _int32_views(sizes: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
@@ -201,6 +220,22 @@ def _int32_views(sizes: tuple[int, ...], device: torch.device) -> list[torch.Ten
         end += cdiv(size, 4) * 4
     workspace = torch.empty((end,), dtype=torch.int32, device=device)
     return [workspace[start:start + size] for start, size in zip(starts, sizes)]
+
+
+def _one_program_tiles(num_slots: int, num_experts: int, num_blocks: int,
+                       block_m: int) -> dict[str, int]:
+    """The one program's tile sizes for this call: as few steps as tiles of
+    `ONE_PROGRAM_TILE_ELEMENTS` allow, none wider than what it covers."""
+    experts = next_power_of_2(num_experts)
+    slot_tile = min(SLOT_TILE, max(16, next_power_of_2(num_slots)))
+    tile_chunk = min(TILE_CHUNK, max(1, next_power_of_2(cdiv(num_slots, slot_tile))))
+    blocks = min(ONE_PROGRAM_TILE_ELEMENTS // block_m, max(1, next_power_of_2(num_blocks)))
+    return {"SLOT_TILE": slot_tile,
+            "EXPERT_CHUNK": min(experts, ONE_PROGRAM_TILE_ELEMENTS // slot_tile),
+            "TILE_CHUNK": tile_chunk,
+            "SCAN_EXPERT_CHUNK": min(experts, ONE_PROGRAM_TILE_ELEMENTS // tile_chunk),
+            "BLOCKS": blocks,
+            "BLOCK_EXPERT_CHUNK": min(experts, ONE_PROGRAM_TILE_ELEMENTS // blocks)}
 
 
 def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
@@ -235,13 +270,15 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     device = topk_ids_TK.device
     capacity = padded_capacity(num_slots, num_experts, block_m)
     num_blocks = capacity // block_m
-    num_tiles = cdiv(num_slots, SLOT_TILE)
+    one_program = not in_traced_body() and num_slots * num_experts <= ONE_PROGRAM_MAX_WORK
+    tiles = _one_program_tiles(num_slots, num_experts, num_blocks, block_m) if one_program \
+        else {"SLOT_TILE": SLOT_TILE}
+    num_tiles = cdiv(num_slots, tiles["SLOT_TILE"])
     table = num_tiles * num_experts
     # The outputs, per-tile counts and offsets [tiles, E], per-expert counts and padded
     # starts [E].
     sizes = (capacity, num_blocks, 1, table, table, num_experts, num_experts)
-    traced = in_traced_body()
-    if traced:
+    if in_traced_body():
         # Separate tensors, not views of one workspace. Traced into a training graph,
         # Inductor (torch 2.11) copied views of one workspace that the kernels mutate
         # with the whole workspace's length from a [E] buffer: a read out of bounds,
@@ -253,12 +290,11 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     (sorted_row_ids_P, block_expert_B, num_padded_rows_1, tile_counts, tile_offsets,
      expert_count, expert_start) = buffers
     ids_S = topk_ids_TK.reshape(-1)
-    if not traced and num_tiles <= ONE_PROGRAM_MAX_TILES:
+    if one_program:
         launcher(moe_align_one_program_kernel)[(1,)](
             ids_S, tile_counts, tile_offsets, expert_count, expert_start, num_padded_rows_1,
             sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
-            BLOCK_M=block_m, SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK,
-            TILE_CHUNK=TILE_CHUNK, SCAN_EXPERT_CHUNK=SCAN_EXPERT_CHUNK)
+            BLOCK_M=block_m, **tiles)
         return sorted_row_ids_P, block_expert_B, num_padded_rows_1
     if num_tiles:
         launcher(moe_align_count_kernel)[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
