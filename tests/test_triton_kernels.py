@@ -19,7 +19,6 @@ import torch
 from formulas import experts_formula
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.common.kernels.launch import cdiv, next_power_of_2
-from torch_moe_ops.config import QuantSpec
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
     import triton
@@ -279,40 +278,6 @@ def test_direct_config_takes_narrow_tiles():
         dataclasses.replace(config, BLOCK_M=4)
 
 
-def test_direct_config_down_fields():
-    """The direct path's down kernel takes its own tiles where the config sets them;
-    they are checked as a config of their own and belong to that path only."""
-    config = configs.KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4,
-                                  num_stages=3, path="direct", DOWN_BLOCK_N=4,
-                                  down_num_warps=8)
-    assert config.down() == dataclasses.replace(config, BLOCK_N=4, num_warps=8,
-                                                DOWN_BLOCK_N=None, down_num_warps=None)
-    plain = dataclasses.replace(config, DOWN_BLOCK_N=None, down_num_warps=None)
-    assert plain.down() is plain
-    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
-        dataclasses.replace(config, DOWN_BLOCK_N=3)
-    with pytest.raises(ValueError, match="DOWN_BLOCK_N, down_num_warps apply to path 'direct'"):
-        dataclasses.replace(config, path="tiled")
-    # fp8 blocks need K tiles dividing the block's 128 and, with fp8 activations, 16
-    # columns and more (tensor cores): the down kernel's too.
-    spec = QuantSpec("fp8_block", block_size=(128, 128))
-    fits = dataclasses.replace(config, BLOCK_K=128, DOWN_BLOCK_N=16)
-    assert configs.fits_format(fits, spec)
-    assert not configs.fits_format(dataclasses.replace(fits, DOWN_BLOCK_K=256), spec)
-    assert not configs.fits_format(dataclasses.replace(fits, DOWN_BLOCK_N=8), spec)
-
-
-@pytest.mark.parametrize("down", [dict(DOWN_BLOCK_N=2, DOWN_BLOCK_K=32, down_num_warps=2),
-                                  dict(DOWN_BLOCK_N=64, down_num_stages=2)],
-                         ids=["narrow", "wide"])
-def test_direct_path_with_its_own_down_tiles(down, monkeypatch, poisoned_empty):
-    """Down tiles narrower and wider than the gate-up kernel's: H and I off every tile."""
-    monkeypatch.setattr(fused, "get_config", lambda *key: dataclasses.replace(
-        configs.default_config(*key), path="direct", BLOCK_N=8, BLOCK_K=64, **down))
-    run_and_compare(3, E=8, K=2, H=96, I=80, dtype=torch.float32, name="swiglu_oai", bias=True,
-                    id_dtype=torch.int32)
-
-
 @pytest.mark.parametrize("E,M,top_k,path", [
     (8, 1, 2, "direct"),        # one token: its slots never share an expert
     (128, 4, 8, "direct"),      # 32 slots over 128 experts
@@ -407,31 +372,6 @@ def test_tuning_without_cuda_says_it_needs_a_gpu(monkeypatch, capsys):
         "python -m torch_moe_ops.tune: error: needs a CUDA GPU: it times the Triton kernels on "
         "the GPU at hand and writes their configs for it (this torch sees no CUDA device); run "
         "it on the machine that will run the model")
-
-
-def test_config_entries_round_trip_through_files(tmp_path):
-    """A tuned entry names only the fields that are set, and reads back as the same config."""
-    from torch_moe_ops.backends.triton import tune
-
-    direct = configs.KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=128, GROUP_M=1, num_warps=8,
-                                  num_stages=3, path="direct", DOWN_BLOCK_N=32,
-                                  DOWN_BLOCK_K=256, down_num_warps=4, down_num_stages=4)
-    tiled = configs.KernelConfig(**TILES, path="tiled")
-    assert set(tune.config_entry(tiled)) == {*TILES, "path"}
-    path = tmp_path / "entries.json"
-    path.write_text(json.dumps({"1": tune.config_entry(direct), "16": tune.config_entry(tiled)}))
-    assert configs.load_config_file(path) == ((1, direct), (16, tiled))
-
-
-@gpu
-def test_tuning_writes_a_file_that_loads(tmp_path):
-    """One token of a small shape: the direct path wins, its down kernel tuned too."""
-    from torch_moe_ops.backends.triton import tune
-
-    tune.tune(8, 64, 128, 2, torch.bfloat16, [1], tmp_path)
-    (path,) = tmp_path.glob("*.json")
-    ((tokens, config),) = configs.load_config_file(path)
-    assert tokens == 1 and config.path == "direct", config
 
 
 def test_host_sizes_match_tritons():

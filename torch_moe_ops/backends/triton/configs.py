@@ -16,8 +16,7 @@ A call with M tokens takes the entry of the largest key <= M (the smallest key
 when M is below all of them); with no file for the shape, `default_config`
 decides. ``path`` names the kernels a call runs (see `PATHS`); an entry without
 one gets `default_path`'s. One config serves both GEMMs of a layer: they must
-share BLOCK_M, since one `align_rows` serves both; the direct path, which aligns
-nothing, may give its down kernel tiles of its own (``DOWN_BLOCK_N``, ...: `KernelConfig.down`).
+share BLOCK_M, since one `align_rows` serves both.
 
 Files are read on first use and cached (`functools.lru_cache`), so a warm-up
 call with each token count before CUDA-graph capture keeps file reads and
@@ -60,10 +59,8 @@ class KernelConfig:
     """Which kernels one call runs (``path``) and the launch parameters they share.
 
     The ``direct`` kernels use BLOCK_N (output columns per program), BLOCK_K,
-    num_warps and num_stages only; their down kernel takes the ``DOWN_*`` and
-    ``down_*`` fields where set (its reduction is the short intermediate size, so
-    its best tiles differ from the gate-up kernel's; `down`). ``path=None`` (an entry
-    of a file that names none) is resolved by `get_config`.
+    num_warps and num_stages only. ``path=None`` (an entry of a file that names
+    none) is resolved by `get_config`.
     """
 
     BLOCK_M: int
@@ -73,10 +70,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     path: str | None = None
-    DOWN_BLOCK_N: int | None = None
-    DOWN_BLOCK_K: int | None = None
-    down_num_warps: int | None = None
-    down_num_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in PATHS:
@@ -94,25 +87,6 @@ class KernelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
-        down_fields = [field for field in DOWN_FIELDS if getattr(self, field) is not None]
-        if down_fields and self.path != "direct":
-            raise ValueError(f"{', '.join(down_fields)} apply to path 'direct' only, "
-                             f"got path {self.path!r}")
-        if down_fields:
-            self.down()  # checks them as the down kernel's own config
-
-    def down(self) -> KernelConfig:
-        """The config of the direct path's down kernel: this one, with the ``DOWN_*`` and
-        ``down_*`` fields that are set in place of the shared ones."""
-        if all(getattr(self, field) is None for field in DOWN_FIELDS):
-            return self
-        shared = {field.removeprefix("DOWN_").removeprefix("down_"): getattr(self, field)
-                  for field in DOWN_FIELDS if getattr(self, field) is not None}
-        return dataclasses.replace(self, **shared, **dict.fromkeys(DOWN_FIELDS))
-
-
-# A direct config's fields for its down kernel alone (None: as the gate-up kernel).
-DOWN_FIELDS = ("DOWN_BLOCK_N", "DOWN_BLOCK_K", "down_num_warps", "down_num_stages")
 
 
 # What the kernels compute in (fp64 has no tensor-core path and is not supported).
@@ -162,8 +136,8 @@ def fits_format(config: KernelConfig, quant: QuantSpec | None) -> bool:
     """Whether ``config``'s tiles suit ``quant``'s kernels (`block_k_limits`,
     `least_block_n`)."""
     least, divides = block_k_limits(quant, config.path)
-    return all(c.BLOCK_K >= least and (divides is None or divides % c.BLOCK_K == 0)
-               and c.BLOCK_N >= least_block_n(quant, c.path) for c in (config, config.down()))
+    return (config.BLOCK_K >= least and (divides is None or divides % config.BLOCK_K == 0)
+            and config.BLOCK_N >= least_block_n(quant, config.path))
 
 
 def fit_block_k(block_k: int, quant: QuantSpec | None, path: str) -> int:

@@ -176,10 +176,8 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     inter_size = experts.inter_size
     w13, w2 = experts.w13, experts.w2
     device = x_TH.device
-    gate_up_tiles, down_tiles = (
-        dict(BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, num_warps=c.num_warps,
-             num_stages=c.num_stages, **experts.kernel_constants())
-        for c in (config, config.down()))
+    tiles = dict(BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
+                 num_stages=config.num_stages, **experts.kernel_constants())
 
     inter_SI = torch.empty((num_tokens * top_k, inter_size), dtype=dtype, device=device)
     # An absent bias or weight is never read (HAS_BIAS / HAS_WEIGHTS False):
@@ -195,7 +193,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         float(experts.swiglu_alpha), float(experts.swiglu_limit),
         *experts.scale_args(x_scale, experts.w13_scale, w13),
         TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
-        HAS_BIAS=experts.b13 is not None, **gate_up_tiles)
+        HAS_BIAS=experts.b13 is not None, **tiles)
 
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
@@ -207,8 +205,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     # there would look to torch.compile like another use of the buffer written).
     b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    launcher(moe_direct_down_kernel)[(num_tokens * top_k,
-                                      cdiv(hidden_size, down_tiles["BLOCK_N"]))](
+    launcher(moe_direct_down_kernel)[(num_tokens * top_k, cdiv(hidden_size, config.BLOCK_N))](
         inter_SI, ids_TK, weights, w2, b2, slot_SH, hidden_size, inter_size,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
@@ -216,7 +213,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         slot_SH.stride(0), slot_SH.stride(1),
         *experts.scale_args(inter_scale, experts.w2_scale, w2),
         TOP_K=top_k, HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
-        **down_tiles)
+        **tiles)
     _sum_over_topk(slot_SH, ids_TK, out_TH)
     return out_TH
 

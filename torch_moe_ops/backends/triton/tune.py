@@ -124,30 +124,6 @@ def time_config(config, args, spec: QuantSpec | None = None) -> float:
     return triton.testing.do_bench(graph.replay, warmup=5, rep=15)
 
 
-def tune_direct_down(best_ms: float, best, args, spec: QuantSpec | None):
-    """``(ms, config)``: ``best``, a direct config, with the down kernel's own tiles where
-    some time faster. The down kernel reduces over the intermediate size, shorter than the
-    gate-up kernel's hidden size, and writes H columns where the gate-up writes 2I."""
-    candidates = [dataclasses.replace(best, DOWN_BLOCK_N=c.BLOCK_N, DOWN_BLOCK_K=c.BLOCK_K,
-                                      down_num_warps=c.num_warps,
-                                      down_num_stages=c.num_stages)
-                  for c in direct_candidates(spec) if c != best]
-    candidates = [c for c in candidates if configs.fits_format(c, spec)]
-    precompile(candidates, args, spec)
-    for config in candidates:
-        ms = time_config(config, args, spec)
-        if ms < best_ms:
-            best_ms, best = ms, config
-    print(f"  best direct with the down kernel's own tiles: {best_ms * 1e3:.1f} us", flush=True)
-    return best_ms, best
-
-
-def config_entry(config) -> dict:
-    """``config`` as a config file holds it: the fields that are set."""
-    return {field: value for field, value in dataclasses.asdict(config).items()
-            if value is not None}
-
-
 def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
                      spec: QuantSpec | None = None):
     """The fastest config for M tokens and its time in ms."""
@@ -163,8 +139,6 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
     for path in sorted({c.path for _, c in timed}):
         print(f"  M={M} best {path}: "
               f"{min(ms for ms, c in timed if c.path == path) * 1e3:.1f} us", flush=True)
-    if best.path == "direct":
-        best_ms, best = tune_direct_down(best_ms, best, args, spec)
     if grouped_mm_runs and slots_per_expert >= 8:
         # Its tiles are those of the best tiled config, for where grouped_mm cannot run.
         _, tiled = min((pair for pair in timed if pair[1].path == "tiled"),
@@ -201,14 +175,14 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
         args = (hidden_TH, topk_weights_TK, topk_ids_TK.to(torch.int32), *weights, "silu",
                 1.702, 7.0)
         best_ms, best = tune_token_count(M, top_k, args, grouped_mm_runs, spec)
-        table[str(M)] = config_entry(best)
+        table[str(M)] = dataclasses.asdict(best)
         print(f"M={M}: {best_ms * 1e3:.1f} us {best}", flush=True)
     name = configs.config_file_name(E, N, K, dtype, configs.device_name(device), spec)
     path = pathlib.Path(out_dir) / name
     # Token counts not tuned now keep their entries: of the file being written
     # if there is one, else of the shipped one.
     kept = configs.load_config_file(path) or configs.load_config_file(configs.CONFIG_DIR / name)
-    table = {**{str(M): config_entry(c) for M, c in kept or ()}, **table}
+    table = {**{str(M): dataclasses.asdict(c) for M, c in kept or ()}, **table}
     table = dict(sorted(table.items(), key=lambda item: int(item[0])))
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
