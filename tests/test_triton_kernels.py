@@ -92,10 +92,11 @@ def expected_alignment(topk_ids_TK, E, block_m):
 
 
 # T=600 and T=8400 with K=2 span several slot tiles and more than one scan chunk
-# of tiles; E=40 and E=70 span several expert chunks.
+# of tiles; E=40 and E=70 span several expert chunks; one program sizes its tiles to the
+# call, down to one expert and up to 512 in one step.
 @pytest.mark.parametrize("T,K,E,block_m", [(0, 2, 4, 16), (1, 2, 4, 16), (5, 2, 4, 16),
                                            (5, 2, 4, 32), (600, 2, 40, 16), (90, 3, 70, 64),
-                                           (8400, 2, 4, 16)])
+                                           (8400, 2, 4, 16), (3, 1, 1, 16), (2, 8, 512, 16)])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("programs", ["one", "three"])
 def test_align_rows(T, K, E, block_m, id_dtype, programs, poisoned_empty, monkeypatch):
