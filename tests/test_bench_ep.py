@@ -69,6 +69,32 @@ def test_smoke_times_the_layer_whole_and_in_chunks(tmp_path):
     assert len(traces) == len({r["profile"]["label"] for r in timed}) + 2, traces
 
 
+def test_smoke_times_a_quantized_layer(tmp_path):
+    """``--quant fp8_block``: the layer's experts in fp8 blocks (at the smoke widths, the
+    largest block dividing them), the local experts on ``experts_rows_quant``; each row
+    says what its weights are."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "benchmarks" / "bench_ep.py"), "--out", str(tmp_path), "--smoke",
+         "--a2a", "all_to_all", "--tokens-only", "--chunks", "", "--quant", "fp8_block"],
+        capture_output=True, text=True, timeout=480, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO),
+                                                         os.environ.get("PYTHONPATH"))))})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    with open(tmp_path / "ep.json") as f:
+        results = json.load(f)
+    assert results["meta"]["layer_quant"] == "fp8_block"
+    layers = results["layer"]
+    assert [row["tokens"] for row in layers] == [4, 16], layers
+    for row in layers:
+        # SMOKE's widths (H=64, I=32): blocks of 32.
+        assert row["weights"] == "fp8_block32x32+fp8_group", row
+        assert row["layer_us"] > 0 and row["local_us"] > 0 and "errors" not in row, row
+        assert row["rel_err_vs_eager"] < EAGER_ERROR_BOUND, row
+    assert "| all_to_all | rows | fp8_block32x32+fp8_group |" in (tmp_path / "ep.md").read_text()
+
+
 @pytest.fixture
 def kernel_profile(benchmarks_importable):
     import kernel_profile
