@@ -16,7 +16,7 @@ the device (``num_padded_rows``) and the GEMM kernels skip blocks past it.
 Three Triton launches: count each tile's slots per expert, scan those counts
 (one program), then scatter each slot to its place and write the padding and
 ``block_expert``; one launch of the three steps in one program for an eager call of
-few slots (`ONE_PROGRAM_MAX_TILES`). No float math and no atomics, so the result is
+few slots times experts (`ONE_PROGRAM_MAX_WORK`). No float math and no atomics, so the result is
 exact and the same on every run.
 """
 
@@ -43,9 +43,10 @@ SCAN_EXPERT_CHUNK = 64
 # An eager call (one not traced into a compiled graph) of up to this many slots times
 # experts runs the three steps in one program: each eager launch costs 30-50 us on the host
 # (H200 hosts, 2026-11-26), and up to here the one program's GPU time is no more than the
-# three launches' (10.9 against 11.7 us at 128 slots and 128 experts; at 512 slots and
-# 256 experts 44.5 against 21.8: its work grows as slots times experts on one SM; H200,
-# 2026-11-29). Compiled graphs launch from Inductor's code and keep the three kernels.
+# three launches' (2.5 against 11.4 us at 8 slots and 128 experts, 9.9 against 11.8 at 128;
+# at 512 slots and 256 experts 55.9 against 21.8: its work grows as slots times experts on
+# one SM; H200, 2026-11-29). Compiled graphs launch from Inductor's code and keep the three
+# kernels.
 ONE_PROGRAM_MAX_WORK = 256 * 256
 # The one program's tiles hold at most this many elements; its tiles are sized to the call
 # (a token's 8 slots are not a 256-slot tile), so few slots take few steps.
