@@ -88,12 +88,6 @@ another kernel (overlap) and the rest (exposed). The rank with the longest span 
 shown. ``--profile-traces`` adds rank 0's chrome trace per row under ``OUT/traces``. DeepEP's
 own round trip (`peer_deepep`) is not profiled.
 
-``--quant fp8_block`` (or ``fp8_channel``): the layer phase's experts stored in that format
-(fp8 blocks of 128 x 128, DeepSeek-V3's checkpoints; at the smoke widths the largest block
-that divides them), their local experts timed by ``moe::experts_rows_quant``; a run without
-it gives the same layer in bf16, the row to set them against (issue: the DeepSeek-V3-width
-fp8 layer over DeepEP's masked format at 128 tokens per rank against bf16).
-
 Every collective is bounded by the process group's timeout (``--timeout-s``), and
 a case starts only while the run is within ``--budget-s`` (decided on all ranks
 alike); the rest are listed as skipped. Rank 0 writes ``ep.json``, ``ep.md`` and
@@ -134,7 +128,7 @@ from torch_moe_ops.backends.flashinfer import a2a as flashinfer_a2a
 from torch_moe_ops.backends.flashinfer import a2a_sizes as flashinfer_sizes
 from torch_moe_ops.backends.flashinfer import library as flashinfer_library
 from torch_moe_ops.backends.registry import REGISTRY, Problem
-from torch_moe_ops.config import QuantSpec, worst_case_capacity
+from torch_moe_ops.config import worst_case_capacity
 from torch_moe_ops.lowering.plan import plan_layer
 from torch_moe_ops.ops import op_overload
 
@@ -866,31 +860,19 @@ def transport_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Resul
             raw_case(("a2a", even), time_raw_all_to_all, even, f"even share, T={tokens}")
 
 
-def layer_quant(sizes: Sizes, weights: str | None) -> QuantSpec | None:
-    """``--quant``'s format at these widths: fp8 blocks of 128 x 128 where they divide the
-    hidden and intermediate sizes (DeepSeek-V3's), else the largest power of two that does."""
-    if weights != "fp8_block":
-        return None if weights is None else QuantSpec(weights)
-    block = math.gcd(128, sizes.hidden, sizes.inter)
-    return QuantSpec("fp8_block", block_size=(block, block))
-
-
-def moe_config(sizes: Sizes, world: int, tokens: int, shared: int,
-               quant: QuantSpec | None = None) -> tmo.MoEConfig:
+def moe_config(sizes: Sizes, world: int, tokens: int, shared: int) -> tmo.MoEConfig:
     """The layer of the layer phase: with a shared expert of intermediate size ``shared``
-    (0: none), which an inference layer at prefill sizes runs while its tokens travel, and
-    its experts stored in ``quant``'s format (None: the run's dtype)."""
+    (0: none), which an inference layer at prefill sizes runs while its tokens travel."""
     return tmo.MoEConfig(hidden_size=sizes.hidden, intermediate_size=sizes.inter,
                          num_experts=sizes.layer_experts, top_k=sizes.top_k,
                          scoring="softmax", renormalize=True, ep_size=world,
                          max_tokens_per_rank=tokens,
-                         shared_expert_intermediate_size=shared, quant=quant)
+                         shared_expert_intermediate_size=shared)
 
 
 def time_local_experts(run: Run, sizes: Sizes, moe: tmo.MoE, tokens: int) -> dict:
-    """``moe::experts_rows`` (``experts_rows_quant`` for quantized experts) on this rank's
-    experts and the rows an all_to_all dispatch of uniformly random routing delivers at the
-    layer's capacity, captured."""
+    """``moe::experts_rows`` on this rank's experts and the rows an all_to_all dispatch of
+    uniformly random routing delivers at the layer's capacity, captured."""
     cfg = moe.cfg
     hidden_TH, weights_TK, ids_TK = random_routing(run, sizes, tokens, cfg.num_experts, seed=2)
     dispatch = op_overload(REGISTRY.a2a["all_to_all"].namespace, "dispatch")
@@ -899,17 +881,10 @@ def time_local_experts(run: Run, sizes: Sizes, moe: tmo.MoE, tokens: int) -> dic
             hidden_TH, weights_TK, ids_TK, cfg.num_experts, run.world, run.group_name,
             cfg.max_tokens_per_rank, cfg.rows_per_rank)
         del hidden_TH
-        act = (cfg.activation, cfg.static_float("swiglu_alpha"),
-               cfg.static_float("swiglu_limit"))
-        if cfg.quant is None:
-            op, args = torch.ops.moe.experts_rows, (x_RH, expert_R, count_E, moe.w13.detach(),
-                                                    moe.w2.detach(), None, None, *act)
-        else:
-            op, args = torch.ops.moe.experts_rows_quant, (
-                x_RH, None, expert_R, count_E, moe.w13, moe.w2, moe.w13_scale, moe.w2_scale,
-                None, None, cfg.quant.weights, cfg.quant.activations, cfg.quant.block_list,
-                *act)
-        replay, _ = run.capture(lambda: op(*args))
+        args = (x_RH, expert_R, count_E, moe.w13.detach(), moe.w2.detach(), None, None,
+                cfg.activation, cfg.static_float("swiglu_alpha"),
+                cfg.static_float("swiglu_limit"))
+        replay, _ = run.capture(lambda: torch.ops.moe.experts_rows(*args))
         (seconds,) = run.time([replay])
         profile = run.profile(f"local experts E_l={cfg.num_experts // run.world} T={tokens}",
                               [replay], seconds)
@@ -988,8 +963,7 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
     for tokens in sizes.layer_tokens:
         if not run.within_budget(f"layer T={tokens}"):
             continue
-        cfg = moe_config(sizes, run.world, tokens, run.args.shared,
-                         layer_quant(sizes, run.args.quant))
+        cfg = moe_config(sizes, run.world, tokens, run.args.shared)
         torch.manual_seed(0)  # the router and experts alike on every rank
         moe = tmo.MoE(cfg, device=run.device, dtype=run.dtype, ep_group=run.group)
         experts = REGISTRY.choose_experts(tmo.BackendSpec(), Problem.from_config(cfg, run.dtype),
@@ -1017,8 +991,6 @@ def layer_phase(run: Run, sizes: Sizes, a2a_names: list[str], results: Results,
                 if chunks > 1 and not run.within_budget(f"layer {a2a} T={tokens} x{chunks}"):
                     continue
                 row = {"a2a": a2a, "experts_backend": experts, "tokens": tokens, "format": fmt,
-                       "weights": (cfg.quant.name if cfg.quant
-                                   else str(run.dtype).removeprefix("torch.")),
                        "shared": run.args.shared,
                        "capacity": cfg.rows_per_rank if fmt == "rows" else tokens,
                        "chunks": chunks, **local,
@@ -1052,7 +1024,7 @@ def transport_line(row: dict) -> str:
 
 
 def layer_line(row: dict) -> str:
-    return (f"layer {row['a2a']} {row['weights']} T={row['tokens']} x{row['chunks']} "
+    return (f"layer {row['a2a']} T={row['tokens']} x{row['chunks']} "
             f"({row.get('how', 'failed')}): "
             f"{_fmt(row.get('layer_us'))} us, local experts {row['local_us']:.1f} us, "
             f"raw {_fmt(row.get('raw_us'))} us, {_fmt(row.get('vs_local_plus_raw'), '.2f')}x")
@@ -1102,18 +1074,16 @@ def raw_table(raw: dict) -> str:
 
 
 def layer_table(rows: list[dict]) -> str:
-    lines = [(f"| a2a | format | weights | experts | T/rank | C | shared I | chunks | how | "
-              f"compile s | "
+    lines = [(f"| a2a | format | experts | T/rank | C | shared I | chunks | how | compile s | "
               f"layer us | "
               f"local experts us (real rows) | raw transport us | layer / (local + raw) (target <= "
               f"{TARGET_LAYER}; with a shared expert at T=4096 <= {TARGET_SHARED_HIDDEN}; in "
               f"chunks at T=4096 <= {TARGET_OVERLAP}) | rel err vs eager | "
               f"errors |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['a2a']} | {r.get('format')} | {r['weights']} | {r['experts_backend']} | "
-            f"{r['tokens']} | "
+            f"| {r['a2a']} | {r.get('format')} | {r['experts_backend']} | {r['tokens']} | "
             f"{r['capacity']} | {r['shared'] or '-'} | {r['chunks']} | "
             f"{r.get('how', 'failed')} | {_fmt(r.get('compile_s'))} | "
             f"{_fmt(r.get('layer_us'))} | {r['local_us']:.1f} ({r['real_rows']}) | "
@@ -1185,7 +1155,6 @@ def meta(run: Run, sizes: Sizes) -> dict:
             "python": platform.python_version(), "ranks": run.world,
             "dtype": str(run.dtype).removeprefix("torch."), "sizes": dataclasses.asdict(sizes),
             "capacity_factor": run.args.capacity_factor, "smoke": run.smoke,
-            "layer_quant": run.args.quant,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",
                                                   "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                   "NVSHMEM_DISABLE_NVLS")}}
@@ -1250,9 +1219,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated expert counts of the transport phase "
                              "(default: 64,256; smoke: 8)")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer phase")
-    parser.add_argument("--quant", choices=("fp8_block", "fp8_channel"),
-                        help="the layer phase's experts in this format (fp8_block: 128 x 128 "
-                             "blocks, DeepSeek-V3's); without it, in the run's dtype")
     parser.add_argument("--chunks", default="auto",
                         help="comma-separated chunk counts of the layer rows moved in chunks, "
                              "beside the whole layer's ('auto': the plan's own choice; '': "
