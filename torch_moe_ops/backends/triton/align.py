@@ -271,7 +271,8 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     device = topk_ids_TK.device
     capacity = padded_capacity(num_slots, num_experts, block_m)
     num_blocks = capacity // block_m
-    one_program = not in_traced_body() and num_slots * num_experts <= ONE_PROGRAM_MAX_WORK
+    traced = in_traced_body()
+    one_program = not traced and num_slots * num_experts <= ONE_PROGRAM_MAX_WORK
     tiles = _one_program_tiles(num_slots, num_experts, num_blocks, block_m) if one_program \
         else {"SLOT_TILE": SLOT_TILE}
     num_tiles = cdiv(num_slots, tiles["SLOT_TILE"])
@@ -279,7 +280,7 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     # The outputs, per-tile counts and offsets [tiles, E], per-expert counts and padded
     # starts [E].
     sizes = (capacity, num_blocks, 1, table, table, num_experts, num_experts)
-    if in_traced_body():
+    if traced:
         # Separate tensors, not views of one workspace. Traced into a training graph,
         # Inductor (torch 2.11) copied views of one workspace that the kernels mutate
         # with the whole workspace's length from a [E] buffer: a read out of bounds,
