@@ -113,6 +113,18 @@ def test_align_rows(T, K, E, block_m, id_dtype, programs, poisoned_empty, monkey
     assert num_padded_rows_1.tolist() == [num_padded]
 
 
+@pytest.mark.parametrize("programs", ["one", "three"])
+def test_align_rows_skips_ids_outside_the_experts(programs, monkeypatch):
+    # E = 6: ids 6 and 7 lie inside the one program's power-of-two width of experts.
+    monkeypatch.setattr(align, "ONE_PROGRAM_MAX_WORK", 10**9 if programs == "one" else -1)
+    topk_ids_TK = torch.tensor([[0, 6], [7, 5], [-1, 0], [9, 5]], dtype=torch.int32,
+                               device=DEVICE)
+    sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align.align_rows(topk_ids_TK, 6, 16)
+    assert sorted_row_ids_P[:32].tolist() == [0, 5] + [8] * 14 + [3, 7] + [8] * 14
+    assert block_expert_B[:3].tolist() == [0, 5, -1]
+    assert num_padded_rows_1.tolist() == [32]
+
+
 def test_align_rows_all_skipped():
     topk_ids_TK = torch.full((3, 2), -1, dtype=torch.int32, device=DEVICE)
     sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align.align_rows(topk_ids_TK, 4, 16)
