@@ -30,11 +30,13 @@ kernels convert-bound (one token, H200: 2.3-3.2x the byte floor at Mixtral and
 DeepSeek-V3 widths); the tensor cores convert nothing. With both 0 the kernels
 compile to the unquantized ones.
 
-MXFP4 weights are decoded to bf16 in PTX either way (`quant_tiles._mxfp4_bf16_pairs`).
-Column tiles of ``MXFP4_DOT_MIN_N`` and more meet the row in the tensor cores as the
-left operand of a 16-column tile (the row, then zeros); narrower ones widen to fp32
-and multiply on the CUDA cores. Both loops hold 7-8 SASS instructions per weight
-(`benchmarks/kernel_sass.py`, GPT-OSS-20B widths, sm90). The narrow one loads its weights
+MXFP4 weights are decoded in PTX either way. Column tiles of ``MXFP4_DOT_MIN_N`` and
+more meet the row in the tensor cores as the left operand of a 16-column tile (the row,
+then zeros), decoded to scaled bf16 (`quant_tiles._mxfp4_bf16_pairs`): 7-8 SASS
+instructions per weight (`benchmarks/kernel_sass.py`, GPT-OSS-20B widths, sm90).
+Narrower ones look the e2m1 values up as fp32 (`quant_tiles._e2m1_fp32`), multiply on
+the CUDA cores and scale each group of 32 columns' sum: 6.3-6.7 instructions per
+weight, where decoding to scaled bf16 and widening took 7.4-7.6. The narrow one loads its weights
 with plain loads that each iteration waits for; the tensor-core one's weights arrive
 through Triton's multi-stage asynchronous copies (``num_stages``). The narrow gate-up
 kernel took 29.1 us at one token on an H200, about twice what its instruction count

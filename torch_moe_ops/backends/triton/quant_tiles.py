@@ -13,11 +13,13 @@ BLOCK_K), P = BK / 2 packed bytes, G = BK / 32 MXFP4 scale groups.
     activations  x[m, k] = q[m, k] * a[m] (fp8_token) or * a[m, k // bk] (fp8_group)
 
 A K tile of MXFP4 weights is read as its packed bytes ``[BN, P]`` with its
-scales ``[BN, G]``. On the GPU both the tiles of rows (`_mxfp4_dot_t`, the
-weights the left operand) and the decode kernels' single rows (`_mxfp4_row_dot`)
-decode them to bf16 in PTX (`_mxfp4_bf16_pairs`). Tiles of fp16 rows meet them in
+scales ``[BN, G]``. On the GPU the tiles of rows (`_mxfp4_dot_t`, the weights the
+left operand) decode them to scaled bf16 in PTX (`_mxfp4_bf16_pairs`); the decode
+kernels' single rows (`_mxfp4_row_dot`) look the e2m1 values up unscaled, to fp32, in
+PTX (`_e2m1_fp32`), and scale each group's sum. Tiles of fp16 rows meet them in
 ``tl.dot_scaled``; tiles of fp32 rows, the interpreter and `dequant` decode them with
-Triton arithmetic (`_mxfp4_tiles`).
+Triton arithmetic (`_mxfp4_tiles`). `tests/test_mxfp4_ptx.py` runs both PTX decodes
+on the CPU.
 
 Measured (H200, 2026-11-28, torch 2.11, Triton 3.6, same call, GPT-OSS-20B widths,
 us, two kernels): the PTX decode against the one before it (``tl.dot_scaled``
@@ -83,6 +85,40 @@ MXFP4_BF16_PAIRS_PTX = tl.constexpr(
             ("$2", "t0", "s0", 2, 8), ("$3", "t1", "s1", 2, 8))) + " }")
 
 
+# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as bf16 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
+# 0x4040, 0x4080, 0x40C0): their high bytes and their low bytes, 8-entry tables that one
+# prmt.b32 reads four magnitudes from (`_e2m1_bf16_pairs`).
+E2M1_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
+E2M1_LOW_BYTES = (0xC0800000, 0xC0804000)
+# $4 holds four packed bytes b0-b3; m their nibbles' magnitudes (bit 3 of each cleared, as
+# prmt.b32 reads a selector's bit 3 as a mode). hi / lo: the tables' entries of the four
+# nibbles of b0-b1 (h01, l01) and of b2-b3 (h23, l23), as bytes; each output pairs the
+# low and high byte of one nibble's bf16 for the nibble of two bytes. s01 / s23 put b0-b1 /
+# b2-b3 in the high byte of each half-word: a high nibble's sign bit (the byte's bit 7)
+# lands on its half-word's sign bit, a low nibble's (bit 3) 4 bits under it.
+# Outputs: $0 / $1 the low nibbles (even K columns) of bytes 0-1 / 2-3, $2 / $3 the high
+# nibbles (odd columns). One line, as MXFP4_BF16_PAIRS_PTX.
+E2M1_FP32_PTX = tl.constexpr(
+    "{ .reg .b32 m, m23, h01, l01, h23, l23, s01, s23, t, z, e01, e23, o01, o23;"
+    " mov.b32 z, 0; and.b32 m, $8, 0x77777777; shr.b32 m23, m, 16;"
+    + "".join(f" prmt.b32 {out}, 0x{table[0]:08X}, 0x{table[1]:08X}, {nibbles};"
+              for out, table, nibbles in (("h01", E2M1_HIGH_BYTES, "m"),
+                                          ("l01", E2M1_LOW_BYTES, "m"),
+                                          ("h23", E2M1_HIGH_BYTES, "m23"),
+                                          ("l23", E2M1_LOW_BYTES, "m23")))
+    + " prmt.b32 e01, l01, h01, 0x6240; prmt.b32 o01, l01, h01, 0x7351;"
+    " prmt.b32 e23, l23, h23, 0x6240; prmt.b32 o23, l23, h23, 0x7351;"
+    " prmt.b32 s01, $8, z, 0x1404; prmt.b32 s23, $8, z, 0x3424;"
+    " and.b32 t, s01, 0x80008000; or.b32 o01, o01, t;"
+    " shl.b32 t, s01, 4; and.b32 t, t, 0x80008000; or.b32 e01, e01, t;"
+    " and.b32 t, s23, 0x80008000; or.b32 o23, o23, t;"
+    " shl.b32 t, s23, 4; and.b32 t, t, 0x80008000; or.b32 e23, e23, t;"
+    " shl.b32 $0, e01, 16; and.b32 $1, e01, 0xFFFF0000;"
+    " shl.b32 $2, e23, 16; and.b32 $3, e23, 0xFFFF0000;"
+    " shl.b32 $4, o01, 16; and.b32 $5, o01, 0xFFFF0000;"
+    " shl.b32 $6, o23, 16; and.b32 $7, o23, 0xFFFF0000; }")
+
+
 def format_codes(spec: QuantSpec | None) -> dict:
     """The format constexprs of a kernel launch: ``WEIGHT_FORMAT``, ``ACT_FORMAT``
     and the scale block ``SCALE_BN`` x ``SCALE_BK`` (1 x 1 without blocks)."""
@@ -138,6 +174,15 @@ def _e2m1_halves(packed):
 
 
 @triton.jit
+def _e8m0_fp32(scales):
+    """e8m0 scale bytes as fp32 ``2 ** (s - 127)``; 0 reads as 0 (not 2 ** -127), 0xFF
+    (OCP MX's NaN) as NaN."""
+    # 0xFF << 23 is the bits of +Inf; a mantissa bit makes them a quiet NaN.
+    bits = (scales.to(tl.int32) << 23) | ((scales == 0xFF).to(tl.int32) << 22)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_tiles(packed, scales, dtype: tl.constexpr, K_AXIS: tl.constexpr,
                  PACKED_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The even and the odd K columns of an MXFP4 weight tile, in ``dtype``.
@@ -148,9 +193,7 @@ def _mxfp4_tiles(packed, scales, dtype: tl.constexpr, K_AXIS: tl.constexpr,
     occurs in weights worth running. 0xFF (OCP MX's NaN) reads as NaN.
     """
     low, high = _e2m1_halves(packed)
-    # 0xFF << 23 is the bits of +Inf; a mantissa bit makes them a quiet NaN.
-    bits = (scales.to(tl.int32) << 23) | ((scales == 0xFF).to(tl.int32) << 22)
-    scale = bits.to(tl.float32, bitcast=True) * E2M1_IN_FP16
+    scale = _e8m0_fp32(scales) * E2M1_IN_FP16
     # Each scale serves 16 packed rows (32 K columns).
     if K_AXIS == 0:
         scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (PACKED_K // 16, 16, BLOCK_N)),
@@ -259,17 +302,37 @@ def _mxfp4_dot_t(acc_t, a, packed, scales, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_fp32(packed):
+    """The even and the odd K column of each MXFP4 byte of ``packed`` as fp32, unscaled
+    (the e2m1 values themselves): eight values from two table lookups of four
+    magnitudes each and a sign each (`E2M1_FP32_PTX`)."""
+    return tl.inline_asm_elementwise(
+        E2M1_FP32_PTX,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float32, tl.float32),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _mxfp4_row_dot(x_even, x_odd, packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """``[BN]`` fp32: one activation row (its even and odd columns, ``[P]`` fp32
     each) times an MXFP4 weight tile (``packed [BN, P]``, ``scales [BN, G]``),
     decoded in registers and multiplied in fp32: for one row this beats
     ``tl.dot_scaled`` on a 16-row tile (one token, H100, GPT-OSS-20B widths: 38.6
-    against 57.6 us for the gate-up GEMM, both decoding with Triton arithmetic)."""
+    against 57.6 us for the gate-up GEMM, both decoding with Triton arithmetic).
+
+    The weights are decoded unscaled and each group of 32 columns' sum is scaled once
+    (a power of two, exact), so no scale is spread over the weights. Under the interpreter
+    the decode is written in Triton (`_e2m1_halves`)."""
     if INTERPRETED:
-        w_even, w_odd = _mxfp4_tiles(packed, scales, tl.float32, 1, BLOCK_K // 2, BLOCK_N)
+        w_even, w_odd = _e2m1_halves(packed)
+        w_even *= E2M1_IN_FP16
+        w_odd *= E2M1_IN_FP16
     else:
-        w_even, w_odd = _mxfp4_bf16_pairs(packed,
-                                          _scale_bytes_per_byte(scales, BLOCK_N, BLOCK_K // 2))
-        w_even = w_even.to(tl.float32)
-        w_odd = w_odd.to(tl.float32)
-    return tl.sum(w_even * x_even[None, :] + w_odd * x_odd[None, :], axis=1)
+        w_even, w_odd = _e2m1_fp32(packed)
+    products = w_even * x_even[None, :] + w_odd * x_odd[None, :]
+    groups = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)
+    return tl.sum(groups * _e8m0_fp32(scales), axis=1)
