@@ -32,6 +32,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=180)
 # The whole run, process start-up (importing torch) included.
 RUN_DEADLINE_S = 480
 BACKENDS = ("gloo", "nccl")
+# Triton reads TRITON_INTERPRET when a kernel is defined, so a forked rank runs this
+# process's kernels as they were defined; a test that sets it for its ranks needs them
+# to import everything afresh.
+_TRITON_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
 
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str,
@@ -109,9 +113,12 @@ def run_on_ranks(world_size: int, fn, *args, backend: str = "gloo",
     # CPU ranks fork from this process, which has imported torch and the library already:
     # a spawned rank spent about 2 s of CPU importing them again, most of a small test's
     # time on a 2-core machine. A process that has initialised CUDA cannot fork a rank
-    # that uses it, so GPU ranks are spawned.
+    # that uses it, so GPU ranks are spawned, as are ranks that must see another
+    # TRITON_INTERPRET than this process's kernels were defined under.
     start_method = ("fork" if backend == "gloo" and shared_gpu is None
-                    and not torch.cuda.is_initialized() else "spawn")
+                    and not torch.cuda.is_initialized()
+                    and os.environ.get("TRITON_INTERPRET") == _TRITON_INTERPRET_AT_IMPORT
+                    else "spawn")
     context = mp.get_context(start_method)
     errors = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
