@@ -36,12 +36,13 @@ then zeros), decoded to scaled bf16 (`quant_tiles._mxfp4_bf16_pairs`): 7-8 SASS
 instructions per weight (`benchmarks/kernel_sass.py`, GPT-OSS-20B widths, sm90).
 Narrower ones look the e2m1 values up as fp32 (`quant_tiles._e2m1_fp32`), multiply on
 the CUDA cores and scale each group of 32 columns' sum: 6.3-6.7 instructions per
-weight, where decoding to scaled bf16 and widening took 7.4-7.6. The narrow one loads its weights
-with plain loads that each iteration waits for; the tensor-core one's weights arrive
-through Triton's multi-stage asynchronous copies (``num_stages``). The narrow gate-up
-kernel took 29.1 us at one token on an H200, about twice what its instruction count
-alone costs there. Which is faster is measured by the tuner (`tune.direct_candidates`);
-the shipped configs predate the tensor-core route.
+weight, where decoding to scaled bf16 and widening took 7.4-7.6. The narrow one loads
+its weights with plain loads (through Triton's asynchronous copies it was slower:
+`benchmarks/results/decode-H200-2026-11-29-fewer-launches.md`); the tensor-core one's
+arrive through those copies (``num_stages``). The narrow gate-up kernel takes 26.4 us
+at one token on an H200 (29.1 before the table lookup), about twice what its
+instruction count alone costs there. Which is faster is measured by the tuner
+(`tune.direct_candidates`); the shipped configs predate the tensor-core route.
 """
 
 from __future__ import annotations

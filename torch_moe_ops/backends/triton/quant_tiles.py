@@ -87,17 +87,18 @@ MXFP4_BF16_PAIRS_PTX = tl.constexpr(
 
 # e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as bf16 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
 # 0x4040, 0x4080, 0x40C0): their high bytes and their low bytes, 8-entry tables that one
-# prmt.b32 reads four magnitudes from (`_e2m1_bf16_pairs`).
+# prmt.b32 reads four magnitudes from (`E2M1_FP32_PTX`).
 E2M1_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
 E2M1_LOW_BYTES = (0xC0800000, 0xC0804000)
-# $4 holds four packed bytes b0-b3; m their nibbles' magnitudes (bit 3 of each cleared, as
-# prmt.b32 reads a selector's bit 3 as a mode). hi / lo: the tables' entries of the four
-# nibbles of b0-b1 (h01, l01) and of b2-b3 (h23, l23), as bytes; each output pairs the
-# low and high byte of one nibble's bf16 for the nibble of two bytes. s01 / s23 put b0-b1 /
-# b2-b3 in the high byte of each half-word: a high nibble's sign bit (the byte's bit 7)
-# lands on its half-word's sign bit, a low nibble's (bit 3) 4 bits under it.
-# Outputs: $0 / $1 the low nibbles (even K columns) of bytes 0-1 / 2-3, $2 / $3 the high
-# nibbles (odd columns). One line, as MXFP4_BF16_PAIRS_PTX.
+# $8 holds four packed bytes b0-b3; m their nibbles' magnitudes (bit 3 of each cleared, as
+# prmt.b32 reads a selector's bit 3 as a mode). h01 / l01: the tables' high / low bytes
+# for the four nibbles of b0-b1, h23 / l23 for those of b2-b3. e01 pairs them into the
+# bf16 of b0's and b1's low nibbles (even K columns), o01 of their high nibbles (odd
+# columns), e23 / o23 the same for b2-b3. s01 / s23 put b0-b1 / b2-b3 in the high byte of
+# each half-word: a high nibble's sign bit (the byte's bit 7) lands on its half-word's
+# sign bit, a low nibble's (bit 3) 4 bits under it. Each bf16 widened to fp32 is its
+# bits in the high half-word. Outputs, fp32: $0-$3 the low nibbles of b0-b3, $4-$7 their
+# high nibbles. One line, as MXFP4_BF16_PAIRS_PTX.
 E2M1_FP32_PTX = tl.constexpr(
     "{ .reg .b32 m, m23, h01, l01, h23, l23, s01, s23, t, z, e01, e23, o01, o23;"
     " mov.b32 z, 0; and.b32 m, $8, 0x77777777; shr.b32 m23, m, 16;"
