@@ -110,14 +110,11 @@ E2M1_FP32_PTX = tl.constexpr(
     + " prmt.b32 e01, l01, h01, 0x6240; prmt.b32 o01, l01, h01, 0x7351;"
     " prmt.b32 e23, l23, h23, 0x6240; prmt.b32 o23, l23, h23, 0x7351;"
     " prmt.b32 s01, $8, z, 0x1404; prmt.b32 s23, $8, z, 0x3424;"
-    " and.b32 t, s01, 0x80008000; or.b32 o01, o01, t;"
-    " shl.b32 t, s01, 4; and.b32 t, t, 0x80008000; or.b32 e01, e01, t;"
-    " and.b32 t, s23, 0x80008000; or.b32 o23, o23, t;"
-    " shl.b32 t, s23, 4; and.b32 t, t, 0x80008000; or.b32 e23, e23, t;"
-    " shl.b32 $0, e01, 16; and.b32 $1, e01, 0xFFFF0000;"
-    " shl.b32 $2, e23, 16; and.b32 $3, e23, 0xFFFF0000;"
-    " shl.b32 $4, o01, 16; and.b32 $5, o01, 0xFFFF0000;"
-    " shl.b32 $6, o23, 16; and.b32 $7, o23, 0xFFFF0000; }")
+    + "".join(f" and.b32 t, s{b}, 0x80008000; or.b32 o{b}, o{b}, t;"
+              f" shl.b32 t, s{b}, 4; and.b32 t, t, 0x80008000; or.b32 e{b}, e{b}, t;"
+              for b in ("01", "23"))
+    + "".join(f" shl.b32 ${2 * i}, {pair}, 16; and.b32 ${2 * i + 1}, {pair}, 0xFFFF0000;"
+              for i, pair in enumerate(("e01", "e23", "o01", "o23"))) + " }")
 
 
 def format_codes(spec: QuantSpec | None) -> dict:
