@@ -1,6 +1,7 @@
 """The MXFP4 decodes written in PTX (`quant_tiles`), run on the CPU by a small
 interpreter of the instructions they use, against the format's own table
-(`quant.E2M1_VALUES`): every byte value in every byte of the packed register. On
+(`quant.E2M1_VALUES`): every byte value in every byte of the packed register (and, for the
+fragments' decode, in every pair of a word). On
 the GPU the kernels' tests cover them too; here a wrong table entry, selector or shift
 fails without one."""
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 import struct
 
 import pytest
+import torch
 
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.config import QuantSpec
 
 pytestmark = pytest.mark.skipif(not TRITON_INSTALLED, reason="needs Triton")
 
@@ -46,7 +49,9 @@ def _bf16x2_fma(a: int, b: int, c: int) -> int:
 
 OPS = {"mov.b32": lambda a: a, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
        "shl.b32": lambda a, b: (a << b) & MASK, "shr.b32": lambda a, b: a >> b,
-       "prmt.b32": _prmt, "fma.rn.bf16x2": _bf16x2_fma}
+       "prmt.b32": _prmt, "fma.rn.bf16x2": _bf16x2_fma,
+       # a * b + (-0): the product, exactly as mul.rn.bf16x2 gives it.
+       "mul.rn.bf16x2": lambda a, b: _bf16x2_fma(a, b, 0x80008000)}
 
 
 def run_ptx(ptx: str, inputs: dict[str, int], outputs: int) -> list[int]:
@@ -104,3 +109,37 @@ def test_mxfp4_bf16_pairs_decode(scale_byte):
         odd = [*_bf16_pair(out[2]), *_bf16_pair(out[3])]
         assert even == [e2m1(b & 0xF) * scale for b in packed], packed
         assert odd == [e2m1(b >> 4) * scale for b in packed], packed
+
+
+def test_mxfp4_fragment_decode():
+    """Each word of one 64 x 64 block of fragments (`mxfp4_fragments.prepare`) through
+    `MXFP4_FRAGMENT_PTX` gives its thread's pairs of the canonical weights, scaled: the
+    layout's rows, columns and bits, and the factor of each group's scale byte."""
+    from torch_moe_ops.backends.triton import mxfp4_fragments
+    from torch_moe_ops.backends.triton.quant_tiles import MXFP4_FRAGMENT_PTX
+
+    rows, packed_cols = torch.arange(64)[:, None], torch.arange(32)[None, :]
+    q_1NP = ((rows + packed_cols * 8) % 256).to(torch.uint8)[None]
+    # Row by row and group by group: a scale of 2 ** -126, 2 ** -63, 1 and 2 (the largest
+    # the layout holds).
+    scale_1NG = torch.tensor([1, 64, 127, 128], dtype=torch.uint8)[
+        (rows * 3 + torch.arange(2)[None, :]) % 4][None]
+    words, scales = mxfp4_fragments.prepare(q_1NP, scale_1NG)
+    expected = quant.dequantize_weights(q_1NP, scale_1NG, QuantSpec("mxfp4"))[0]
+    thread_words = words.view(128, 4, 4).tolist()
+    thread_scales = scales.view(32, 2, 2).tolist()
+    seen = set()
+    for thread in range(128):
+        warp, lane_group, lane = thread // 32, thread // 4 % 8, thread % 4
+        for step in range(4):
+            row_scales = thread_scales[thread // 4][step // 2]
+            out = run_ptx(MXFP4_FRAGMENT_PTX.value,
+                          {"$4": int.from_bytes(bytes(thread_words[thread][step]), "little"),
+                           "$5": int.from_bytes(bytes(row_scales * 2), "little")}, 4)
+            for pair, bits in enumerate(out):
+                row = 16 * warp + 8 * (pair % 2) + lane_group
+                col = 16 * step + 8 * (pair // 2) + 2 * lane
+                assert _bf16_pair(bits) == tuple(expected[row, col:col + 2].tolist()), (
+                    thread, step, pair)
+                seen.add((pair, int(q_1NP[0, row, col // 2])))
+    assert len(seen) == 4 * 256  # every byte value in every pair of a word

@@ -532,10 +532,11 @@ def test_dequantize_mxfp4_matches_oracle_exactly(dtype, generator):
     torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0, equal_nan=True)
 
 
-def test_mxfp4_prefill_takes_dequant_grouped_mm_where_it_runs():
+def test_quantized_prefill_takes_the_tiled_kernels():
     mxfp4, fp8 = QuantSpec("mxfp4"), QuantSpec("fp8_channel", "none")
     many = configs.GROUPED_MM_MIN_ROWS_PER_EXPERT * 8 // 4
-    assert configs.default_path(8, many, 4, mxfp4) == "dequant_grouped_mm"
+    # MXFP4 too: no decoded copy of the layer (the tiled kernels read fragments).
+    assert configs.default_path(8, many, 4, mxfp4) == "tiled"
     assert configs.default_path(8, many - 1, 4, mxfp4) == "tiled"
     assert configs.default_path(8, many, 4, fp8) == "tiled"
     assert configs.default_path(8, many, 4) == "grouped_mm"
@@ -545,6 +546,19 @@ def test_mxfp4_prefill_takes_dequant_grouped_mm_where_it_runs():
     assert configs.default_path(64, 8, 4, QuantSpec("fp8_channel")) == "tiled"
     x_TH = torch.empty((many, 128), dtype=torch.bfloat16, device=DEVICE)
     ids_TK = torch.zeros((many, 4), dtype=torch.int32, device=DEVICE)
+    w13 = torch.empty((8, 128, 64), dtype=torch.uint8, device=DEVICE)
+    assert fused._plan(x_TH, ids_TK, w13, mxfp4).path == "tiled"
+    assert fused._plan(x_TH.half(), ids_TK, w13, mxfp4).path == "tiled"
+
+
+def test_mxfp4_config_naming_dequant_grouped_mm_runs_it_where_it_can(monkeypatch):
+    """A tuned file may name ``dequant_grouped_mm`` (the H100's); it runs where
+    ``torch._grouped_mm`` does, else the tiled kernels with its tiles."""
+    mxfp4 = QuantSpec("mxfp4")
+    monkeypatch.setattr(fused, "get_config", lambda *key: dataclasses.replace(
+        configs.default_config(*key), path="dequant_grouped_mm"))
+    x_TH = torch.empty((64, 128), dtype=torch.bfloat16, device=DEVICE)
+    ids_TK = torch.zeros((64, 4), dtype=torch.int32, device=DEVICE)
     w13 = torch.empty((8, 128, 64), dtype=torch.uint8, device=DEVICE)
     runs = grouped_gemm.supports(None, Problem(torch.bfloat16), DEVICE) is None
     assert (fused._plan(x_TH, ids_TK, w13, mxfp4).path
@@ -608,7 +622,9 @@ def test_gpt_oss_mxfp4_gpu(T, kernel_path):
 
 
 @gpu
-def test_gpt_oss_mxfp4_dequant_grouped_mm_gpu():
+def test_gpt_oss_mxfp4_dequant_grouped_mm_gpu(monkeypatch):
+    monkeypatch.setattr(fused, "get_config", lambda *key: dataclasses.replace(
+        configs.default_config(*key), path="dequant_grouped_mm"))
     q = gpu_inputs(QuantSpec("mxfp4"), num_tokens=2048, hidden_size=2880,
                    intermediate_size=2880, num_experts=8, top_k=4, bias=True)
     f = q.float_inputs

@@ -62,7 +62,7 @@ runs them, tests/test_torch_compat.py and the import tests included):
 - backends/common/kernels/scaled_grouped_gemm.py (scaled_grouped_mm,
   has_scaled_grouped_mm): tests/test_grouped_mm_quant.py; its fp8 kernel runs on
   sm90 alone, so on the CPU a stand-in checked by torch's meta kernel takes its place.
-- backends/flashinfer/weight_cache.py (tensor_version): the "prepared once per
+- backends/common/weight_cache.py (tensor_version): the "prepared once per
   version" tests of tests/test_flashinfer_experts.py.
 - backends/deepep/in_flight.py (register_in_flight): tests/test_deepep_emulated.py
   (its tokens in flight).

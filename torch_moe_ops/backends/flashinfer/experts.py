@@ -65,6 +65,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torch_moe_ops.backends.common.weight_cache import WeightCache
 from torch_moe_ops.backends.flashinfer import cutlass_module, library, tuning
 from torch_moe_ops.backends.flashinfer.layout import (
     ACTIVATION_TYPES,
@@ -72,7 +73,6 @@ from torch_moe_ops.backends.flashinfer.layout import (
     PreparedWeights,
     prepare_weights,
 )
-from torch_moe_ops.backends.flashinfer.weight_cache import WeightCache
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
 from torch_moe_ops.config import MXFP4_GROUP, QuantSpec
 from torch_moe_ops.ops import define_backend_ops

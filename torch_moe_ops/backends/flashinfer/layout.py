@@ -33,7 +33,7 @@ import dataclasses
 import torch
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.flashinfer.weight_cache import outside_graph_pools
+from torch_moe_ops.backends.common.weight_cache import outside_graph_pools
 from torch_moe_ops.config import MXFP4_GROUP, QuantSpec
 
 # FlashInfer's ActivationType per activation of ours.

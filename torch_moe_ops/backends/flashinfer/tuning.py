@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from torch_moe_ops.backends.flashinfer.weight_cache import outside_graph_pools
+from torch_moe_ops.backends.common.weight_cache import outside_graph_pools
 
 # Every call passes it as ``tune_max_num_tokens``: FlashInfer's token buckets, and so its
 # cache keys, depend on it. Prefill chunks of up to 16384 tokens get a bucket of their own.

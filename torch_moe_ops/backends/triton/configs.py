@@ -45,7 +45,9 @@ INTERPRETER_DEVICE = "cpu"
 #               run the call takes `tiled` with this config's tiles;
 #   dequant_grouped_mm  MXFP4 weights only: the layer's weights decoded to the
 #               activations' dtype (`dequant`, a transient buffer of the call),
-#               then `grouped_mm`; where that cannot run, `tiled`.
+#               then `grouped_mm`; where that cannot run, `tiled`. Only where a
+#               tuned file names it (the H100's of 2026-11-28): neither the defaults
+#               nor the tuner take it since the tiled kernels read fragments.
 PATHS = ("direct", "tiled", "grouped_mm", "dequant_grouped_mm")
 # Without a tuned file, from this many slots per expert on `grouped_mm` (cuBLAS,
 # wgmma) beats the tiled kernels' tl.dot on sm90 in bf16. Measured on an H200
@@ -195,24 +197,19 @@ def default_path(E: int, M: int, top_k: int, quant: QuantSpec | None = None) -> 
     One token, or few enough slots that experts rarely repeat (at most one in
     four experts gets a slot), reads no more weight bytes slot by slot than
     grouped, and saves the align's launches. Quantized weights never take
-    ``grouped_mm`` (bf16 only); MXFP4 weights take ``dequant_grouped_mm`` where
-    unquantized ones would take ``grouped_mm``: decoding the weights once costs
-    about one more read of them, where the tiled kernels decode each weight tile
-    once per block of rows (measured on an H200, 2026-11-23: the tiled MXFP4
-    kernels ran 10-16x slower than bf16 ``grouped_mm`` at 4096 tokens and more).
-    w8a8 follows the same rule since its direct kernels multiply on the tensor
-    cores (one token, H200, 2026-11-23, tuned tiles: 34-38 us direct against
-    44-46 us tiled at Qwen3 and OLMoE widths, 112-114 against 132-133 at
-    DeepSeek-V3's, 135 against 132 at Mixtral-8x7B's).
+    ``grouped_mm`` (bf16 only); MXFP4 weights take the tiled kernels there too, which
+    read them as fragments (`mxfp4_fragments`), with no decoded copy of the layer (H200,
+    2026-11-29, tuned tiles of GPT-OSS-20B: 1631 us at 4096 tokens, where
+    ``dequant_grouped_mm`` took 2304; 6396 at 16384 against its 6000). w8a8 follows the
+    same rule since its direct kernels multiply on the tensor cores (one token, H200,
+    2026-11-23, tuned tiles: 34-38 us direct against 44-46 us tiled at Qwen3 and OLMoE
+    widths, 112-114 against 132-133 at DeepSeek-V3's, 135 against 132 at Mixtral-8x7B's).
     """
     num_slots = M * top_k
     if M == 1 or 4 * num_slots <= E:
         return "direct"
-    if num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
-        if quant is None:
-            return "grouped_mm"
-        if quant.weights == "mxfp4":
-            return "dequant_grouped_mm"
+    if quant is None and num_slots >= GROUPED_MM_MIN_ROWS_PER_EXPERT * E:
+        return "grouped_mm"
     return "tiled"
 
 

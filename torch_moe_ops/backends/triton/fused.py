@@ -42,6 +42,7 @@ from torch_moe_ops.backends.common.kernels.act_quant import quantize_rows
 from torch_moe_ops.backends.common.kernels.launch import cdiv, launcher
 from torch_moe_ops.backends.common.kernels.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.registry import Problem
+from torch_moe_ops.backends.triton import mxfp4_fragments
 from torch_moe_ops.backends.triton.align import align_rows
 from torch_moe_ops.backends.triton.configs import (
     KERNEL_DTYPES,
@@ -60,7 +61,7 @@ from torch_moe_ops.backends.triton.kernels import (
     moe_gate_up_act_kernel,
     moe_sum_over_topk_kernel,
 )
-from torch_moe_ops.backends.triton.quant_tiles import format_codes
+from torch_moe_ops.backends.triton.quant_tiles import INTERPRETED, format_codes
 from torch_moe_ops.config import QuantSpec
 
 # Columns per program of the sum over experts.
@@ -260,7 +261,6 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     hidden_size = x_TH.shape[1]
     num_slots = slot_SH.shape[0]
     inter_size = experts.inter_size
-    w13, w2 = experts.w13, experts.w2
     sorted_row_ids_P, block_expert_B, num_padded_rows_1 = blocks
     num_blocks_m = block_expert_B.shape[0]
     dtype = slot_SH.dtype
@@ -271,7 +271,9 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
 
     inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=x_TH.device)
     # An absent bias is never read (HAS_BIAS=False): any tensor fills its slot.
-    b13 = experts.b13 if experts.b13 is not None else w13
+    b13 = experts.b13 if experts.b13 is not None else experts.w13
+    (w13, w13_scale), (w2, w2_scale), fragments = _tiled_weights(config, experts, x_TH.dtype)
+    tiles["MXFP4_FRAGMENTS"] = fragments
     launcher(moe_gate_up_act_kernel)[(num_blocks_m * cdiv(inter_size, config.BLOCK_N),)](
         x_TH, w13, b13, inter_SI, sorted_row_ids_P, block_expert_B, num_padded_rows_1,
         num_slots, num_blocks_m, hidden_size, inter_size,
@@ -280,12 +282,12 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         b13.stride(0), b13.stride(1),
         inter_SI.stride(0), inter_SI.stride(1),
         float(experts.swiglu_alpha), float(experts.swiglu_limit),
-        *experts.scale_args(x_scale, experts.w13_scale, w13),
+        *experts.scale_args(x_scale, w13_scale, w13),
         TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
         HAS_BIAS=experts.b13 is not None, DOT_PRECISION=precision, **tiles)
 
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
-    b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
+    b2 = experts.b2 if experts.b2 is not None else experts.w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
     launcher(moe_down_weighted_kernel)[(num_blocks_m * cdiv(hidden_size, config.BLOCK_N),)](
         inter_SI, w2, b2, weights, slot_SH,
@@ -295,9 +297,29 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         slot_SH.stride(0), slot_SH.stride(1),
-        *experts.scale_args(inter_scale, experts.w2_scale, w2),
+        *experts.scale_args(inter_scale, w2_scale, w2),
         HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         DOT_PRECISION=precision, **tiles)
+
+
+def _tiled_weights(config: KernelConfig, experts: Experts, dtype: torch.dtype
+                   ) -> tuple[tuple, tuple, bool]:
+    """``((w13, w13_scale), (w2, w2_scale), fragments)``: what the tiled kernels read, the
+    MXFP4 fragments (`mxfp4_fragments`) where they run (bf16 activations, tiles of whole
+    64 x 64 blocks, weights the layout holds), else the weights as stored. Under Triton's
+    interpreter, which mishandles bf16, the fragments run for every float dtype (decoded
+    in Triton arithmetic), so that the CPU tests check their layout."""
+    stored = (experts.w13, experts.w13_scale), (experts.w2, experts.w2_scale), False
+    if (experts.spec is None or experts.spec.weights != "mxfp4"
+            or (dtype != torch.bfloat16 and not INTERPRETED.value)
+            or config.BLOCK_N % mxfp4_fragments.BLOCK_ROWS
+            or config.BLOCK_K % mxfp4_fragments.BLOCK_COLS):
+        return stored
+    w13 = mxfp4_fragments.fragments(experts.w13, experts.w13_scale)
+    w2 = mxfp4_fragments.fragments(experts.w2, experts.w2_scale)
+    if w13 is None or w2 is None:
+        return stored
+    return w13, w2, True
 
 
 _RUNNERS = {"direct": _run_direct, "tiled": _run_tiled}

@@ -117,6 +117,30 @@ E2M1_FP32_PTX = tl.constexpr(
               for i, pair in enumerate(("e01", "e23", "o01", "o23"))) + " }")
 
 
+# MXFP4 fragments (`mxfp4_fragments`): $4 holds one word, four bf16 pairs of 8 weights,
+# and $5 four scale bytes (row q = 0, row q = 1, then both again). f0 / f1 are the bf16 pairs
+# of rows 0 / 1's factors (a byte << 7 is a bf16 exponent). Pairs 0-2 are the word shifted
+# left by 0, 3 and 6 and masked (their sign at bit 15, exponent and mantissa at bits 8-6, a
+# pair's high nibble 16 bits up: its value times 2 ** -126); pair 3 gathers its sign (bit 11,
+# left 4), exponent (bits 14-13, right 6) and mantissa (bit 10, right 4). Each times its row's
+# factor: $0, $1 the pairs (o = 0, q = 0), (0, 1); $2, $3 (1, 0), (1, 1). One line, as
+# MXFP4_BF16_PAIRS_PTX.
+MXFP4_FRAGMENT_PTX = tl.constexpr(
+    "{ .reg .b32 a, b, f0, f1;"
+    " and.b32 f0, $5, 0x00FF00FF; shl.b32 f0, f0, 7;"
+    " and.b32 f1, $5, 0xFF00FF00; shr.b32 f1, f1, 1;"
+    + "".join(f" shl.b32 a, $4, {shift}; and.b32 a, a, 0x81C081C0;"
+              f" mul.rn.bf16x2 ${pair}, a, f{pair % 2};"
+              for pair, shift in enumerate((0, 3, 6)))
+    + " shl.b32 a, $4, 4; and.b32 a, a, 0x80008000;"
+    " shr.b32 b, $4, 6; and.b32 b, b, 0x01800180; or.b32 a, a, b;"
+    " shr.b32 b, $4, 4; and.b32 b, b, 0x00400040; or.b32 a, a, b;"
+    " mul.rn.bf16x2 $3, a, f1; }")
+# Bytes and scale bytes of one 64 x 64 block of fragments (`mxfp4_fragments`).
+FRAGMENT_BLOCK_BYTES = tl.constexpr(2048)
+FRAGMENT_BLOCK_SCALES = tl.constexpr(128)
+
+
 def format_codes(spec: QuantSpec | None) -> dict:
     """The format constexprs of a kernel launch: ``WEIGHT_FORMAT``, ``ACT_FORMAT``
     and the scale block ``SCALE_BN`` x ``SCALE_BK`` (1 x 1 without blocks)."""
@@ -296,6 +320,83 @@ def _mxfp4_dot_t(acc_t, a, packed, scales, DOT_PRECISION: tl.constexpr):
     else:
         even, odd = _mxfp4_tiles(packed, scales, a.dtype, 1, PACKED_K, BLOCK_N)
     w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
+    return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _fragment_pair_values(word, factor):
+    """The two values of each bf16 pair in ``word`` (uint32 bits), times ``factor`` (fp32),
+    in fp32: exact (Triton arithmetic, for the interpreter)."""
+    low = (word << 16).to(tl.float32, bitcast=True)
+    high = (word & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.join(low * factor, high * factor)
+
+
+@triton.jit
+def _mxfp4_fragment_pairs(words, scales, dtype: tl.constexpr):
+    """Two ``[X, 4C]`` tensors in ``dtype`` (bf16 on the GPU) of ``words [X, 4C]`` uint8
+    (C fragment words) with ``scales`` (uint8, four a word: row 0's, row 1's, again):
+    elements ``4 c + 2 q + h`` of the first are value ``h`` of word c's pair ``(0, q)``, of
+    the second pair ``(1, q)``.
+
+    On the GPU, `MXFP4_FRAGMENT_PTX`: six instructions for the factors and about 2.5 a pair.
+    Under the interpreter, the same bits taken apart in Triton arithmetic."""
+    if INTERPRETED:
+        NUM_ROWS: tl.constexpr = words.shape[0]
+        NUM_WORDS: tl.constexpr = words.shape[1] // 4
+        shifts = tl.arange(0, 4).to(tl.uint32) * 8
+        word = tl.sum(tl.reshape(words.to(tl.uint32), (NUM_ROWS, NUM_WORDS, 4)) << shifts,
+                      axis=2)
+        # [X, C, copy, q]: the two copies are equal.
+        row_scales = tl.reshape(scales.to(tl.uint32), (NUM_ROWS, NUM_WORDS, 2, 2))
+        factor0, factor1 = tl.split(tl.max(row_scales, axis=2))
+        factor0 = (factor0 << 23).to(tl.float32, bitcast=True)
+        factor1 = (factor1 << 23).to(tl.float32, bitcast=True)
+        mask = 0x81C081C0
+        pair3 = (((word << 4) & 0x80008000) | ((word >> 6) & 0x01800180)
+                 | ((word >> 4) & 0x00400040))
+        first = tl.join(_fragment_pair_values(word & mask, factor0),
+                        _fragment_pair_values((word << 3) & mask, factor1))
+        second = tl.join(_fragment_pair_values((word << 6) & mask, factor0),
+                         _fragment_pair_values(pair3, factor1))
+        # [X, C, h, q] -> [X, C, q, h]
+        first = tl.reshape(tl.permute(first, (0, 1, 3, 2)), (NUM_ROWS, 4 * NUM_WORDS))
+        second = tl.reshape(tl.permute(second, (0, 1, 3, 2)), (NUM_ROWS, 4 * NUM_WORDS))
+        return first.to(dtype), second.to(dtype)
+    return tl.inline_asm_elementwise(
+        MXFP4_FRAGMENT_PTX,
+        constraints="=r,=r,=r,=r,r,r",
+        args=[words, scales],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _mxfp4_fragments_dot_t(acc_t, a, words, scales, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc_t [BN, M]`` plus one K tile's ``(a [M, BK] @ w [BK, BN]).T`` for bf16 ``a``
+    (any float dtype under the interpreter), the weights read as fragments
+    (`mxfp4_fragments`): ``words [2 BN, BK / 4]`` (a row per thread of each 64-row block,
+    its 16 bytes per 64 columns) and ``scales [2 BN, BK / 16]`` (that thread's four bytes
+    per 64 columns).
+
+    The decoded pairs are laid out again as ``[BN, BK]`` by reshapes and a permutation
+    alone: each thread's values are the ones its fragment of the left operand takes, so
+    on Hopper nothing moves between the load and the tensor cores."""
+    NUM_ROWS: tl.constexpr = 2 * BLOCK_N
+    COL_BLOCKS: tl.constexpr = BLOCK_K // 64
+    # Each word's scale bytes: its group's (sg = s // 2) two rows, twice.
+    word_scales = tl.broadcast_to(tl.reshape(scales, (NUM_ROWS, COL_BLOCKS, 2, 1, 1, 2)),
+                                  (NUM_ROWS, COL_BLOCKS, 2, 2, 2, 2))
+    first, second = _mxfp4_fragment_pairs(
+        words, tl.reshape(word_scales, (NUM_ROWS, BLOCK_K // 4)), a.dtype)
+    # Thread (w, g, t) of block b, word (kb, s), pair (o, q), value h is weight row
+    # 64 b + 16 w + 8 q + g and column 64 kb + 16 s + 8 o + 2 t + h.
+    values = tl.reshape(tl.join(first, second),
+                        (BLOCK_N // 64, 4, 8, 4, COL_BLOCKS, 4, 2, 2, 2))
+    w = tl.reshape(tl.permute(values, (0, 1, 6, 2, 4, 5, 8, 3, 7)), (BLOCK_N, BLOCK_K))
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
 

@@ -143,8 +143,7 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
         # Its tiles are those of the best tiled config, for where grouped_mm cannot run.
         _, tiled = min((pair for pair in timed if pair[1].path == "tiled"),
                        key=lambda pair: pair[0])
-        grouped = dataclasses.replace(
-            tiled, path="grouped_mm" if spec is None else "dequant_grouped_mm")
+        grouped = dataclasses.replace(tiled, path="grouped_mm")
         grouped_ms = time_config(grouped, args, spec)
         if grouped_ms < best_ms:
             best_ms, best = grouped_ms, grouped
@@ -163,8 +162,9 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
                                             for w in (w13_EFH, w2_EHI))
         weights = (w13, w2, w13_scale, w2_scale, None, None, spec.weights, spec.activations,
                    spec.block_list)
-    # MXFP4 weights run the grouped GEMMs once decoded (`dequant_grouped_mm`).
-    grouped_mm_runs = ((spec is None or spec.weights == "mxfp4")
+    # Not for MXFP4 weights: `dequant_grouped_mm` would hold a decoded copy of the layer,
+    # four times its bytes, where the tiled kernels read fragments (`mxfp4_fragments`).
+    grouped_mm_runs = (spec is None
                        and grouped_gemm.supports(None, Problem(dtype), device) is None
                        and grouped_gemm.aligned(K, N))
     table = {}

@@ -1,7 +1,8 @@
 """Prepared copies of a layer's weights, kept by their source tensors: by (tensor,
 version), as docs/architecture.md ("State") asks of a backend whose kernels read another
-layout. The ``flashinfer`` experts backend keeps its one cache here (`WeightCache`), and
-makes what outlives a call inside `outside_graph_pools`."""
+layout. Each such backend keeps one `WeightCache` in its own module (the ``flashinfer``
+experts' converted weights, the ``triton`` experts' MXFP4 fragments), and makes what
+outlives a call inside `outside_graph_pools`."""
 
 from __future__ import annotations
 
@@ -68,10 +69,9 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
     would hold garbage.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("experts backend 'flashinfer' converts a layer's weights on "
-                           "its first call, which cannot be captured in a CUDA graph: "
-                           "run the layer once before capturing (or after changing its "
-                           "weights)")
+        raise RuntimeError("a layer's weights are converted to its kernels' layout on its "
+                           "first call, which cannot be captured in a CUDA graph: run the "
+                           "layer once before capturing (or after changing its weights)")
     if device.type != "cuda" or getattr(_ON_WORKER, "active", False):
         return make()
     current = torch.cuda.current_stream(device)

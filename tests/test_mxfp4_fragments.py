@@ -1,0 +1,140 @@
+"""MXFP4 weights read by the tiled kernels as fragments (`mxfp4_fragments`): the layout,
+when it is prepared and when the stored weights run instead, and the kernels on it against
+the reference backend.
+
+Without CUDA the kernels run under the Triton interpreter, where the fragments are decoded
+in Triton arithmetic for fp32 and fp16 activations (the interpreter mishandles bf16);
+`tests/test_mxfp4_ptx.py` runs the GPU's decode on the CPU. The ``gpu`` tests run bf16 at
+GPT-OSS's widths.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_quant_inputs
+from test_triton_quant import assert_close_to, assert_norm_close, gpu_inputs
+from torch_moe_ops import quant
+from torch_moe_ops.backends.common import TRITON_INSTALLED
+from torch_moe_ops.config import QuantSpec
+
+if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
+    from torch_moe_ops.backends.triton import configs, fused, mxfp4_fragments
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MXFP4 = QuantSpec("mxfp4")
+BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3}
+
+
+def weights_of(words: torch.Tensor, scales: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The fp32 ``[E, N, K]`` weights that fragments stand for, read back as the kernels
+    read them: thread (w, g, t), word s, pair (o, q), value h of block (nb, kb) is row
+    64 nb + 16 w + 8 q + g, column 64 kb + 16 s + 8 o + 2 t + h."""
+    num_experts = words.shape[0]
+    row_blocks, col_blocks = num_rows // 64, words.shape[2] // 2048
+    bits = words.view(torch.int32).view(num_experts, row_blocks, col_blocks, 4, 8, 4, 4)
+    values = torch.zeros(*bits.shape, 2, 2, 2)  # ... (o, q, h)
+    for pair, positions in enumerate(mxfp4_fragments.PAIR_BITS):
+        for half in (0, 1):
+            sign, e1, e0, mantissa = (((bits >> (p + 16 * half)) & 1) for p in positions)
+            nibble = sign * 8 + e1 * 4 + e0 * 2 + mantissa
+            magnitude = torch.tensor(quant.E2M1_VALUES)[nibble & 7]
+            values[..., pair // 2, pair % 2, half] = torch.where(sign > 0, -magnitude, magnitude)
+    # Scale bytes (w, g, sg, q) hold s + 126: the factor 2 ** (s - 127).
+    s = scales.view(num_experts, row_blocks, col_blocks, 4, 8, 2, 2).int() - 126
+    factor = 2.0 ** (s.float() - 127)
+    # [E, nb, kb, w, g, t, s, o, q, h] times the factor of (w, g, s // 2, q).
+    factor = factor[:, :, :, :, :, None, :, None, None, :, None].expand(
+        *values.shape[:5], 4, 2, 2, 2, 2, 2).reshape(values.shape)
+    values = values * factor
+    # -> [E, nb, w, q, g, kb, s, o, t, h]
+    values = values.permute(0, 1, 3, 8, 4, 2, 6, 7, 5, 9)
+    return values.reshape(num_experts, num_rows, col_blocks * 64)
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 64), (192, 128), (128, 320)])
+def test_prepared_fragments_hold_the_weights(rows, cols, generator):
+    q = make_quant_inputs(generator, MXFP4, num_tokens=1, hidden_size=cols,
+                          intermediate_size=rows // 2, num_experts=3, top_k=1)
+    words, scales = mxfp4_fragments.prepare(q.w13, q.w13_scale)
+    assert words.shape == (3, rows // 64, cols // 64 * 2048) and words.dtype == torch.uint8
+    assert scales.shape == (3, rows // 64, cols // 64 * 128) and scales.dtype == torch.uint8
+    torch.testing.assert_close(weights_of(words, scales, rows),
+                               quant.dequantize_weights(q.w13, q.w13_scale, MXFP4),
+                               atol=0, rtol=0)
+
+
+def test_weights_the_layout_cannot_hold_are_not_prepared(generator):
+    q = make_quant_inputs(generator, MXFP4, num_tokens=1, hidden_size=128,
+                          intermediate_size=64, num_experts=2, top_k=1)
+    scale = q.w13_scale.clone()
+    scale[1, 5, 0] = mxfp4_fragments.LARGEST_SCALE_BYTE
+    assert mxfp4_fragments.prepare(q.w13, scale) is not None
+    scale[1, 5, 0] = mxfp4_fragments.LARGEST_SCALE_BYTE + 1
+    assert mxfp4_fragments.prepare(q.w13, scale) is None
+    # 96 columns: a block of 64 and half of another.
+    q = make_quant_inputs(generator, MXFP4, num_tokens=1, hidden_size=96,
+                          intermediate_size=64, num_experts=2, top_k=1)
+    assert mxfp4_fragments.prepare(q.w13, q.w13_scale) is None
+
+
+def run_tiled(q, monkeypatch, block_n: int, block_k: int, num_warps: int = 4):
+    """The triton and reference backends' outputs on tiled kernels of ``block_n`` x
+    ``block_k`` with ``num_warps``, and whether each call's GEMMs read fragments."""
+    flags = []
+    real_tiled_weights = fused._tiled_weights
+
+    def spy(*args):
+        weights = real_tiled_weights(*args)
+        flags.append(weights[2])
+        return weights
+
+    def pick(*key):
+        config = configs.default_config(*key)
+        return dataclasses.replace(config, path="tiled", BLOCK_M=16, BLOCK_N=block_n,
+                                   BLOCK_K=block_k, num_warps=num_warps)
+
+    monkeypatch.setattr(fused, "_tiled_weights", spy)
+    monkeypatch.setattr(fused, "get_config", pick)
+    args = q.args("swiglu_oai", 1.702, 1.0)
+    return (torch.ops.moe_triton.experts_quant(*args),
+            torch.ops.moe_reference.experts_quant(*args), flags)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_n, block_k, hidden, inter",
+                         [(64, 64, 128, 64), (128, 128, 192, 128), (64, 128, 320, 64)],
+                         ids=["whole", "partial-blocks", "partial-k"])
+def test_tiled_kernels_on_fragments(block_n, block_k, hidden, inter, dtype, generator,
+                                    monkeypatch):
+    q = make_quant_inputs(generator, MXFP4, num_tokens=6, hidden_size=hidden,
+                          intermediate_size=inter, num_experts=4, top_k=2, dtype=dtype,
+                          bias=True, skip_fraction=0.2)
+    out, ref, flags = run_tiled(q, monkeypatch, block_n, block_k)
+    assert flags == [True]
+    assert_close_to(out, ref, BOUNDS[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
+def test_scales_past_the_layout_run_the_stored_weights(generator, monkeypatch):
+    q = make_quant_inputs(generator, MXFP4, num_tokens=6, hidden_size=128,
+                          intermediate_size=64, num_experts=4, top_k=2, bias=True)
+    q.w2_scale[2, 7, 1] = mxfp4_fragments.LARGEST_SCALE_BYTE + 3
+    out, ref, flags = run_tiled(q, monkeypatch, 64, 64)
+    assert flags == [False]
+    assert_close_to(out, ref, BOUNDS[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, block_k, warps", [(64, 64, 4), (128, 128, 8),
+                                                     (128, 64, 4)])
+@pytest.mark.parametrize("T", [7, 333])
+def test_gpt_oss_fragments_gpu(T, block_n, block_k, warps, monkeypatch):
+    q = gpu_inputs(MXFP4, num_tokens=T, hidden_size=2880, intermediate_size=2880,
+                   num_experts=8, top_k=4, bias=True)
+    out, ref, flags = run_tiled(q, monkeypatch, block_n, block_k, warps)
+    assert flags == [True]
+    assert_norm_close(out, ref, MXFP4)
