@@ -1,6 +1,6 @@
-"""MXFP4 weights read by the tiled kernels as fragments (`mxfp4_fragments`): the layout,
-when it is prepared and when the stored weights run instead, and the kernels on it against
-the reference backend.
+"""MXFP4 weights read by the GEMM kernels as fragments (`mxfp4_fragments`): the layout,
+when it is prepared and when the stored weights run instead, and the tiled and the decode
+kernels on it against the reference backend.
 
 Without CUDA the kernels run under the Triton interpreter, where the fragments are decoded
 in Triton arithmetic for fp32 and fp16 activations (the interpreter mishandles bf16);
@@ -80,23 +80,24 @@ def test_weights_the_layout_cannot_hold_are_not_prepared(generator):
     assert mxfp4_fragments.prepare(q.w13, q.w13_scale) is None
 
 
-def run_tiled(q, monkeypatch, block_n: int, block_k: int, num_warps: int = 4):
-    """The triton and reference backends' outputs on tiled kernels of ``block_n`` x
-    ``block_k`` with ``num_warps``, and whether each call's GEMMs read fragments."""
+def run_path(q, monkeypatch, path: str, block_n: int, block_k: int, num_warps: int = 4):
+    """The triton and reference backends' outputs on ``path``'s kernels (``tiled`` or
+    ``direct``) with tiles of ``block_n`` x ``block_k`` and ``num_warps``, and whether each
+    call's GEMMs read fragments."""
     flags = []
-    real_tiled_weights = fused._tiled_weights
+    real_gemm_weights = fused._gemm_weights
 
     def spy(*args):
-        weights = real_tiled_weights(*args)
+        weights = real_gemm_weights(*args)
         flags.append(weights[2])
         return weights
 
     def pick(*key):
         config = configs.default_config(*key)
-        return dataclasses.replace(config, path="tiled", BLOCK_M=16, BLOCK_N=block_n,
+        return dataclasses.replace(config, path=path, BLOCK_M=16, BLOCK_N=block_n,
                                    BLOCK_K=block_k, num_warps=num_warps)
 
-    monkeypatch.setattr(fused, "_tiled_weights", spy)
+    monkeypatch.setattr(fused, "_gemm_weights", spy)
     monkeypatch.setattr(fused, "get_config", pick)
     args = q.args("swiglu_oai", 1.702, 1.0)
     return (torch.ops.moe_triton.experts_quant(*args),
@@ -104,16 +105,17 @@ def run_tiled(q, monkeypatch, block_n: int, block_k: int, num_warps: int = 4):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
+@pytest.mark.parametrize("path", ["tiled", "direct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("block_n, block_k, hidden, inter",
                          [(64, 64, 128, 64), (128, 128, 192, 128), (64, 128, 320, 64)],
                          ids=["whole", "partial-blocks", "partial-k"])
-def test_tiled_kernels_on_fragments(block_n, block_k, hidden, inter, dtype, generator,
-                                    monkeypatch):
+def test_kernels_on_fragments(path, block_n, block_k, hidden, inter, dtype, generator,
+                              monkeypatch):
     q = make_quant_inputs(generator, MXFP4, num_tokens=6, hidden_size=hidden,
                           intermediate_size=inter, num_experts=4, top_k=2, dtype=dtype,
                           bias=True, skip_fraction=0.2)
-    out, ref, flags = run_tiled(q, monkeypatch, block_n, block_k)
+    out, ref, flags = run_path(q, monkeypatch, path, block_n, block_k)
     assert flags == [True]
     assert_close_to(out, ref, BOUNDS[dtype])
 
@@ -123,7 +125,7 @@ def test_scales_past_the_layout_run_the_stored_weights(generator, monkeypatch):
     q = make_quant_inputs(generator, MXFP4, num_tokens=6, hidden_size=128,
                           intermediate_size=64, num_experts=4, top_k=2, bias=True)
     q.w2_scale[2, 7, 1] = mxfp4_fragments.LARGEST_SCALE_BYTE + 3
-    out, ref, flags = run_tiled(q, monkeypatch, 64, 64)
+    out, ref, flags = run_path(q, monkeypatch, "tiled", 64, 64)
     assert flags == [False]
     assert_close_to(out, ref, BOUNDS[torch.float32])
 
@@ -131,10 +133,11 @@ def test_scales_past_the_layout_run_the_stored_weights(generator, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n, block_k, warps", [(64, 64, 4), (128, 128, 8),
                                                      (128, 64, 4)])
-@pytest.mark.parametrize("T", [7, 333])
-def test_gpt_oss_fragments_gpu(T, block_n, block_k, warps, monkeypatch):
+@pytest.mark.parametrize("path, T", [("tiled", 7), ("tiled", 333), ("direct", 1),
+                                     ("direct", 5)])
+def test_gpt_oss_fragments_gpu(path, T, block_n, block_k, warps, monkeypatch):
     q = gpu_inputs(MXFP4, num_tokens=T, hidden_size=2880, intermediate_size=2880,
                    num_experts=8, top_k=4, bias=True)
-    out, ref, flags = run_tiled(q, monkeypatch, block_n, block_k, warps)
+    out, ref, flags = run_path(q, monkeypatch, path, block_n, block_k, warps)
     assert flags == [True]
     assert_norm_close(out, ref, MXFP4)

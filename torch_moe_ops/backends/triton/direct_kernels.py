@@ -51,6 +51,10 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops.backends.common.kernels.triton_activation import _activate
+from torch_moe_ops.backends.triton.fragment_gemms import (
+    _mxfp4_fragments_down_t,
+    _mxfp4_fragments_gate_up_t,
+)
 from torch_moe_ops.backends.triton.quant_tiles import (
     FP8_BLOCK,
     FP8_TOKEN,
@@ -71,11 +75,17 @@ MXFP4_DOT_MIN_N = tl.constexpr(64)
 
 
 @triton.jit
+def _row_ptrs(row_ptrs):
+    """``[DOT_ROWS, BK]`` pointers: each row's are ``row_ptrs [BK]`` (the tile reads the
+    first row, zeros under it)."""
+    return row_ptrs[None, :] + 0 * tl.arange(0, DOT_ROWS)[:, None]
+
+
+@triton.jit
 def _row_tile(row_ptrs, k_ok):
     """``[DOT_ROWS, BK]``: the row at ``row_ptrs [BK]`` first, zeros under it."""
     first = tl.arange(0, DOT_ROWS) == 0
-    return tl.load(row_ptrs[None, :] + 0 * tl.arange(0, DOT_ROWS)[:, None],
-                   mask=first[:, None] & k_ok[None, :], other=0.0)
+    return tl.load(_row_ptrs(row_ptrs), mask=first[:, None] & k_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -91,7 +101,8 @@ def moe_direct_gate_up_kernel(
         w13_scale_ptr, stride_ws_e, stride_ws_f, stride_ws_h,
         TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
         WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
-        SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        MXFP4_FRAGMENTS: tl.constexpr = False):
     """inter[s, n] = act(gate, up) for slot s = program 0, columns n of program 1.
 
     Quantized (`quant_tiles`): ``hidden`` is the fp8 rows with ``x_scale`` where
@@ -108,7 +119,17 @@ def moe_direct_gate_up_kernel(
     col_ok = cols < inter_size
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if WEIGHT_FORMAT == MXFP4 and BLOCK_N >= MXFP4_DOT_MIN_N:
+    if WEIGHT_FORMAT == MXFP4 and MXFP4_FRAGMENTS:
+        ks = tl.arange(0, BLOCK_K)
+        gate_t, up_t = _mxfp4_fragments_gate_up_t(
+            _row_ptrs(hidden_ptr + token * stride_hidden_t + ks * stride_hidden_h),
+            tl.arange(0, DOT_ROWS) == 0, stride_hidden_h, hidden_size, w13_ptr, w13_scale_ptr,
+            expert, cols, inter_size, stride_w13_e, stride_w13_f, stride_w13_h, stride_ws_e,
+            stride_ws_f, stride_ws_h, DOT_ROWS, BLOCK_N, BLOCK_K, "ieee")
+        # Only column 0 of the products is the row's; the others are zeros.
+        gate = tl.sum(gate_t, axis=1)
+        up = tl.sum(up_t, axis=1)
+    elif WEIGHT_FORMAT == MXFP4 and BLOCK_N >= MXFP4_DOT_MIN_N:
         ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)
@@ -278,7 +299,8 @@ def moe_direct_down_kernel(
         w2_scale_ptr, stride_ws_e, stride_ws_h, stride_ws_i,
         TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
         WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
-        SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        MXFP4_FRAGMENTS: tl.constexpr = False):
     """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])) for slot s =
     program 0, columns n of program 1; a skipped slot's row is not written.
     ``weights`` is ``[S]``, weight 1 without.
@@ -297,7 +319,14 @@ def moe_direct_down_kernel(
     a_row_ptr = inter_ptr + slot * stride_inter_s
     w_ptr = w2_ptr + expert * stride_w2_e
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if WEIGHT_FORMAT == MXFP4 and BLOCK_N >= MXFP4_DOT_MIN_N:
+    if WEIGHT_FORMAT == MXFP4 and MXFP4_FRAGMENTS:
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.sum(_mxfp4_fragments_down_t(
+            _row_ptrs(a_row_ptr + ks * stride_inter_i), tl.arange(0, DOT_ROWS) == 0,
+            stride_inter_i, inter_size, w2_ptr, w2_scale_ptr, expert, cols, hidden_size,
+            stride_w2_e, stride_w2_h, stride_w2_i, stride_ws_e, stride_ws_h, stride_ws_i,
+            DOT_ROWS, BLOCK_N, BLOCK_K, "ieee"), axis=1)
+    elif WEIGHT_FORMAT == MXFP4 and BLOCK_N >= MXFP4_DOT_MIN_N:
         ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
         gs = tl.arange(0, BLOCK_K // 32)

@@ -175,15 +175,16 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     num_tokens, hidden_size = x_TH.shape
     top_k = ids_TK.shape[1]
     inter_size = experts.inter_size
-    w13, w2 = experts.w13, experts.w2
     device = x_TH.device
+    (w13, w13_scale), (w2, w2_scale), fragments = _gemm_weights(config, experts, x_TH.dtype)
     tiles = dict(BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, num_warps=config.num_warps,
-                 num_stages=config.num_stages, **experts.kernel_constants())
+                 num_stages=config.num_stages, MXFP4_FRAGMENTS=fragments,
+                 **experts.kernel_constants())
 
     inter_SI = torch.empty((num_tokens * top_k, inter_size), dtype=dtype, device=device)
     # An absent bias or weight is never read (HAS_BIAS / HAS_WEIGHTS False):
     # any tensor fills its slot.
-    b13 = experts.b13 if experts.b13 is not None else w13
+    b13 = experts.b13 if experts.b13 is not None else experts.w13
     gate_up_grid = (num_tokens * top_k, cdiv(inter_size, config.BLOCK_N))
     launcher(moe_direct_gate_up_kernel)[gate_up_grid](
         x_TH, ids_TK, w13, b13, inter_SI, hidden_size, inter_size,
@@ -192,7 +193,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         b13.stride(0), b13.stride(1),
         inter_SI.stride(0), inter_SI.stride(1),
         float(experts.swiglu_alpha), float(experts.swiglu_limit),
-        *experts.scale_args(x_scale, experts.w13_scale, w13),
+        *experts.scale_args(x_scale, w13_scale, w13),
         TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
         HAS_BIAS=experts.b13 is not None, **tiles)
 
@@ -204,7 +205,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
                                                     dtype=torch.float32, device=device)
     # Absent inputs are never read: unmutated tensors fill their slots (an output
     # there would look to torch.compile like another use of the buffer written).
-    b2 = experts.b2 if experts.b2 is not None else w2[:, :, 0]
+    b2 = experts.b2 if experts.b2 is not None else experts.w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
     launcher(moe_direct_down_kernel)[(num_tokens * top_k, cdiv(hidden_size, config.BLOCK_N))](
         inter_SI, ids_TK, weights, w2, b2, slot_SH, hidden_size, inter_size,
@@ -212,7 +213,7 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         slot_SH.stride(0), slot_SH.stride(1),
-        *experts.scale_args(inter_scale, experts.w2_scale, w2),
+        *experts.scale_args(inter_scale, w2_scale, w2),
         TOP_K=top_k, HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
         **tiles)
     _sum_over_topk(slot_SH, ids_TK, out_TH)
@@ -272,7 +273,7 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
     inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=x_TH.device)
     # An absent bias is never read (HAS_BIAS=False): any tensor fills its slot.
     b13 = experts.b13 if experts.b13 is not None else experts.w13
-    (w13, w13_scale), (w2, w2_scale), fragments = _tiled_weights(config, experts, x_TH.dtype)
+    (w13, w13_scale), (w2, w2_scale), fragments = _gemm_weights(config, experts, x_TH.dtype)
     tiles["MXFP4_FRAGMENTS"] = fragments
     launcher(moe_gate_up_act_kernel)[(num_blocks_m * cdiv(inter_size, config.BLOCK_N),)](
         x_TH, w13, b13, inter_SI, sorted_row_ids_P, block_expert_B, num_padded_rows_1,
@@ -302,9 +303,9 @@ def tiled_gemms(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
         DOT_PRECISION=precision, **tiles)
 
 
-def _tiled_weights(config: KernelConfig, experts: Experts, dtype: torch.dtype
+def _gemm_weights(config: KernelConfig, experts: Experts, dtype: torch.dtype
                    ) -> tuple[tuple, tuple, bool]:
-    """``((w13, w13_scale), (w2, w2_scale), fragments)``: what the tiled kernels read, the
+    """``((w13, w13_scale), (w2, w2_scale), fragments)``: what the GEMM kernels read, the
     MXFP4 fragments (`mxfp4_fragments`) where they run (bf16 activations, tiles of whole
     64 x 64 blocks, weights the layout holds), else the weights as stored. Under Triton's
     interpreter, which mishandles bf16, the fragments run for every float dtype (decoded

@@ -17,9 +17,7 @@ accumulates in fp32 and rounds once when it stores.
 The GEMM kernels also read quantized weights (``WEIGHT_FORMAT``) and fp8
 activation rows (``ACT_FORMAT``) with their scales (`quant_tiles`); with both
 0 they compile to the unquantized kernels. MXFP4 weights are read packed as stored, or,
-with ``MXFP4_FRAGMENTS`` (bf16 activations), as fragments (`mxfp4_fragments`): then the
-weight and scale pointers are the fragments', with their strides over experts, 64-row
-blocks and bytes.
+with ``MXFP4_FRAGMENTS`` (bf16 activations), as fragments (`fragment_gemms`).
 """
 
 from __future__ import annotations
@@ -28,16 +26,17 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops.backends.common.kernels.triton_activation import _activate
+from torch_moe_ops.backends.triton.fragment_gemms import (
+    _mxfp4_fragments_down_t,
+    _mxfp4_fragments_gate_up_t,
+)
 from torch_moe_ops.backends.triton.quant_tiles import (
     FP8_BLOCK,
-    FRAGMENT_BLOCK_BYTES,
-    FRAGMENT_BLOCK_SCALES,
     MXFP4,
     _activation_scales,
     _fp8_weight_scales,
     _mma,
     _mxfp4_dot_t,
-    _mxfp4_fragments_dot_t,
     _scale_after_loop,
 )
 
@@ -82,28 +81,6 @@ def _row_scales(scale_ptr, rows, row_ok, k_start, stride_r, stride_g,
 
 
 @triton.jit
-def _fragment_ptrs(words_ptr, scales_ptr, expert, cols, num_cols, stride_we, stride_wb,
-                   stride_wk, stride_se, stride_sb, stride_sk, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """The first K tile of the fragments (`mxfp4_fragments`) of the columns ``cols`` (whole
-    64-row blocks of the weights): pointers to its words ``[2 BN, BK / 4]`` and scales
-    ``[2 BN, BK / 16]``, whether each thread row's block exists, and the 64-column block
-    of each byte of the words and of the scales."""
-    threads = tl.arange(0, 2 * BLOCK_N)
-    block = tl.min(cols, axis=0) // 64 + threads // 128
-    thread = threads % 128
-    word_bytes = tl.arange(0, BLOCK_K // 4)
-    scale_bytes = tl.arange(0, BLOCK_K // 16)
-    w_ptrs = (words_ptr + expert * stride_we + block[:, None] * stride_wb
-              + ((word_bytes // 16)[None, :] * FRAGMENT_BLOCK_BYTES + thread[:, None] * 16
-                 + (word_bytes % 16)[None, :]) * stride_wk)
-    s_ptrs = (scales_ptr + expert * stride_se + block[:, None] * stride_sb
-              + ((scale_bytes // 4)[None, :] * FRAGMENT_BLOCK_SCALES + (thread // 4)[:, None] * 4
-                 + (scale_bytes % 4)[None, :]) * stride_sk)
-    return w_ptrs, s_ptrs, block < num_cols // 64, word_bytes // 16, scale_bytes // 4
-
-
-@triton.jit
 def moe_gate_up_act_kernel(
         hidden_ptr, w13_ptr, b13_ptr, inter_ptr,
         sorted_row_ids_ptr, block_expert_ptr, num_padded_ptr,
@@ -137,32 +114,11 @@ def moe_gate_up_act_kernel(
     # computes both so the activation is applied before anything is stored.
     if WEIGHT_FORMAT == MXFP4 and MXFP4_FRAGMENTS:
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = hidden_ptr + rows[:, None] * stride_hidden_t + ks[None, :] * stride_hidden_h
-        gate_ptrs, gate_scale_ptrs, block_ok, word_block, scale_block = _fragment_ptrs(
-            w13_ptr, w13_scale_ptr, expert, cols, inter_size, stride_w13_e, stride_w13_f,
-            stride_w13_h, stride_ws_e, stride_ws_f, stride_ws_h, BLOCK_N, BLOCK_K)
-        # The up rows start I rows (I / 64 blocks) after the gate rows.
-        up_w_offset = (inter_size // 64) * stride_w13_f
-        up_s_offset = (inter_size // 64) * stride_ws_f
-        gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(tl.cdiv(hidden_size, BLOCK_K)):
-            left_blocks = (hidden_size - k * BLOCK_K) // 64
-            a = tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left_blocks * 64)[None, :],
-                        other=0.0)
-            w_ok = block_ok[:, None] & (word_block < left_blocks)[None, :]
-            s_ok = block_ok[:, None] & (scale_block < left_blocks)[None, :]
-            gate_t = _mxfp4_fragments_dot_t(
-                gate_t, a, tl.load(gate_ptrs, mask=w_ok, other=0),
-                tl.load(gate_scale_ptrs, mask=s_ok, other=0), BLOCK_N, BLOCK_K,
-                DOT_PRECISION)
-            up_t = _mxfp4_fragments_dot_t(
-                up_t, a, tl.load(gate_ptrs + up_w_offset, mask=w_ok, other=0),
-                tl.load(gate_scale_ptrs + up_s_offset, mask=s_ok, other=0), BLOCK_N, BLOCK_K,
-                DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_hidden_h
-            gate_ptrs += (BLOCK_K // 64) * FRAGMENT_BLOCK_BYTES * stride_w13_h
-            gate_scale_ptrs += (BLOCK_K // 64) * FRAGMENT_BLOCK_SCALES * stride_ws_h
+        gate_t, up_t = _mxfp4_fragments_gate_up_t(
+            hidden_ptr + rows[:, None] * stride_hidden_t + ks[None, :] * stride_hidden_h,
+            slot_ok, stride_hidden_h, hidden_size, w13_ptr, w13_scale_ptr, expert, cols,
+            inter_size, stride_w13_e, stride_w13_f, stride_w13_h, stride_ws_e, stride_ws_f,
+            stride_ws_h, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         gate = tl.trans(gate_t)
         up = tl.trans(up_t)
     elif WEIGHT_FORMAT == MXFP4:
@@ -276,24 +232,11 @@ def moe_down_weighted_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if WEIGHT_FORMAT == MXFP4 and MXFP4_FRAGMENTS:
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i
-        w_ptrs, scale_ptrs, block_ok, word_block, scale_block = _fragment_ptrs(
-            w2_ptr, w2_scale_ptr, expert, cols, hidden_size, stride_w2_e, stride_w2_h,
-            stride_w2_i, stride_ws_e, stride_ws_h, stride_ws_i, BLOCK_N, BLOCK_K)
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(tl.cdiv(inter_size, BLOCK_K)):
-            left_blocks = (inter_size - k * BLOCK_K) // 64
-            acc_t = _mxfp4_fragments_dot_t(
-                acc_t, tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < left_blocks * 64)[None, :],
-                               other=0.0),
-                tl.load(w_ptrs, mask=block_ok[:, None] & (word_block < left_blocks)[None, :],
-                        other=0),
-                tl.load(scale_ptrs, mask=block_ok[:, None] & (scale_block < left_blocks)[None, :],
-                        other=0), BLOCK_N, BLOCK_K, DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_inter_i
-            w_ptrs += (BLOCK_K // 64) * FRAGMENT_BLOCK_BYTES * stride_w2_i
-            scale_ptrs += (BLOCK_K // 64) * FRAGMENT_BLOCK_SCALES * stride_ws_i
-        acc = tl.trans(acc_t)
+        acc = tl.trans(_mxfp4_fragments_down_t(
+            inter_ptr + slots[:, None] * stride_inter_s + ks[None, :] * stride_inter_i,
+            slot_ok, stride_inter_i, inter_size, w2_ptr, w2_scale_ptr, expert, cols,
+            hidden_size, stride_w2_e, stride_w2_h, stride_w2_i, stride_ws_e, stride_ws_h,
+            stride_ws_i, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION))
     elif WEIGHT_FORMAT == MXFP4:
         ks = tl.arange(0, BLOCK_K)
         ps = tl.arange(0, BLOCK_K // 2)
