@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
 from graph_tests.aot_graphs import AotGraphs
-from torch_moe_ops.config import BackendSpec
+from torch_moe_ops.config import BackendSpec, QuantSpec
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -144,3 +144,41 @@ def test_traced_experts_keep_their_backward(experts):
     compiled(x_TH).float().square().sum().backward()
     for got, want in zip([x_TH.grad, moe.w13.grad, moe.w2.grad], expected):
         assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 1024])
+def test_mxfp4_experts_stay_one_node_reading_fragments(num_tokens):
+    """MXFP4 layers' kernels read fragments prepared from the weights' values, which no
+    traced body has: the op stays one node (its kernels launched at run time), and the
+    compiled block matches the eager one; fp8 weights are traced in."""
+    cfg = tmo.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=16, top_k=4,
+                        activation="swiglu_oai", expert_bias=True,
+                        quant=QuantSpec("mxfp4"))
+    torch.manual_seed(0)
+    moe = tmo.MoE(cfg, device="cuda", dtype=torch.bfloat16)
+    x_TH = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(moe, backend=tmo.backend(experts="triton"), fullgraph=True)
+    with torch.no_grad():
+        expected_TH = moe(x_TH)
+        out_TH, codes = run_and_get_code(compiled, x_TH)
+    assert "moe_triton.experts_quant" in "\n".join(codes)
+    torch.testing.assert_close(out_TH, expected_TH, atol=2e-2, rtol=2e-2)
+
+
+def test_only_mxfp4_quantized_experts_stay_one_node():
+    """The triton backend's rule for tracing its quantized experts in, on fake CUDA
+    tensors (no GPU needed): fixed sizes on CUDA, and weights other than MXFP4."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_moe_ops.backends import triton as triton_backend
+    from torch_moe_ops.ops import argument_index
+
+    at = argument_index("moe_triton", "experts_quant", "weight_format")
+    with FakeTensorMode():
+        hidden_TH = torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)
+        args = [hidden_TH] + [None] * 14
+        for weight_format, traced in (("mxfp4", False), ("fp8_channel", True),
+                                      ("fp8_block", True)):
+            args[at] = weight_format
+            assert triton_backend._traced_unless_mxfp4(at, *args) is traced

@@ -18,6 +18,7 @@ from torch_moe_ops.ops import (
 from torch_moe_ops.ops.library import (
     GENERIC_NAMESPACE,
     OpContract,
+    argument_index,
     decompose,
     define,
     implement,
@@ -53,5 +54,6 @@ def decompose_backend_ops(namespace: str, bodies: dict, applies,
         decompose(namespace, contracts[name], body, applies)
 
 
-__all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "decompose_backend_ops",
+__all__ = ["CONTRACTS", "GENERIC_NAMESPACE", "OpContract", "argument_index",
+           "decompose_backend_ops",
            "define_backend_ops", "op_overload", "tokens_in_flight"]

@@ -83,6 +83,11 @@ def defines(namespace: str, name: str) -> bool:
 
 
 @functools.cache
+def argument_index(namespace: str, name: str, argument: str) -> int:
+    """The position of ``argument`` among ``namespace::name``'s, in schema order."""
+    return [a.name for a in _arguments(op_overload(namespace, name))].index(argument)
+
+
 def _arguments(op: torch_compat.OpOverload) -> tuple:
     # Read once: the schema builds a new list of its arguments on every access (~5 us),
     # and every eager call of an op reads it.

@@ -28,6 +28,7 @@ which is how the kernels' indexing is tested without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -107,7 +108,7 @@ if TRITON_INSTALLED:
         static_shapes_on_cuda,
         traced,
     )
-    from torch_moe_ops.ops import decompose_backend_ops, define_backend_ops
+    from torch_moe_ops.ops import argument_index, decompose_backend_ops, define_backend_ops
 
     fused_experts, fused_experts_rows, fused_experts_quant, fused_experts_rows_quant = (
         on_first_call("torch_moe_ops.backends.triton.fused", name) for name in (
@@ -143,6 +144,11 @@ if TRITON_INSTALLED:
             return grouped_gemm.experts_masked_backward(*args)
         return op_overload(REFERENCE_NAMESPACE, "experts_masked_backward")(*args)
 
+    def _traced_unless_mxfp4(weight_format_at: int, *args) -> bool:
+        """`static_shapes_on_cuda`, and weights other than MXFP4 (``args[weight_format_at]``
+        names their format)."""
+        return static_shapes_on_cuda(*args) and args[weight_format_at] != "mxfp4"
+
     run_route = on_first_call("torch_moe_ops.backends.triton.route", "route")
 
     def route(*args):
@@ -164,11 +170,17 @@ if TRITON_INSTALLED:
     # Compiled with fixed sizes, the kernels are launched by Inductor's own code.
     decompose_backend_ops(NAMESPACE, {"experts": traced(fused_experts),
                                       "experts_rows": traced(fused_experts_rows),
-                                      "experts_quant": traced(fused_experts_quant),
-                                      "experts_rows_quant": traced(fused_experts_rows_quant),
-                                      "experts_masked": traced(fused_experts_masked),
-                                      "experts_masked_quant": traced(fused_experts_masked_quant)},
+                                      "experts_masked": traced(fused_experts_masked)},
                           static_shapes_on_cuda)
+    # MXFP4 layers stay one node: their kernels read fragments (`mxfp4_fragments`) prepared
+    # from the weights' values on the layer's first call, which a traced body, with no values,
+    # cannot make. The op then launches its kernels from Python at run time (CUDA graphs
+    # capture it as they capture any op).
+    for name, body in (("experts_quant", fused_experts_quant),
+                       ("experts_rows_quant", fused_experts_rows_quant),
+                       ("experts_masked_quant", fused_experts_masked_quant)):
+        decompose_backend_ops(NAMESPACE, {name: traced(body)}, functools.partial(
+            _traced_unless_mxfp4, argument_index(NAMESPACE, name, "weight_format")))
     decompose_backend_ops(NAMESPACE, {"experts_backward": traced(grouped_gemm.experts_backward)},
                           lambda *args: static_shapes_on_cuda(*args)
                           and _grouped_backward_runs(*args))
