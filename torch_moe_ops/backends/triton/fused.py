@@ -19,13 +19,16 @@ in `torch_moe_ops.quant`) run the same kernels with their format switches on
 token (not per slot) and the intermediate rows once after the activation
 (`act_quant`), and each GEMM multiplies fp8 by fp8; weight-only formats
 (W8A16, MXFP4 W4A16) are dequantized tile by tile in the kernels and meet
-the activations in their own dtype; in prefill (``dequant_grouped_mm``)
+the activations in their own dtype. With bf16 activations and tiles of whole
+64 x 64 blocks the MXFP4 GEMMs read fragments (`mxfp4_fragments`, prepared on
+a layer's first call and kept); where a tuned config names ``dequant_grouped_mm``
 MXFP4 weights are decoded whole to the activations' dtype (`dequant`), a
 transient buffer of the call, and run the ``grouped_mm`` path.
 Every entry point runs `_run_direct` or `_run_tiled`: the rows format is the
-K = 1 case without routing weights. Nothing here reads a tensor's values
-on the host, so a call can be captured in a CUDA graph once its config is
-cached (see `configs`).
+K = 1 case without routing weights. Nothing here reads a tensor's values on the
+host but the preparation of a layer's fragments (its largest scale, once), so a
+call can be captured in a CUDA graph once its config is cached (see `configs`)
+and its fragments made.
 Arguments are expected to have passed the op contract's checks
 (`torch_moe_ops.ops.experts.check`); only what the kernels themselves rely on
 is checked again here.

@@ -281,10 +281,18 @@ def _mxfp4_bf16_pairs(packed, scale_bytes):
     About 3.5 instructions a weight, where the decode written in Triton takes an
     instruction per element for each step and an fp16-to-fp32 conversion per weight.
     """
+    return _bf16_pairs_asm(MXFP4_BF16_PAIRS_PTX, packed, scale_bytes)
+
+
+@triton.jit
+def _bf16_pairs_asm(ptx: tl.constexpr, first, second):
+    """Two bf16 tensors of ``first``'s shape from ``ptx`` run on four elements of
+    ``first`` and of ``second`` (uint8: one register each) at a time, four registers of
+    bf16 pairs out (``$0``-``$1`` the first tensor's, ``$2``-``$3`` the second's)."""
     return tl.inline_asm_elementwise(
-        MXFP4_BF16_PAIRS_PTX,
+        ptx,
         constraints="=r,=r,=r,=r,r,r",
-        args=[packed, scale_bytes],
+        args=[first, second],
         dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True,
         pack=4,
@@ -363,14 +371,7 @@ def _mxfp4_fragment_pairs(words, scales, dtype: tl.constexpr):
         first = tl.reshape(tl.permute(first, (0, 1, 3, 2)), (NUM_ROWS, 4 * NUM_WORDS))
         second = tl.reshape(tl.permute(second, (0, 1, 3, 2)), (NUM_ROWS, 4 * NUM_WORDS))
         return first.to(dtype), second.to(dtype)
-    return tl.inline_asm_elementwise(
-        MXFP4_FRAGMENT_PTX,
-        constraints="=r,=r,=r,=r,r,r",
-        args=[words, scales],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+    return _bf16_pairs_asm(MXFP4_FRAGMENT_PTX, words, scales)
 
 
 @triton.jit
