@@ -166,19 +166,23 @@ def test_mxfp4_experts_stay_one_node_reading_fragments(num_tokens):
     torch.testing.assert_close(out_TH, expected_TH, atol=2e-2, rtol=2e-2)
 
 
-def test_only_mxfp4_quantized_experts_stay_one_node():
+@pytest.mark.parametrize("fragments", ["1", "0"], ids=["fragments", "stored"])
+def test_only_mxfp4_quantized_experts_stay_one_node(fragments, monkeypatch):
     """The triton backend's rule for tracing its quantized experts in, on fake CUDA
-    tensors (no GPU needed): fixed sizes on CUDA, and weights other than MXFP4."""
+    tensors (no GPU needed): fixed sizes on CUDA, and weights other than MXFP4, unless the
+    kernels read MXFP4 as stored (``TORCH_MOE_OPS_MXFP4_FRAGMENTS=0``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torch_moe_ops.backends import triton as triton_backend
+    from torch_moe_ops.backends.triton import mxfp4_fragments
     from torch_moe_ops.ops import argument_index
 
+    monkeypatch.setenv(mxfp4_fragments.ENABLE_ENV, fragments)
     at = argument_index("moe_triton", "experts_quant", "weight_format")
     with FakeTensorMode():
         hidden_TH = torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)
         args = [hidden_TH] + [None] * 14
-        for weight_format, traced in (("mxfp4", False), ("fp8_channel", True),
+        for weight_format, traced in (("mxfp4", fragments == "0"), ("fp8_channel", True),
                                       ("fp8_block", True)):
             args[at] = weight_format
             assert triton_backend._traced_unless_mxfp4(at, *args) is traced

@@ -130,6 +130,18 @@ def test_scales_past_the_layout_run_the_stored_weights(generator, monkeypatch):
     assert_close_to(out, ref, BOUNDS[torch.float32])
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
+def test_switched_off_the_kernels_read_the_stored_weights(generator, monkeypatch):
+    """``TORCH_MOE_OPS_MXFP4_FRAGMENTS=0`` (memory over speed): no fragments are made."""
+    monkeypatch.setenv(mxfp4_fragments.ENABLE_ENV, "0")
+    mxfp4_fragments.clear_prepared_weights()
+    q = make_quant_inputs(generator, MXFP4, num_tokens=6, hidden_size=128,
+                          intermediate_size=64, num_experts=4, top_k=2, bias=True)
+    out, ref, flags = run_path(q, monkeypatch, "tiled", 64, 64)
+    assert flags == [False] and len(mxfp4_fragments._FRAGMENTS) == 0
+    assert_close_to(out, ref, BOUNDS[torch.float32])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n, block_k, warps", [(64, 64, 4), (128, 128, 8),
                                                      (128, 64, 4)])

@@ -36,7 +36,7 @@ import torch
 from torch_moe_ops.backends.common import TRITON_INSTALLED
 from torch_moe_ops.backends.problems import problem_of
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend, Problem, RouteBackend
-from torch_moe_ops.backends.triton import route_limits
+from torch_moe_ops.backends.triton import mxfp4_fragments, route_limits
 from torch_moe_ops.backends.triton.configs import KERNEL_DTYPES, block_k_limits
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.ops.library import REFERENCE_NAMESPACE, op_overload
@@ -146,8 +146,9 @@ if TRITON_INSTALLED:
 
     def _traced_unless_mxfp4(weight_format_at: int, *args) -> bool:
         """`static_shapes_on_cuda`, and weights other than MXFP4 (``args[weight_format_at]``
-        names their format)."""
-        return static_shapes_on_cuda(*args) and args[weight_format_at] != "mxfp4"
+        names their format) unless the kernels read MXFP4 as stored."""
+        return static_shapes_on_cuda(*args) and (args[weight_format_at] != "mxfp4"
+                                                 or not mxfp4_fragments.enabled())
 
     run_route = on_first_call("torch_moe_ops.backends.triton.route", "route")
 
