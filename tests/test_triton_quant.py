@@ -39,7 +39,7 @@ from torch_moe_ops.config import BackendSpec, MoEConfig, QuantSpec
 
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
     from torch_moe_ops.backends.common.kernels import act_quant, grouped_gemm
-    from torch_moe_ops.backends.triton import configs, dequant, fused
+    from torch_moe_ops.backends.triton import configs, fused
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -518,20 +518,6 @@ def test_supports_says_which_formats_run(spec, reason):
         assert reason in got
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_dequantize_mxfp4_matches_oracle_exactly(dtype, generator):
-    # 70 rows and 320 columns: partial blocks of rows and of packed bytes.
-    w_ENK = torch.randn((2, 35, 320), generator=generator) * 3
-    w_ENK[0, 0] = 0  # a zero group: scale byte 0
-    packed, scale = quant.quantize_weights(w_ENK, QuantSpec("mxfp4"))
-    scale[1, 3, 1] = 0xFF  # OCP MX's NaN scale: the whole group reads as NaN
-    out = dequant.dequantize_mxfp4(packed.to(DEVICE), scale.to(DEVICE), dtype)
-    ref = quant.dequantize_weights(packed, scale, QuantSpec("mxfp4")).to(dtype)
-    assert out.dtype == dtype and out.is_contiguous()
-    assert ref[1, 3, 32:64].isnan().all()
-    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0, equal_nan=True)
-
-
 def test_quantized_prefill_takes_the_tiled_kernels():
     mxfp4, fp8 = QuantSpec("mxfp4"), QuantSpec("fp8_channel", "none")
     many = configs.GROUPED_MM_MIN_ROWS_PER_EXPERT * 8 // 4
@@ -548,21 +534,6 @@ def test_quantized_prefill_takes_the_tiled_kernels():
     ids_TK = torch.zeros((many, 4), dtype=torch.int32, device=DEVICE)
     w13 = torch.empty((8, 128, 64), dtype=torch.uint8, device=DEVICE)
     assert fused._plan(x_TH, ids_TK, w13, mxfp4).path == "tiled"
-    assert fused._plan(x_TH.half(), ids_TK, w13, mxfp4).path == "tiled"
-
-
-def test_mxfp4_config_naming_dequant_grouped_mm_runs_it_where_it_can(monkeypatch):
-    """A tuned file may name ``dequant_grouped_mm`` (the H100's); it runs where
-    ``torch._grouped_mm`` does, else the tiled kernels with its tiles."""
-    mxfp4 = QuantSpec("mxfp4")
-    monkeypatch.setattr(fused, "get_config", lambda *key: dataclasses.replace(
-        configs.default_config(*key), path="dequant_grouped_mm"))
-    x_TH = torch.empty((64, 128), dtype=torch.bfloat16, device=DEVICE)
-    ids_TK = torch.zeros((64, 4), dtype=torch.int32, device=DEVICE)
-    w13 = torch.empty((8, 128, 64), dtype=torch.uint8, device=DEVICE)
-    runs = grouped_gemm.supports(None, Problem(torch.bfloat16), DEVICE) is None
-    assert (fused._plan(x_TH, ids_TK, w13, mxfp4).path
-            == ("dequant_grouped_mm" if runs else "tiled"))
     assert fused._plan(x_TH.half(), ids_TK, w13, mxfp4).path == "tiled"
 
 
@@ -622,13 +593,11 @@ def test_gpt_oss_mxfp4_gpu(T, kernel_path):
 
 
 @gpu
-def test_gpt_oss_mxfp4_dequant_grouped_mm_gpu(monkeypatch):
-    monkeypatch.setattr(fused, "get_config", lambda *key: dataclasses.replace(
-        configs.default_config(*key), path="dequant_grouped_mm"))
+def test_gpt_oss_mxfp4_prefill_gpu():
     q = gpu_inputs(QuantSpec("mxfp4"), num_tokens=2048, hidden_size=2880,
                    intermediate_size=2880, num_experts=8, top_k=4, bias=True)
     f = q.float_inputs
-    assert fused._plan(f.hidden_TH, f.topk_ids_TK, q.w13, q.spec).path == "dequant_grouped_mm"
+    assert fused._plan(f.hidden_TH, f.topk_ids_TK, q.w13, q.spec).path == "tiled"
     out, ref = run_both(q, "swiglu_oai")
     assert_norm_close(out, ref, q.spec)
     args = rows_args(q, prequantized=False)

@@ -43,12 +43,7 @@ INTERPRETER_DEVICE = "cpu"
 #   tiled       align, then grouped GEMMs over expert-sorted tiles of BLOCK_M rows;
 #   grouped_mm  align, then torch._grouped_mm (bf16, sm90+); where it cannot
 #               run the call takes `tiled` with this config's tiles;
-#   dequant_grouped_mm  MXFP4 weights only: the layer's weights decoded to the
-#               activations' dtype (`dequant`, a transient buffer of the call),
-#               then `grouped_mm`; where that cannot run, `tiled`. Only where a
-#               tuned file names it (the H100's of 2026-11-28): neither the defaults
-#               nor the tuner take it since the tiled kernels read fragments.
-PATHS = ("direct", "tiled", "grouped_mm", "dequant_grouped_mm")
+PATHS = ("direct", "tiled", "grouped_mm")
 # Without a tuned file, from this many slots per expert on `grouped_mm` (cuBLAS,
 # wgmma) beats the tiled kernels' tl.dot on sm90 in bf16. Measured on an H200
 # (2026-11-21) for Mixtral, Qwen3-30B-A3B, OLMoE, GPT-OSS-20B and DeepSeek-V3
@@ -199,11 +194,12 @@ def default_path(E: int, M: int, top_k: int, quant: QuantSpec | None = None) -> 
     grouped, and saves the align's launches. Quantized weights never take
     ``grouped_mm`` (bf16 only); MXFP4 weights take the tiled kernels there too, which
     read them as fragments (`mxfp4_fragments`), with no decoded copy of the layer (H200,
-    2026-11-29, tuned tiles of GPT-OSS-20B: 1631 us at 4096 tokens, where
-    ``dequant_grouped_mm`` took 2304; 6396 at 16384 against its 6000). w8a8 follows the
-    same rule since its direct kernels multiply on the tensor cores (one token, H200,
-    2026-11-23, tuned tiles: 34-38 us direct against 44-46 us tiled at Qwen3 and OLMoE
-    widths, 112-114 against 132-133 at DeepSeek-V3's, 135 against 132 at Mixtral-8x7B's).
+    2026-11-29, tuned tiles of GPT-OSS-20B: 1631 us at 4096 tokens, where decoding the
+    layer to bf16 for ``torch._grouped_mm`` took 2304; 6396 at 16384 against its 6000).
+    w8a8 follows the same rule since its direct kernels multiply on the tensor cores (one
+    token, H200, 2026-11-23, tuned tiles: 34-38 us direct against 44-46 us tiled at Qwen3
+    and OLMoE widths, 112-114 against 132-133 at DeepSeek-V3's, 135 against 132 at
+    Mixtral-8x7B's).
     """
     num_slots = M * top_k
     if M == 1 or 4 * num_slots <= E:

@@ -21,9 +21,7 @@ token (not per slot) and the intermediate rows once after the activation
 (W8A16, MXFP4 W4A16) are dequantized tile by tile in the kernels and meet
 the activations in their own dtype. With bf16 activations and tiles of whole
 64 x 64 blocks the MXFP4 GEMMs read fragments (`mxfp4_fragments`, prepared on
-a layer's first call and kept); where a tuned config names ``dequant_grouped_mm``
-MXFP4 weights are decoded whole to the activations' dtype (`dequant`), a
-transient buffer of the call, and run the ``grouped_mm`` path.
+a layer's first call and kept); no path decodes a whole layer.
 Every entry point runs `_run_direct` or `_run_tiled`: the rows format is the
 K = 1 case without routing weights. Nothing here reads a tensor's values on the
 host but the preparation of a layer's fragments (its largest scale, once), so a
@@ -54,7 +52,6 @@ from torch_moe_ops.backends.triton.configs import (
     dtype_name,
     get_config,
 )
-from torch_moe_ops.backends.triton.dequant import dequantize_mxfp4
 from torch_moe_ops.backends.triton.direct_kernels import (
     moe_direct_down_kernel,
     moe_direct_gate_up_kernel,
@@ -133,12 +130,9 @@ def _plan(x_TH: torch.Tensor, ids_TK: torch.Tensor, w13: torch.Tensor,
     num_experts, inter_size, hidden_size = w13.shape[0], w13.shape[1] // 2, x_TH.shape[1]
     config = get_config(num_experts, inter_size, hidden_size, dtype, ids_TK.shape[0],
                         ids_TK.shape[1], device_name(x_TH.device), spec)
-    # Each grouped path needs its weights' format, and torch._grouped_mm without a host sync.
-    formats = {"grouped_mm": spec is None,
-               "dequant_grouped_mm": spec is not None and spec.weights == "mxfp4"}
-    if config.path in formats and not (
-            formats[config.path]
-            and grouped_gemm.supports(None, Problem(dtype), x_TH.device) is None
+    # The grouped path needs unquantized weights, and torch._grouped_mm without a host sync.
+    if config.path == "grouped_mm" and not (
+            spec is None and grouped_gemm.supports(None, Problem(dtype), x_TH.device) is None
             and grouped_gemm.aligned(hidden_size, inter_size)):
         config = dataclasses.replace(config, path="tiled")
     return config
@@ -426,15 +420,6 @@ def first_gemm_input(experts: Experts, x_MH: torch.Tensor):
     return x_MH, None
 
 
-def _dequantized(experts: Experts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w13_EFH, w2_EHI)``: MXFP4 weights decoded to ``dtype`` for ``dequant_grouped_mm``.
-
-    Transient buffers of the call, 2 bytes per weight in bf16 (1.6 GB for the
-    32 experts of GPT-OSS-20B), freed when it returns."""
-    return (dequantize_mxfp4(experts.w13, experts.w13_scale, dtype),
-            dequantize_mxfp4(experts.w2, experts.w2_scale, dtype))
-
-
 def fused_experts_quant(hidden_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
                         topk_ids_TK: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         w13_scale: torch.Tensor, w2_scale: torch.Tensor,
@@ -469,16 +454,11 @@ def experts_quant_with_config(config: KernelConfig, hidden_TH: torch.Tensor,
                               b2_EH: torch.Tensor | None, weight_format: str,
                               activation_format: str, block_size: list[int], activation: str,
                               swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
-    """`fused_experts_quant` on the kernels ``config`` names (``direct``,
-    ``tiled`` or, for MXFP4, ``dequant_grouped_mm``), for ``T >= 1`` (the tuner
-    times candidates through this)."""
+    """`fused_experts_quant` on the kernels ``config`` names (``direct`` or
+    ``tiled``), for ``T >= 1`` (the tuner times candidates through this)."""
     experts = Experts(w13, w2, b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit,
                       QuantSpec.from_op_args(weight_format, activation_format, block_size),
                       w13_scale, w2_scale)
-    if config.path == "dequant_grouped_mm":
-        w13_EFH, w2_EHI = _dequantized(experts, hidden_TH.dtype)
-        return grouped_gemm.experts(hidden_TH, topk_weights_TK, topk_ids_TK, w13_EFH, w2_EHI,
-                                    b13_EF, b2_EH, activation, swiglu_alpha, swiglu_limit)
     x_TH, x_scale = first_gemm_input(experts, hidden_TH)
     return _RUNNERS[config.path](config, experts, x_TH, x_scale, topk_weights_TK.reshape(-1),
                                  topk_ids_TK, hidden_TH.dtype)
@@ -512,10 +492,6 @@ def fused_experts_rows_quant(x_RH: torch.Tensor, x_scale: torch.Tensor | None,
                       QuantSpec.from_op_args(weight_format, activation_format, block_size),
                       w13_scale, w2_scale)
     config = _plan(x_RH, expert_R1, w13, experts.spec, dtype)
-    if config.path == "dequant_grouped_mm":
-        w13_EFH, w2_EHI = _dequantized(experts, dtype)
-        return grouped_gemm.experts_rows(x_RH, expert_R, count_E, w13_EFH, w2_EHI, b13_EF,
-                                         b2_EH, activation, swiglu_alpha, swiglu_limit)
     if x_scale is None:
         x_RH, x_scale = first_gemm_input(experts, x_RH)
     return _RUNNERS[config.path](config, experts, x_RH, x_scale, None, expert_R1, dtype)

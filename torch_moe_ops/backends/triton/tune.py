@@ -162,8 +162,6 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
                                             for w in (w13_EFH, w2_EHI))
         weights = (w13, w2, w13_scale, w2_scale, None, None, spec.weights, spec.activations,
                    spec.block_list)
-    # Not for MXFP4 weights: `dequant_grouped_mm` would hold a decoded copy of the layer,
-    # four times its bytes, where the tiled kernels read fragments (`mxfp4_fragments`).
     grouped_mm_runs = (spec is None
                        and grouped_gemm.supports(None, Problem(dtype), device) is None
                        and grouped_gemm.aligned(K, N))
