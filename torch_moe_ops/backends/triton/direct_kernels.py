@@ -32,8 +32,10 @@ compile to the unquantized ones.
 
 MXFP4 weights are decoded in PTX either way. Column tiles of ``MXFP4_DOT_MIN_N`` and
 more meet the row in the tensor cores as the left operand of a 16-column tile (the row,
-then zeros), decoded to scaled bf16 (`quant_tiles._mxfp4_bf16_pairs`): 7-8 SASS
-instructions per weight (`benchmarks/kernel_sass.py`, GPT-OSS-20B widths, sm90).
+then zeros): read as fragments (``MXFP4_FRAGMENTS``, `fragment_gemms`), 3.1-4.3 SASS
+instructions per weight, else decoded to scaled bf16 from the packed bytes
+(`quant_tiles._mxfp4_bf16_pairs`), 7-8 (`benchmarks/kernel_sass.py`, GPT-OSS-20B
+widths, sm90).
 Narrower ones look the e2m1 values up as fp32 (`quant_tiles._e2m1_fp32`), multiply on
 the CUDA cores and scale each group of 32 columns' sum: 6.3-6.7 instructions per
 weight, where decoding to scaled bf16 and widening took 7.4-7.6. The narrow one loads
@@ -42,7 +44,8 @@ its weights with plain loads (through Triton's asynchronous copies it was slower
 arrive through those copies (``num_stages``). The narrow gate-up kernel takes 26.4 us
 at one token on an H200 (29.1 before the table lookup), about twice what its
 instruction count alone costs there. Which is faster is measured by the tuner
-(`tune.direct_candidates`); the shipped configs predate the tensor-core route.
+(`tune.direct_candidates`): on an H200 (2026-11-29) the row route stayed the fastest at
+one token, fragments or not.
 """
 
 from __future__ import annotations
