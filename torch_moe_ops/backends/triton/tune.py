@@ -49,8 +49,9 @@ def direct_candidates(spec: QuantSpec | None = None):
     else:
         shapes = itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512), (2, 4, 8), (3,))
         if spec is not None and spec.weights == "mxfp4":
-            shapes = itertools.chain(shapes, itertools.product((64, 128), (128, 256), (4, 8),
-                                                               (3, 4)))
+            # 64 deep too: one block of fragments, the tiled kernels' best depth.
+            shapes = itertools.chain(shapes, itertools.product((64, 128), (64, 128, 256),
+                                                               (4, 8), (3, 4)))
     for block_n, block_k, num_warps, num_stages in shapes:
         yield configs.KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                                    num_warps=num_warps, num_stages=num_stages, path="direct")
