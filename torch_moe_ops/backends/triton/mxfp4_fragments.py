@@ -1,4 +1,4 @@
-"""MXFP4 weights in the layout the tiled kernels' tensor cores read them in: each thread's
+"""MXFP4 weights in the layout the GEMM kernels' tensor cores read them in: each thread's
 share of a wgmma left operand in 16 contiguous bytes, its nibbles placed so that the decode
 is a shift and a mask per bf16 pair (`quant_tiles.MXFP4_FRAGMENT_PTX`). Prepared once per
 (tensor, version) from the canonical packed weights and kept (`fragments`).

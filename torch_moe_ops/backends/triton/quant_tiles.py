@@ -35,6 +35,7 @@ import os
 import triton
 import triton.language as tl
 
+from torch_moe_ops.backends.triton import mxfp4_fragments
 from torch_moe_ops.config import QuantSpec
 
 # `WEIGHT_FORMAT` of the kernels (0: unquantized weights in the activations' dtype).
@@ -136,9 +137,9 @@ MXFP4_FRAGMENT_PTX = tl.constexpr(
     " shr.b32 b, $4, 6; and.b32 b, b, 0x01800180; or.b32 a, a, b;"
     " shr.b32 b, $4, 4; and.b32 b, b, 0x00400040; or.b32 a, a, b;"
     " mul.rn.bf16x2 $3, a, f1; }")
-# Bytes and scale bytes of one 64 x 64 block of fragments (`mxfp4_fragments`).
-FRAGMENT_BLOCK_BYTES = tl.constexpr(2048)
-FRAGMENT_BLOCK_SCALES = tl.constexpr(128)
+# Bytes and scale bytes of one 64 x 64 block of fragments.
+FRAGMENT_BLOCK_BYTES = tl.constexpr(mxfp4_fragments.BLOCK_BYTES)
+FRAGMENT_BLOCK_SCALES = tl.constexpr(mxfp4_fragments.BLOCK_SCALES)
 
 
 def format_codes(spec: QuantSpec | None) -> dict:
