@@ -105,7 +105,7 @@ def moe_direct_gate_up_kernel(
         TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
         WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
         SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        MXFP4_FRAGMENTS: tl.constexpr = False):
+        MXFP4_FRAGMENTS: tl.constexpr):
     """inter[s, n] = act(gate, up) for slot s = program 0, columns n of program 1.
 
     Quantized (`quant_tiles`): ``hidden`` is the fp8 rows with ``x_scale`` where
@@ -303,7 +303,7 @@ def moe_direct_down_kernel(
         TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
         WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
         SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        MXFP4_FRAGMENTS: tl.constexpr = False):
+        MXFP4_FRAGMENTS: tl.constexpr):
     """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])) for slot s =
     program 0, columns n of program 1; a skipped slot's row is not written.
     ``weights`` is ``[S]``, weight 1 without.

@@ -96,7 +96,7 @@ def moe_gate_up_act_kernel(
         DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        MXFP4_FRAGMENTS: tl.constexpr = False):
+        MXFP4_FRAGMENTS: tl.constexpr):
     """inter[s, n] = act(gate, up) with gate / up = hidden[s // K] @ w13[e, n (+ I)].T (+ b13).
 
     Quantized (`quant_tiles`): ``hidden`` is the fp8 rows with ``x_scale`` where
@@ -218,7 +218,7 @@ def moe_down_weighted_kernel(
         HAS_BIAS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         WEIGHT_FORMAT: tl.constexpr, ACT_FORMAT: tl.constexpr, SCALE_BN: tl.constexpr,
         SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, MXFP4_FRAGMENTS: tl.constexpr = False):
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, MXFP4_FRAGMENTS: tl.constexpr):
     """slot[s, n] = weight[s] * (inter[s] @ w2[e, n].T (+ b2[e, n])), weight 1 without weights.
 
     Quantized as `moe_gate_up_act_kernel`, with ``inter`` and ``x_scale`` the

@@ -17,8 +17,9 @@ scales ``[BN, G]``. On the GPU the tiles of rows (`_mxfp4_dot_t`, the weights th
 left operand) decode them to scaled bf16 in PTX (`_mxfp4_bf16_pairs`); the decode
 kernels' single rows (`_mxfp4_row_dot`) look the e2m1 values up unscaled, to fp32, in
 PTX (`_e2m1_fp32`), and scale each group's sum. Tiles of fp16 rows meet them in
-``tl.dot_scaled``; tiles of fp32 rows, the interpreter and `dequant` decode them with
-Triton arithmetic (`_mxfp4_tiles`). `tests/test_mxfp4_ptx.py` runs both PTX decodes
+``tl.dot_scaled``; tiles of fp32 rows and the interpreter decode them with Triton
+arithmetic (`_mxfp4_tiles`). Tiles read as fragments (`mxfp4_fragments`) are decoded by
+`_mxfp4_fragment_pairs`. `tests/test_mxfp4_ptx.py` runs the three PTX decodes
 on the CPU.
 
 Measured (H200, 2026-11-28, torch 2.11, Triton 3.6, same call, GPT-OSS-20B widths,
@@ -206,24 +207,18 @@ def _e8m0_fp32(scales):
 
 
 @triton.jit
-def _mxfp4_tiles(packed, scales, dtype: tl.constexpr, K_AXIS: tl.constexpr,
-                 PACKED_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _mxfp4_tiles(packed, scales, dtype: tl.constexpr):
     """The even and the odd K columns of an MXFP4 weight tile, in ``dtype``.
 
-    ``packed``: uint8, ``[P, BN]`` (``K_AXIS=0``) or ``[BN, P]`` (``K_AXIS=1``);
-    ``scales``: its e8m0 bytes, ``[G, BN]`` or ``[BN, G]``. A scale byte of 0
-    reads as 0 (not 2 ** -127), and scales from 2 ** 113 on overflow: neither
+    ``packed``: uint8 ``[BN, P]``; ``scales``: its e8m0 bytes, ``[BN, G]``. A scale byte
+    of 0 reads as 0 (not 2 ** -127), and scales from 2 ** 113 on overflow: neither
     occurs in weights worth running. 0xFF (OCP MX's NaN) reads as NaN.
     """
+    BLOCK_N: tl.constexpr = packed.shape[0]
+    PACKED_K: tl.constexpr = packed.shape[1]
     low, high = _e2m1_halves(packed)
-    scale = _e8m0_fp32(scales) * E2M1_IN_FP16
-    # Each scale serves 16 packed rows (32 K columns).
-    if K_AXIS == 0:
-        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (PACKED_K // 16, 16, BLOCK_N)),
-                           (PACKED_K, BLOCK_N))
-    else:
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, PACKED_K // 16, 16)),
-                           (BLOCK_N, PACKED_K))
+    # Each scale serves 16 packed bytes (32 K columns).
+    scale = _scale_bytes_per_byte(_e8m0_fp32(scales) * E2M1_IN_FP16, BLOCK_N, PACKED_K)
     return (low * scale).to(dtype), (high * scale).to(dtype)
 
 
@@ -327,7 +322,7 @@ def _mxfp4_dot_t(acc_t, a, packed, scales, DOT_PRECISION: tl.constexpr):
     if a.dtype == tl.bfloat16 and not INTERPRETED:
         even, odd = _mxfp4_bf16_pairs(packed, _scale_bytes_per_byte(scales, BLOCK_N, PACKED_K))
     else:
-        even, odd = _mxfp4_tiles(packed, scales, a.dtype, 1, PACKED_K, BLOCK_N)
+        even, odd = _mxfp4_tiles(packed, scales, a.dtype)
     w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * PACKED_K))
     return tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
 
