@@ -80,10 +80,11 @@ def test_weights_the_layout_cannot_hold_are_not_prepared(generator):
     assert mxfp4_fragments.prepare(q.w13, q.w13_scale) is None
 
 
-def run_path(q, monkeypatch, path: str, block_n: int, block_k: int, num_warps: int = 4):
+def run_path(q, monkeypatch, path: str, block_n: int, block_k: int, num_warps: int = 4,
+             split_k: int = 1):
     """The triton and reference backends' outputs on ``path``'s kernels (``tiled`` or
-    ``direct``) with tiles of ``block_n`` x ``block_k`` and ``num_warps``, and whether each
-    call's GEMMs read fragments."""
+    ``direct``, its K in ``split_k`` parts) with tiles of ``block_n`` x ``block_k`` and
+    ``num_warps``, and whether each call's GEMMs read fragments."""
     flags = []
     real_gemm_weights = fused._gemm_weights
 
@@ -95,7 +96,7 @@ def run_path(q, monkeypatch, path: str, block_n: int, block_k: int, num_warps: i
     def pick(*key):
         config = configs.default_config(*key)
         return dataclasses.replace(config, path=path, BLOCK_M=16, BLOCK_N=block_n,
-                                   BLOCK_K=block_k, num_warps=num_warps)
+                                   BLOCK_K=block_k, num_warps=num_warps, SPLIT_K=split_k)
 
     monkeypatch.setattr(fused, "_gemm_weights", spy)
     monkeypatch.setattr(fused, "get_config", pick)
@@ -118,6 +119,17 @@ def test_kernels_on_fragments(path, block_n, block_k, hidden, inter, dtype, gene
     out, ref, flags = run_path(q, monkeypatch, path, block_n, block_k)
     assert flags == [True]
     assert_close_to(out, ref, BOUNDS[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
+def test_decode_kernels_on_fragments_in_k_parts(generator, monkeypatch):
+    """K in parts of whole blocks: H=192 in 3 parts of 64, I=128 in 2."""
+    q = make_quant_inputs(generator, MXFP4, num_tokens=3, hidden_size=192,
+                          intermediate_size=128, num_experts=4, top_k=2, bias=True,
+                          skip_fraction=0.2)
+    out, ref, flags = run_path(q, monkeypatch, "direct", 64, 64, split_k=3)
+    assert flags == [True]
+    assert_close_to(out, ref, BOUNDS[torch.float32])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
@@ -145,11 +157,12 @@ def test_switched_off_the_kernels_read_the_stored_weights(generator, monkeypatch
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n, block_k, warps", [(64, 64, 4), (128, 128, 8),
                                                      (128, 64, 4)])
-@pytest.mark.parametrize("path, T", [("tiled", 7), ("tiled", 333), ("direct", 1),
-                                     ("direct", 5)])
-def test_gpt_oss_fragments_gpu(path, T, block_n, block_k, warps, monkeypatch):
+@pytest.mark.parametrize("path, T, split_k", [("tiled", 7, 1), ("tiled", 333, 1),
+                                              ("direct", 1, 1), ("direct", 5, 1),
+                                              ("direct", 1, 4), ("direct", 5, 8)])
+def test_gpt_oss_fragments_gpu(path, T, split_k, block_n, block_k, warps, monkeypatch):
     q = gpu_inputs(MXFP4, num_tokens=T, hidden_size=2880, intermediate_size=2880,
                    num_experts=8, top_k=4, bias=True)
-    out, ref, flags = run_path(q, monkeypatch, path, block_n, block_k, warps)
+    out, ref, flags = run_path(q, monkeypatch, path, block_n, block_k, warps, split_k)
     assert flags == [True]
     assert_norm_close(out, ref, MXFP4)

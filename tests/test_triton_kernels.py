@@ -23,7 +23,7 @@ from torch_moe_ops.backends.common.kernels.launch import cdiv, next_power_of_2
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
     import triton
 
-    from torch_moe_ops.backends.triton import align, configs, fused
+    from torch_moe_ops.backends.triton import align, configs, fused, tune
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,6 +176,18 @@ def test_fused_experts_top_k_and_id_dtype(K, id_dtype, poisoned_empty, kernel_pa
                     id_dtype=id_dtype, seed=K)
 
 
+@pytest.mark.parametrize("K", [1, 3])
+def test_direct_kernels_in_k_parts(K, poisoned_empty, monkeypatch):
+    """SPLIT_K cuts both GEMMs' K into parts of whole tiles, the last one shorter (H=40:
+    16 + 16 + 8, I=24: 16 + 8): the parts' sums make the same output, each bias added once."""
+    config = configs.KernelConfig(BLOCK_M=16, BLOCK_N=8, BLOCK_K=16, GROUP_M=1, num_warps=1,
+                                  num_stages=1, path="direct", SPLIT_K=3)
+    assert fused._k_parts(40, config) == (16, 3) and fused._k_parts(24, config) == (16, 2)
+    monkeypatch.setattr(fused, "get_config", lambda *key: config)
+    run_and_compare(7, E=4, K=K, H=40, I=24, dtype=torch.float32, name="swiglu_oai", bias=True,
+                    id_dtype=torch.int32, seed=K)
+
+
 def test_fused_experts_strided_hidden_and_fp16_weights(poisoned_empty, kernel_path):
     w13_EFH, w2_EHI, b13_EF, b2_EH = make_experts(4, 32, 16, torch.float32, bias=True)
     topk_weights_TK, topk_ids_TK = make_routing(5, 4, 2, torch.int64)
@@ -265,6 +277,14 @@ def test_config_lookup(tmp_path):
         configs.load_config_file(entries_file)
 
 
+def test_tuned_entries_leave_defaults_out():
+    config = configs.KernelConfig(**TILES, path="direct")
+    assert "SPLIT_K" not in tune.file_entry(config)
+    split = dataclasses.replace(config, SPLIT_K=4)
+    assert tune.file_entry(split)["SPLIT_K"] == 4
+    assert configs.KernelConfig(**tune.file_entry(split)) == split
+
+
 def test_config_defaults_and_shipped_files():
     config = configs.get_config(3, 5, 7, torch.float16, 1, 2, "no-such-device")
     assert config == configs.default_config(3, 5, 7, torch.float16, 1, 2, "no-such-device")
@@ -276,7 +296,8 @@ def test_config_defaults_and_shipped_files():
 
 
 @pytest.mark.parametrize("field,value", [("BLOCK_M", 8), ("BLOCK_K", 48), ("num_warps", 0),
-                                         ("path", "fused"), ("BLOCK_N", 8)])
+                                         ("path", "fused"), ("BLOCK_N", 8), ("SPLIT_K", 0),
+                                         ("SPLIT_K", 2)])
 def test_kernel_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         configs.KernelConfig(**dict(TILES, **{field: value}))
@@ -339,6 +360,16 @@ def test_fused_experts_gpu(T, name, dtype, kernel_path):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 5])
+def test_direct_kernels_in_k_parts_gpu(T, monkeypatch):
+    config = configs.KernelConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, GROUP_M=1, num_warps=4,
+                                  num_stages=3, path="direct", SPLIT_K=4)
+    monkeypatch.setattr(fused, "get_config", lambda *key: config)
+    run_and_compare(T, E=64, K=8, H=576, I=320, dtype=torch.bfloat16, name="swiglu_oai",
+                    bias=True, id_dtype=torch.int32, seed=T)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_experts_rows_gpu(dtype, kernel_path):
     y_RH, expected_RH, expert_R = rows_case([70, 0, 3, 200, 1], 50, dtype, "swiglu_oai",
@@ -373,8 +404,6 @@ def test_fused_experts_cuda_graph(kernel_path):
 
 
 def test_tuning_without_cuda_says_it_needs_a_gpu(monkeypatch, capsys):
-    from torch_moe_ops.backends.triton import tune
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("sys.argv", ["tune", "--experts", "8", "--inter", "32", "--hidden",
                                      "64", "--top-k", "2"])

@@ -128,21 +128,42 @@ def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
     assert (out[-1] == 0).all()  # every slot skipped: exact zeros
 
 
+@pytest.mark.parametrize("split_k", [1, 2], ids=["whole-k", "k-parts"])
 @pytest.mark.parametrize("block_n", [16, 64], ids=["rows", "tensor_cores"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_mxfp4_direct_routes(block_n, dtype, generator, monkeypatch, poisoned_empty):
+def test_mxfp4_direct_routes(block_n, dtype, split_k, generator, monkeypatch, poisoned_empty):
     """The direct MXFP4 kernels meet the slot's row on the CUDA cores below
-    ``MXFP4_DOT_MIN_N`` columns and in the tensor cores from there."""
+    ``MXFP4_DOT_MIN_N`` columns and in the tensor cores from there, K whole or in parts
+    (H=128 and I=64 in two each with 32-deep tiles)."""
     from torch_moe_ops.backends.triton import direct_kernels
     assert (block_n >= direct_kernels.MXFP4_DOT_MIN_N.value) == (block_n == 64)
 
     def pick(*key):
-        return dataclasses.replace(configs.default_config(*key), path="direct", BLOCK_N=block_n)
+        return dataclasses.replace(configs.default_config(*key), path="direct", BLOCK_N=block_n,
+                                   BLOCK_K=32, SPLIT_K=split_k)
 
     monkeypatch.setattr(fused, "get_config", pick)
     q = inputs(FORMATS["mxfp4"], generator, dtype=dtype, bias=True)
     out, ref = run_both(q, "swiglu_oai")
     assert_close_to(out, ref, bound(q.spec, dtype))
+    assert (out[-1] == 0).all()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_direct_kernels_in_k_parts(fmt, top_k, generator, monkeypatch, poisoned_empty):
+    """SPLIT_K=3 cuts H=320 into 128 + 128 + 64 columns and I=128 into 64 + 64: each
+    format's scales are read at the part's columns, and the parts' sums make the
+    reference's output."""
+    def pick(*key):
+        return dataclasses.replace(configs.default_config(*key), path="direct", BLOCK_K=32,
+                                   SPLIT_K=3)
+
+    monkeypatch.setattr(fused, "get_config", pick)
+    spec = FORMATS[fmt]
+    q = inputs(spec, generator, hidden_size=320, intermediate_size=128, top_k=top_k, bias=True)
+    out, ref = run_both(q, "swiglu_oai")
+    assert_close_to(out, ref, bound(spec, torch.float32))
     assert (out[-1] == 0).all()
 
 
@@ -616,6 +637,24 @@ def test_every_format_gpu(fmt, T, kernel_path):
     args = rows_args(q, prequantized=q.spec.activations != "none")
     assert_norm_close(torch.ops.moe_triton.experts_rows_quant(*args),
                       torch.ops.moe_reference.experts_rows_quant(*args), q.spec)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("T", [1, 3])
+def test_direct_kernels_in_k_parts_gpu(fmt, T, monkeypatch):
+    spec = FORMATS[fmt]
+
+    def pick(*key):
+        config = configs.default_config(*key)
+        return dataclasses.replace(config, path="direct", SPLIT_K=4, BLOCK_K=configs.fit_block_k(
+            128, spec, "direct"))
+
+    monkeypatch.setattr(fused, "get_config", pick)
+    q = gpu_inputs(spec, num_tokens=T, hidden_size=1024, intermediate_size=512,
+                   num_experts=16, top_k=4, bias=True)
+    out, ref = run_both(q, "swiglu_oai")
+    assert_norm_close(out, ref, q.spec)
 
 
 @gpu

@@ -38,8 +38,9 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 # The device name used for tensors off CUDA (the Triton interpreter on CPU).
 INTERPRETER_DEVICE = "cpu"
 # The kernels one call can run:
-#   direct      each slot multiplied on its own, no align: 3 launches, for a
-#               few tokens, where each expert gets at most about one slot;
+#   direct      each slot multiplied on its own, no align: 3 launches (4 with K
+#               in parts, SPLIT_K), for a few tokens, where each expert gets at
+#               most about one slot;
 #   tiled       align, then grouped GEMMs over expert-sorted tiles of BLOCK_M rows;
 #   grouped_mm  align, then torch._grouped_mm (bf16, sm90+); where it cannot
 #               run the call takes `tiled` with this config's tiles;
@@ -56,8 +57,11 @@ class KernelConfig:
     """Which kernels one call runs (``path``) and the launch parameters they share.
 
     The ``direct`` kernels use BLOCK_N (output columns per program), BLOCK_K,
-    num_warps and num_stages only. ``path=None`` (an entry of a file that names
-    none) is resolved by `get_config`.
+    num_warps, num_stages and SPLIT_K only: SPLIT_K > 1 cuts each GEMM's K into that
+    many parts of whole K tiles, each part's programs of its own (more programs where
+    a few tokens leave most SMs without one), the parts' fp32 sums added in order by
+    the launch that follows. ``path=None`` (an entry of a file that names none) is
+    resolved by `get_config`.
     """
 
     BLOCK_M: int
@@ -67,6 +71,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     path: str | None = None
+    SPLIT_K: int = 1
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in PATHS:
@@ -80,10 +85,14 @@ class KernelConfig:
             if (not isinstance(value, int) or isinstance(value, bool) or value < least
                     or value & (value - 1)):
                 raise ValueError(f"{field} must be a power of two >= {least}, got {value!r}")
-        for field in ("GROUP_M", "num_warps", "num_stages"):
+        for field in ("GROUP_M", "num_warps", "num_stages", "SPLIT_K"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.SPLIT_K > 1 and self.path != "direct":
+            raise ValueError(f"SPLIT_K must be 1 unless path is 'direct' (only the direct "
+                             f"kernels cut K into parts), got {self.SPLIT_K} on path "
+                             f"{self.path!r}")
 
 
 # What the kernels compute in (fp64 has no tensor-core path and is not supported).

@@ -48,6 +48,15 @@ def _fragment_ptrs(words_ptr, scales_ptr, expert, cols, num_cols, stride_we, str
 
 
 @triton.jit
+def _fragments_from(words_ptr, scales_ptr, k_first, stride_wk, stride_sk):
+    """The fragments' word and scale pointers moved to K column ``k_first`` (a multiple of
+    64), so that the loops below read from there."""
+    blocks = k_first // 64
+    return (words_ptr + blocks * FRAGMENT_BLOCK_BYTES * stride_wk,
+            scales_ptr + blocks * FRAGMENT_BLOCK_SCALES * stride_sk)
+
+
+@triton.jit
 def _mxfp4_fragments_gate_up_t(a_ptrs, a_rows_ok, stride_ak, k_size, w13_ptr, w13_scale_ptr,
                                expert, cols, inter_size, stride_we, stride_wb, stride_wk,
                                stride_se, stride_sb, stride_sk, BLOCK_M: tl.constexpr,

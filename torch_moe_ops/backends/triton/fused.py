@@ -53,6 +53,7 @@ from torch_moe_ops.backends.triton.configs import (
     get_config,
 )
 from torch_moe_ops.backends.triton.direct_kernels import (
+    moe_direct_activate_kernel,
     moe_direct_down_kernel,
     moe_direct_gate_up_kernel,
 )
@@ -64,8 +65,9 @@ from torch_moe_ops.backends.triton.kernels import (
 from torch_moe_ops.backends.triton.quant_tiles import INTERPRETED, format_codes
 from torch_moe_ops.config import QuantSpec
 
-# Columns per program of the sum over experts.
+# Columns per program of the sum over experts, and of the activation of K parts' sums.
 SUM_BLOCK_H = 256
+ACTIVATE_BLOCK_N = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,54 +180,77 @@ def _run_direct(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,
                  num_stages=config.num_stages, MXFP4_FRAGMENTS=fragments,
                  **experts.kernel_constants())
 
-    inter_SI = torch.empty((num_tokens * top_k, inter_size), dtype=dtype, device=device)
+    num_slots = num_tokens * top_k
+    inter_SI = torch.empty((num_slots, inter_size), dtype=dtype, device=device)
     # An absent bias or weight is never read (HAS_BIAS / HAS_WEIGHTS False):
     # any tensor fills its slot.
     b13 = experts.b13 if experts.b13 is not None else experts.w13
-    gate_up_grid = (num_tokens * top_k, cdiv(inter_size, config.BLOCK_N))
-    launcher(moe_direct_gate_up_kernel)[gate_up_grid](
-        x_TH, ids_TK, w13, b13, inter_SI, hidden_size, inter_size,
+    activation = dict(TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
+                      HAS_BIAS=experts.b13 is not None)
+    swiglu = (float(experts.swiglu_alpha), float(experts.swiglu_limit))
+    up_split, up_parts = _k_parts(hidden_size, config)
+    # Parts of K sum into fp32 rows of their own, which one more launch adds up and
+    # activates; one part writes the activated rows.
+    part_PSF = None if up_parts == 1 else torch.empty(
+        (up_parts, num_slots, 2 * inter_size), dtype=torch.float32, device=device)
+    gate_up_out = (inter_SI, 0, *inter_SI.stride()) if part_PSF is None else (
+        part_PSF, *part_PSF.stride())
+    launcher(moe_direct_gate_up_kernel)[(num_slots, cdiv(inter_size, config.BLOCK_N), up_parts)](
+        x_TH, ids_TK, w13, b13, gate_up_out[0], hidden_size, inter_size, up_split,
         x_TH.stride(0), x_TH.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
-        b13.stride(0), b13.stride(1),
-        inter_SI.stride(0), inter_SI.stride(1),
-        float(experts.swiglu_alpha), float(experts.swiglu_limit),
-        *experts.scale_args(x_scale, w13_scale, w13),
-        TOP_K=top_k, ACTIVATION=ACTIVATION_CODES[experts.activation],
-        HAS_BIAS=experts.b13 is not None, **tiles)
+        b13.stride(0), b13.stride(1), *gate_up_out[1:], *swiglu,
+        *experts.scale_args(x_scale, w13_scale, w13), SPLIT_K=up_parts, **activation, **tiles)
+    if part_PSF is not None:
+        launcher(moe_direct_activate_kernel)[(num_slots, cdiv(inter_size, ACTIVATE_BLOCK_N))](
+            part_PSF, ids_TK, b13, inter_SI, inter_size, *part_PSF.stride(),
+            ids_TK.stride(0), ids_TK.stride(1), b13.stride(0), b13.stride(1),
+            inter_SI.stride(0), inter_SI.stride(1), *swiglu, SPLIT_K=up_parts,
+            BLOCK_N=ACTIVATE_BLOCK_N, **activation)
 
     inter_SI, inter_scale = _second_gemm_input(experts, inter_SI)
     out_TH = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    # The slots' rows stay in fp32 until their sum is rounded once, as the
-    # reference rounds; with one expert per token they are the output rows.
-    slot_SH = out_TH if top_k == 1 else torch.empty((num_tokens * top_k, hidden_size),
-                                                    dtype=torch.float32, device=device)
+    down_split, down_parts = _k_parts(inter_size, config)
+    # The slots' rows (each part's, with parts of K) stay in fp32 until their sum is
+    # rounded once, as the reference rounds; with one expert per token and one part they
+    # are the output rows.
+    slot_SH = out_TH if top_k == 1 and down_parts == 1 else torch.empty(
+        (num_slots * down_parts, hidden_size), dtype=torch.float32, device=device)
     # Absent inputs are never read: unmutated tensors fill their slots (an output
     # there would look to torch.compile like another use of the buffer written).
     b2 = experts.b2 if experts.b2 is not None else experts.w2[:, :, 0]
     weights = weights_S if weights_S is not None else inter_SI
-    launcher(moe_direct_down_kernel)[(num_tokens * top_k, cdiv(hidden_size, config.BLOCK_N))](
-        inter_SI, ids_TK, weights, w2, b2, slot_SH, hidden_size, inter_size,
+    launcher(moe_direct_down_kernel)[(num_slots, cdiv(hidden_size, config.BLOCK_N), down_parts)](
+        inter_SI, ids_TK, weights, w2, b2, slot_SH, hidden_size, inter_size, down_split,
         inter_SI.stride(0), inter_SI.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0), b2.stride(1),
         slot_SH.stride(0), slot_SH.stride(1),
         *experts.scale_args(inter_scale, w2_scale, w2),
         TOP_K=top_k, HAS_BIAS=experts.b2 is not None, HAS_WEIGHTS=weights_S is not None,
-        **tiles)
-    _sum_over_topk(slot_SH, ids_TK, out_TH)
+        SPLIT_K=down_parts, **tiles)
+    _sum_over_topk(slot_SH, ids_TK, out_TH, down_parts)
     return out_TH
 
 
-def _sum_over_topk(slot_SH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor) -> None:
-    """``out_TH[t]`` = the sum of ``slot_SH[t * K + k]`` over the slots not skipped;
-    with K == 1 ``slot_SH`` is ``out_TH`` and only skipped rows are written (zeros)."""
+def _k_parts(k_size: int, config: KernelConfig) -> tuple[int, int]:
+    """``(columns per part, parts)``: ``k_size`` cut into at most ``config.SPLIT_K``
+    parts of whole K tiles, none empty."""
+    split = cdiv(cdiv(k_size, config.SPLIT_K), config.BLOCK_K) * config.BLOCK_K
+    return split, max(cdiv(k_size, split), 1)
+
+
+def _sum_over_topk(slot_SH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor,
+                   parts: int = 1) -> None:
+    """``out_TH[t]`` = the sum of ``slot_SH[t * K + k]`` over the slots not skipped
+    (of its ``parts`` rows, ``slot_SH[(t * K + k) * parts + p]``, in order); where
+    ``slot_SH`` is ``out_TH`` (K == 1, one part) only skipped rows are written (zeros)."""
     num_tokens, hidden_size = out_TH.shape
     top_k = ids_TK.shape[1]
     launcher(moe_sum_over_topk_kernel)[(num_tokens, cdiv(hidden_size, SUM_BLOCK_H))](
         slot_SH, ids_TK, out_TH, hidden_size,
         slot_SH.stride(0), ids_TK.stride(0), ids_TK.stride(1), out_TH.stride(0),
-        TOP_K=top_k, SLOTS_ARE_OUT=top_k == 1, BLOCK_H=SUM_BLOCK_H)
+        TOP_K=top_k, PARTS=parts, SLOTS_ARE_OUT=slot_SH is out_TH, BLOCK_H=SUM_BLOCK_H)
 
 
 def _run_tiled(config: KernelConfig, experts: Experts, x_TH: torch.Tensor,

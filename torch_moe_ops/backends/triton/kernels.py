@@ -300,8 +300,11 @@ def moe_down_weighted_kernel(
 def moe_sum_over_topk_kernel(
         slot_ptr, ids_ptr, out_ptr, hidden_size,
         stride_slot_s, stride_ids_t, stride_ids_k, stride_out_t,
-        TOP_K: tl.constexpr, SLOTS_ARE_OUT: tl.constexpr, BLOCK_H: tl.constexpr):
+        TOP_K: tl.constexpr, PARTS: tl.constexpr, SLOTS_ARE_OUT: tl.constexpr,
+        BLOCK_H: tl.constexpr):
     """out[t] = sum of slot[t * K + k] over the k with ids[t, k] >= 0, in k order.
+    With ``PARTS`` > 1 each slot has that many rows (``[(t * K + k) * PARTS + p]``,
+    the direct down kernel's parts), added in order.
 
     With ``SLOTS_ARE_OUT`` (K == 1, slot and out one buffer) only the rows of
     skipped slots are written, with zeros.
@@ -317,7 +320,8 @@ def moe_sum_over_topk_kernel(
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             if tl.load(ids_ptr + token * stride_ids_t + k * stride_ids_k) >= 0:
-                acc += tl.load(slot_ptr + (token * TOP_K + k) * stride_slot_s + cols,
-                               mask=col_ok, other=0.0).to(tl.float32)
+                for part in tl.static_range(PARTS):
+                    acc += tl.load(slot_ptr + ((token * TOP_K + k) * PARTS + part) * stride_slot_s
+                                   + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + token * stride_out_t + cols, acc.to(out_ptr.dtype.element_ty),
                  mask=col_ok)

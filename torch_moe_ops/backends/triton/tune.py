@@ -52,9 +52,12 @@ def direct_candidates(spec: QuantSpec | None = None):
             # 64 deep too: one block of fragments, the tiled kernels' best depth.
             shapes = itertools.chain(shapes, itertools.product((64, 128), (64, 128, 256),
                                                                (4, 8), (3, 4)))
-    for block_n, block_k, num_warps, num_stages in shapes:
+    # Each with K in parts too: a token's few slots give wide tiles too few programs.
+    for (block_n, block_k, num_warps, num_stages), split_k in itertools.product(shapes,
+                                                                                (1, 2, 4, 8)):
         yield configs.KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
-                                   num_warps=num_warps, num_stages=num_stages, path="direct")
+                                   num_warps=num_warps, num_stages=num_stages, path="direct",
+                                   SPLIT_K=split_k)
 
 
 def tiled_candidates(slots_per_expert: float, spec: QuantSpec | None = None):
@@ -151,6 +154,12 @@ def tune_token_count(M: int, top_k: int, args, grouped_mm_runs: bool,
     return best_ms, best
 
 
+def file_entry(config: configs.KernelConfig) -> dict:
+    """``config`` as a config file holds it: fields at their defaults are left out."""
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)
+            if field.default is dataclasses.MISSING or getattr(config, field.name) != field.default}
+
+
 def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir,
          spec: QuantSpec | None = None):
     device = torch.device("cuda")
@@ -174,14 +183,14 @@ def tune(E: int, N: int, K: int, top_k: int, dtype: torch.dtype, tokens, out_dir
         args = (hidden_TH, topk_weights_TK, topk_ids_TK.to(torch.int32), *weights, "silu",
                 1.702, 7.0)
         best_ms, best = tune_token_count(M, top_k, args, grouped_mm_runs, spec)
-        table[str(M)] = dataclasses.asdict(best)
+        table[str(M)] = file_entry(best)
         print(f"M={M}: {best_ms * 1e3:.1f} us {best}", flush=True)
     name = configs.config_file_name(E, N, K, dtype, configs.device_name(device), spec)
     path = pathlib.Path(out_dir) / name
     # Token counts not tuned now keep their entries: of the file being written
     # if there is one, else of the shipped one.
     kept = configs.load_config_file(path) or configs.load_config_file(configs.CONFIG_DIR / name)
-    table = {**{str(M): dataclasses.asdict(c) for M, c in kept or ()}, **table}
+    table = {**{str(M): file_entry(c) for M, c in kept or ()}, **table}
     table = dict(sorted(table.items(), key=lambda item: int(item[0])))
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
