@@ -101,6 +101,13 @@ def _row_tile(row_ptrs, k_ok):
 
 
 @triton.jit
+def _slot_expert(ids_ptr, slot, stride_ids_t, stride_ids_k, TOP_K: tl.constexpr):
+    """The expert of slot ``slot`` (int64; -1 where the slot is skipped)."""
+    return tl.load(ids_ptr + (slot // TOP_K) * stride_ids_t
+                   + (slot % TOP_K) * stride_ids_k).to(tl.int64)
+
+
+@triton.jit
 def _k_part(k_size, split_size, SPLIT_K: tl.constexpr):
     """``(first, count)``: the K columns a program sums, all ``k_size`` of them, or
     with ``SPLIT_K`` > 1 the ``split_size`` (a multiple of BLOCK_K) of part program 2."""
@@ -152,7 +159,7 @@ def moe_direct_gate_up_kernel(
     """
     slot = tl.program_id(0).to(tl.int64)
     token = slot // TOP_K
-    expert = tl.load(ids_ptr + token * stride_ids_t + (slot % TOP_K) * stride_ids_k).to(tl.int64)
+    expert = _slot_expert(ids_ptr, slot, stride_ids_t, stride_ids_k, TOP_K)
     # A skipped slot's row is never read by the down kernel: nothing to write.
     if expert < 0:
         return
@@ -348,8 +355,7 @@ def moe_direct_activate_kernel(
     the ``SPLIT_K`` parts' sums ``part [SPLIT_K, S, 2 * I]`` (fp32, gate then up
     columns) that `moe_direct_gate_up_kernel` wrote, added in part order."""
     slot = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + (slot // TOP_K) * stride_ids_t
-                     + (slot % TOP_K) * stride_ids_k).to(tl.int64)
+    expert = _slot_expert(ids_ptr, slot, stride_ids_t, stride_ids_k, TOP_K)
     if expert < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -391,8 +397,7 @@ def moe_direct_down_kernel(
     quantized intermediate rows.
     """
     slot = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + (slot // TOP_K) * stride_ids_t
-                     + (slot % TOP_K) * stride_ids_k).to(tl.int64)
+    expert = _slot_expert(ids_ptr, slot, stride_ids_t, stride_ids_k, TOP_K)
     # The sum over the token's slots skips this one.
     if expert < 0:
         return
