@@ -128,9 +128,10 @@ def test_experts_quant(fmt, dtype, kernel_path, generator, poisoned_empty):
     assert (out[-1] == 0).all()  # every slot skipped: exact zeros
 
 
-@pytest.mark.parametrize("split_k", [1, 2], ids=["whole-k", "k-parts"])
+@pytest.mark.parametrize("dtype, split_k", [(torch.float32, 1), (torch.float16, 1),
+                                            (torch.float32, 2)],
+                         ids=["fp32-whole-k", "fp16-whole-k", "fp32-k-parts"])
 @pytest.mark.parametrize("block_n", [16, 64], ids=["rows", "tensor_cores"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_mxfp4_direct_routes(block_n, dtype, split_k, generator, monkeypatch, poisoned_empty):
     """The direct MXFP4 kernels meet the slot's row on the CUDA cores below
     ``MXFP4_DOT_MIN_N`` columns and in the tensor cores from there, K whole or in parts
@@ -149,8 +150,8 @@ def test_mxfp4_direct_routes(block_n, dtype, split_k, generator, monkeypatch, po
     assert (out[-1] == 0).all()
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-@pytest.mark.parametrize("fmt", list(FORMATS))
+# Every format at top-k 2; one expert per token (the parts' rows apart from the output) once.
+@pytest.mark.parametrize("fmt, top_k", [(fmt, 2) for fmt in FORMATS] + [("mxfp4", 1)])
 def test_direct_kernels_in_k_parts(fmt, top_k, generator, monkeypatch, poisoned_empty):
     """SPLIT_K=3 cuts H=320 into 128 + 128 + 64 columns and I=128 into 64 + 64: each
     format's scales are read at the part's columns, and the parts' sums make the
