@@ -3,7 +3,7 @@
 # them). SHARDS=N (default: one per GPU) runs the single-GPU tests as N pytest processes
 # of whole files, each on its own GPU of CUDA_VISIBLE_DEVICES, round robin
 # (scripts/gpu_shards.py; DURATIONS_LOG, a log of an earlier run, balances them: the
-# durations_<gpu>.log files it writes to $OUT, one after the other, or pytest's --durations
+# durations_<shard>.log files it writes to $OUT, one after the other, or pytest's --durations
 # lines; by default scripts/gpu_durations.log, the per-test times of the whole suite on
 # H100s: three shards took 203-236 s); then the multigpu tests on all of them (MULTIGPU=0
 # skips them); TEST_SECONDS bounds each part. Then with TUNE=<shapes> the config tuning
@@ -34,10 +34,10 @@ print(' '.join(ids.split(',')))")"
     # a time; with a thread per core in each of several processes beside Inductor's
     # compile workers, one (T=333) took 35-41 s on a 64-core host against 1 s on 2 cores.
     [ -n "$files" ] && (CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=${SHARD_THREADS:-4} \
-      TORCH_MOE_OPS_DURATIONS_LOG="$OUT/durations_$gpu.log" \
+      TORCH_MOE_OPS_DURATIONS_LOG="$OUT/durations_$shard.log" \
       timeout -s INT -k 30 "${TEST_SECONDS:-540}" \
       python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 ${PYTEST_ARGS:-} $files \
-      >"$OUT/gpu_tests_$gpu.log" 2>&1; echo $? >"$OUT/gpu_tests_$gpu.rc") &
+      >"$OUT/gpu_tests_$shard.log" 2>&1; echo $? >"$OUT/gpu_tests_$shard.rc") &
     shard=$((shard + 1))
   done <"$OUT/shards.txt"
   wait
