@@ -88,6 +88,7 @@ def argument_index(namespace: str, name: str, argument: str) -> int:
     return [a.name for a in _arguments(op_overload(namespace, name))].index(argument)
 
 
+@functools.cache
 def _arguments(op: torch_compat.OpOverload) -> tuple:
     # Read once: the schema builds a new list of its arguments on every access (~5 us),
     # and every eager call of an op reads it.
