@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import re
 
 import pytest
@@ -122,7 +123,11 @@ def test_one_compile_over_token_counts(aux_loss):
 @pytest.mark.gpu
 def test_cuda_graphs_keep_counts_and_losses():
     """Compiled with ``mode="reduce-overhead"`` (CUDA graphs), trained for a few steps
-    beside the eager module: the same counts, losses, router gradients and biases."""
+    beside the eager module: the same counts, losses, router gradients and biases.
+    Gradients are cleared each step (``set_to_none``, as ``optimizer.zero_grad()`` does):
+    CUDA graph trees hand the backward's gradients over from their memory pool, and a
+    later step's replay overwrites a gradient kept to accumulate into (PyTorch raises
+    "accessing tensor output of CUDAGraphs that has been overwritten")."""
     moe = _balanced_moe("sigmoid_sequence_bias").cuda()
     eager = copy.deepcopy(moe)
     compiled = torch.compile(moe, backend=tmo.backend(mode="reduce-overhead"), fullgraph=True)
@@ -138,6 +143,8 @@ def test_cuda_graphs_keep_counts_and_losses():
             tmo.update_correction_biases(block)
         torch.testing.assert_close(moe.gate.weight.grad, eager.gate.weight.grad, **TOL)
         torch.testing.assert_close(moe.e_score_correction_bias, eager.e_score_correction_bias)
+        for block in (moe, eager):
+            block.zero_grad(set_to_none=True)
 
 
 def test_reset_parameters_zeroes_the_counts():
@@ -182,6 +189,21 @@ def test_empty_input_gives_zero_losses():
         assert moe(x).shape == x.shape
         assert moe.tokens_per_expert.sum() == 0
         assert moe.aux_loss.item() == 0 and moe.z_loss.item() == 0
+
+
+def test_a_block_with_losses_copies_and_pickles():
+    """After a forward the losses hold its autograd graph; a deep copy (an EMA model) and
+    ``torch.save`` of the block still work, and keep the losses' values."""
+    moe = _balanced_moe("softmax_batch")
+    moe(torch.randn(6, H))
+    buffer = io.BytesIO()
+    torch.save(moe, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(moe), torch.load(buffer, weights_only=False)):
+        for name in ("aux_loss", "z_loss"):
+            assert not getattr(copied, name).requires_grad
+            torch.testing.assert_close(getattr(copied, name), getattr(moe, name).detach())
+        assert getattr(moe, name).requires_grad
 
 
 def test_sequence_loss_needs_sequences():

@@ -273,6 +273,15 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters()
 
+    def __getstate__(self):
+        # The last forward's losses hold that forward's autograd graph, which neither
+        # deep-copies nor pickles: a copy (an EMA model, torch.save) keeps their values.
+        state = super().__getstate__()
+        for name in ("aux_loss", "z_loss"):
+            if state[name] is not None:
+                state[name] = state[name].detach()
+        return state
+
     def _apply(self, fn, recurse=True):
         if self.cfg.quant is None:
             return super()._apply(fn, recurse)
