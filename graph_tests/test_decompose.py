@@ -16,6 +16,7 @@ from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
 from graph_tests.aot_graphs import AotGraphs
+from torch_moe_ops.backends.triton import configs, fused
 from torch_moe_ops.config import BackendSpec, QuantSpec
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -98,6 +99,25 @@ def test_static_compile_launches_kernels_from_inductor(experts, num_tokens):
     with torch.no_grad():
         out_TH, codes = run_and_get_code(compiled, *problem)
     assert f"moe_{experts}.experts" not in "\n".join(codes)
+    assert _relative_error(out_TH, *problem, moe) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_static_compile_runs_the_direct_kernels_in_k_parts(num_tokens, monkeypatch):
+    """A direct config that cuts K into parts, traced: Inductor launches the parts'
+    activation and sums every part, as the eager op does."""
+    config = configs.KernelConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4,
+                                num_stages=3, path="direct", SPLIT_K=4)
+    monkeypatch.setattr(fused, "get_config", lambda *key: config)
+    moe = _moe_on_gpu()
+    problem = _experts_problem(moe, num_tokens)
+    compiled = torch.compile(_experts_op(moe), backend=tmo.backend(experts="triton"),
+                             fullgraph=True)
+    with torch.no_grad():
+        out_TH, codes = run_and_get_code(compiled, *problem)
+    code = "\n".join(codes)
+    assert "moe_triton.experts" not in code and "moe_direct_activate_kernel" in code
     assert _relative_error(out_TH, *problem, moe) < 1e-2
 
 

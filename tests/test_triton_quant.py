@@ -29,6 +29,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import torch_moe_ops as tmo
 from conftest import ExpertInputs, QuantInputs, make_quant_inputs, random_topk_ids
@@ -681,6 +682,32 @@ def test_cuda_graph_capture_and_replay(fmt, kernel_path):
     graph.replay()
     torch.testing.assert_close(out, torch.ops.moe_triton.experts_quant(*args), atol=0, rtol=0)
     assert_norm_close(out, torch.ops.moe_reference.experts_quant(*args), q.spec)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_channel"])
+def test_compiled_direct_kernels_in_k_parts_match_eager(fmt, monkeypatch):
+    """fp8 layers' experts are traced into the compiled graph on CUDA (MXFP4's stay one
+    node): a direct config with K in parts, launched from Inductor's code, gives the
+    eager op's result."""
+    spec = QuantSpec(fmt)
+
+    def pick(*key):
+        config = configs.default_config(*key)
+        return dataclasses.replace(config, path="direct", SPLIT_K=4, BLOCK_K=128)
+
+    monkeypatch.setattr(fused, "get_config", pick)
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
+                    quant=spec)
+    moe = tmo.MoE(cfg, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(moe, fullgraph=True, backend=tmo.backend(experts="triton"))
+    with torch.no_grad():
+        for T in (1, 5):
+            x = torch.randn(T, 1024, device="cuda", dtype=torch.bfloat16)
+            out, codes = run_and_get_code(compiled, x)
+            assert "moe_direct_activate_kernel" in "\n".join(codes)
+            torch.testing.assert_close(out, moe(x), atol=2e-2, rtol=2e-2)
 
 
 @gpu
