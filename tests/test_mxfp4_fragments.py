@@ -66,6 +66,18 @@ def test_prepared_fragments_hold_the_weights(rows, cols, generator):
                                atol=0, rtol=0)
 
 
+def test_prepared_a_few_experts_at_a_time_alike(generator, monkeypatch):
+    """Made in chunks of experts (one expert, then two, a time), the layout is the same."""
+    q = make_quant_inputs(generator, MXFP4, num_tokens=1, hidden_size=128,
+                          intermediate_size=64, num_experts=5, top_k=1)
+    whole = mxfp4_fragments.prepare(q.w13, q.w13_scale)
+    expert_bytes = q.w13[0].numel()
+    for experts_a_time in (1, 2):
+        monkeypatch.setattr(mxfp4_fragments, "CHUNK_BYTES", experts_a_time * expert_bytes)
+        for made, expected in zip(mxfp4_fragments.prepare(q.w13, q.w13_scale), whole):
+            assert torch.equal(made, expected)
+
+
 def test_weights_the_layout_cannot_hold_are_not_prepared(generator):
     q = make_quant_inputs(generator, MXFP4, num_tokens=1, hidden_size=128,
                           intermediate_size=64, num_experts=2, top_k=1)
@@ -140,6 +152,33 @@ def test_scales_past_the_layout_run_the_stored_weights(generator, monkeypatch):
     out, ref, flags = run_path(q, monkeypatch, "tiled", 64, 64)
     assert flags == [False]
     assert_close_to(out, ref, BOUNDS[torch.float32])
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")
+def test_without_memory_to_spare_a_layer_reads_its_stored_weights(generator, monkeypatch):
+    """A copy that would leave the GPU less than its reserve is not made: the layer reads
+    its packed weights, a warning says so, and the decision is kept with the layer (its
+    next call neither copies nor asks again)."""
+    mxfp4_fragments.clear_prepared_weights()
+    asked = []
+
+    def spare(device):
+        asked.append(device)
+        return mxfp4_fragments.WORKSPACE_BYTES
+
+    monkeypatch.setattr(mxfp4_fragments, "spare_bytes", spare)
+    q = make_quant_inputs(generator, MXFP4, num_tokens=6, hidden_size=128,
+                          intermediate_size=64, num_experts=4, top_k=2, bias=True)
+    with pytest.warns(UserWarning, match="read their packed weights instead"):
+        out, ref, flags = run_path(q, monkeypatch, "tiled", 64, 64)
+    assert flags == [False]
+    assert_close_to(out, ref, BOUNDS[torch.float32])
+    assert run_path(q, monkeypatch, "tiled", 64, 64)[2] == [False]
+    assert len(asked) == 1
+    # With the copy's bytes to spare it is made.
+    mxfp4_fragments.clear_prepared_weights()
+    monkeypatch.setattr(mxfp4_fragments, "spare_bytes", lambda device: 1 << 40)
+    assert run_path(q, monkeypatch, "tiled", 64, 64)[2] == [True]
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's decode (fp32, fp16)")

@@ -329,20 +329,18 @@ def _gemm_weights(config: KernelConfig, experts: Experts, dtype: torch.dtype
                    ) -> tuple[tuple, tuple, bool]:
     """``((w13, w13_scale), (w2, w2_scale), fragments)``: what the GEMM kernels read, the
     MXFP4 fragments (`mxfp4_fragments`) where they run (enabled, bf16 activations, tiles of
-    whole 64 x 64 blocks, weights the layout holds), else the weights as stored. Under Triton's
-    interpreter, which mishandles bf16, the fragments run for every float dtype (decoded
-    in Triton arithmetic), so that the CPU tests check their layout."""
+    whole 64 x 64 blocks, weights the layout holds, memory to spare), else the weights as
+    stored. Under Triton's interpreter, which mishandles bf16, the fragments run for every
+    float dtype (decoded in Triton arithmetic), so that the CPU tests check their layout."""
     stored = (experts.w13, experts.w13_scale), (experts.w2, experts.w2_scale), False
     if (experts.spec is None or experts.spec.weights != "mxfp4" or not mxfp4_fragments.enabled()
             or (dtype != torch.bfloat16 and not INTERPRETED.value)
             or config.BLOCK_N % mxfp4_fragments.BLOCK_ROWS
             or config.BLOCK_K % mxfp4_fragments.BLOCK_COLS):
         return stored
-    w13 = mxfp4_fragments.fragments(experts.w13, experts.w13_scale)
-    w2 = mxfp4_fragments.fragments(experts.w2, experts.w2_scale)
-    if w13 is None or w2 is None:
-        return stored
-    return w13, w2, True
+    pair = mxfp4_fragments.layer_fragments(experts.w13, experts.w13_scale, experts.w2,
+                                           experts.w2_scale)
+    return stored if pair is None else (*pair, True)
 
 
 _RUNNERS = {"direct": _run_direct, "tiled": _run_tiled}

@@ -27,15 +27,21 @@ scale in 129..254, or with N or K not a multiple of 64, is not prepared (`fragme
 None) and runs the canonical tiles.
 
 The copy takes as many bytes again as the packed weights and their scales, made on the
-layer's first call that reads it; `clear_prepared_weights` drops it. Where memory is worth
-more than speed (GPT-OSS-120B's experts are about 61 GB packed),
-``TORCH_MOE_OPS_MXFP4_FRAGMENTS=0`` makes the kernels read the packed weights as stored
-(`enabled`): no copy, 0.52-0.58x the speed from 16 tokens on (H200, 2026-11-29).
+layer's first call that reads it (`layer_fragments`: both matrices of a layer or neither);
+`clear_prepared_weights` drops it. It is made only from memory the GPU has to spare: a
+layer whose copy would leave less than `RESERVE_FRACTION` of the GPU's memory free keeps
+reading its packed weights, and a warning says so once. GPT-OSS-120B's experts are about
+61 GB packed, so on an 80 GB GPU the first layers get copies and the rest do not, where
+copying them all would run out of memory. ``TORCH_MOE_OPS_MXFP4_FRAGMENTS=0`` makes no
+copy at all (`enabled`): the packed weights as stored, 0.52-0.58x the speed from 16
+tokens on (H200, 2026-11-29). The layout is made a few experts at a time
+(`CHUNK_BYTES`), so that making it needs little memory beyond the copy itself.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -59,6 +65,14 @@ NAN_SCALE_BYTE = 255
 
 # Set to 0, the GEMM kernels read MXFP4 weights as stored and no fragments are made.
 ENABLE_ENV = "TORCH_MOE_OPS_MXFP4_FRAGMENTS"
+# What a layer's copy must leave free of the GPU's memory (activations, the KV cache and the
+# allocator's slack of whatever runs the model): 5 GB of an 80 GB GPU.
+RESERVE_FRACTION = 1 / 16
+# Packed bytes made into fragments at a time, and what making them takes beside the copy:
+# `prepare`'s int32 intermediates (measured on an H200, 2026-11-29: 0.56 GiB for three
+# experts of GPT-OSS-120B's w13, 25 MB; the whole layer at once took 8.96 GiB).
+CHUNK_BYTES = 32 << 20
+WORKSPACE_BYTES = 24 * CHUNK_BYTES
 
 
 def enabled() -> bool:
@@ -83,6 +97,21 @@ def prepare(q_ENP: torch.Tensor, scale_ENG: torch.Tensor
     finite = scale_ENG[scale_ENG != NAN_SCALE_BYTE]
     if finite.numel() and int(finite.max()) > LARGEST_SCALE_BYTE:
         return None
+    words = torch.empty((num_experts, num_rows // BLOCK_ROWS, 2 * num_packed // BLOCK_COLS
+                         * BLOCK_BYTES), dtype=torch.uint8, device=q_ENP.device)
+    scales = torch.empty((num_experts, num_rows // BLOCK_ROWS, 2 * num_packed // BLOCK_COLS
+                          * BLOCK_SCALES), dtype=torch.uint8, device=q_ENP.device)
+    step = max(1, CHUNK_BYTES // (num_rows * num_packed))
+    for first in range(0, num_experts, step):
+        chunk = slice(first, first + step)
+        words[chunk], scales[chunk] = _laid_out(q_ENP[chunk], scale_ENG[chunk])
+    return words, scales
+
+
+def _laid_out(q_ENP: torch.Tensor, scale_ENG: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prepare`'s ``(words, scales)`` of weights the layout holds."""
+    num_experts, num_rows, num_packed = q_ENP.shape
     row_blocks, col_blocks = num_rows // BLOCK_ROWS, 2 * num_packed // BLOCK_COLS
     # Rows 16 w + 8 q + g and bytes 8 s + 4 o + t of each block, to [.., w, g, t, s, o, q].
     q = q_ENP.view(num_experts, row_blocks, 4, 2, 8, col_blocks, 4, 2, 4).to(torch.int32)
@@ -99,18 +128,46 @@ def prepare(q_ENP: torch.Tensor, scale_ENG: torch.Tensor
     # Rows 16 w + 8 q + g, groups 2 kb + sg, to [.., kb, w, g, sg, q].
     s = s.view(num_experts, row_blocks, 4, 2, 8, col_blocks, 2).permute(0, 1, 5, 2, 4, 6, 3)
     scales = s.to(torch.uint8).reshape(num_experts, row_blocks, col_blocks * BLOCK_SCALES)
-    return words.contiguous(), scales.contiguous()
+    return words, scales
 
 
-# The one cache of this module: the fragments of the layers that ran tiled here.
+def spare_bytes(device: torch.device) -> int | None:
+    """Bytes a copy may take on ``device`` and leave `RESERVE_FRACTION` of its memory free
+    (what the driver has free and the caching allocator holds unused); None: no limit
+    (not a GPU)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + unused - int(total * RESERVE_FRACTION)
+
+
+def _layer_copy(w13, w13_scale, w2, w2_scale):
+    size = sum(t.numel() * t.element_size() for t in (w13, w13_scale, w2, w2_scale))
+    spare = spare_bytes(w13.device)
+    if spare is not None and size + WORKSPACE_BYTES > spare:
+        warnings.warn(
+            f"MXFP4 layers whose copy in the faster layout (mxfp4_fragments) would leave less "
+            f"than {RESERVE_FRACTION:.2%} of the GPU's memory free read their packed weights "
+            f"instead: slower, no copy. {ENABLE_ENV}=0 makes no copy of any layer.",
+            stacklevel=2)
+        return None
+    pair = prepare(w13, w13_scale), prepare(w2, w2_scale)
+    return None if None in pair else pair
+
+
+# The one cache of this module: the fragments of the layers that ran here.
 _FRAGMENTS = WeightCache()
 
 
-def fragments(q_ENP: torch.Tensor, scale_ENG: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`prepare` of ``(q_ENP, scale_ENG)``, made on the first call and kept by (tensor,
-    version)."""
-    return _FRAGMENTS.get((q_ENP, scale_ENG), lambda: prepare(q_ENP, scale_ENG))
+def layer_fragments(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                    w2_scale: torch.Tensor):
+    """``((w13 words, scales), (w2 words, scales))`` of one layer, `prepare`'s layout, made
+    on its first call and kept by (tensor, version); None where the layout cannot hold
+    either matrix or the GPU has not the memory to spare (`spare_bytes`): the decision is
+    kept with the layer, as the copy would be."""
+    return _FRAGMENTS.get((w13, w13_scale, w2, w2_scale),
+                          lambda: _layer_copy(w13, w13_scale, w2, w2_scale))
 
 
 def clear_prepared_weights() -> None:
