@@ -205,3 +205,19 @@ def test_gpt_oss_fragments_gpu(path, T, split_k, block_n, block_k, warps, monkey
     out, ref, flags = run_path(q, monkeypatch, path, block_n, block_k, warps, split_k)
     assert flags == [True]
     assert_norm_close(out, ref, MXFP4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path, T, split_k", [("tiled", 33, 1), ("direct", 1, 4),
+                                              ("direct", 5, 1)])
+def test_gpt_oss_stored_weights_without_memory_to_spare_gpu(path, T, split_k, monkeypatch):
+    """A GPU without memory to spare for the copy: the tuned tiles (whole 64 x 64 blocks,
+    K in parts) read the packed weights."""
+    mxfp4_fragments.clear_prepared_weights()
+    monkeypatch.setattr(mxfp4_fragments, "spare_bytes", lambda device: 0)
+    q = gpu_inputs(MXFP4, num_tokens=T, hidden_size=2880, intermediate_size=2880,
+                   num_experts=8, top_k=4, bias=True)
+    with pytest.warns(UserWarning, match="read their packed weights instead"):
+        out, ref, flags = run_path(q, monkeypatch, path, 64, 64, 4, split_k)
+    assert flags == [False]
+    assert_norm_close(out, ref, MXFP4)
