@@ -97,10 +97,11 @@ def prepare(q_ENP: torch.Tensor, scale_ENG: torch.Tensor
     finite = scale_ENG[scale_ENG != NAN_SCALE_BYTE]
     if finite.numel() and int(finite.max()) > LARGEST_SCALE_BYTE:
         return None
-    words = torch.empty((num_experts, num_rows // BLOCK_ROWS, 2 * num_packed // BLOCK_COLS
-                         * BLOCK_BYTES), dtype=torch.uint8, device=q_ENP.device)
-    scales = torch.empty((num_experts, num_rows // BLOCK_ROWS, 2 * num_packed // BLOCK_COLS
-                          * BLOCK_SCALES), dtype=torch.uint8, device=q_ENP.device)
+    row_blocks, col_blocks = num_rows // BLOCK_ROWS, 2 * num_packed // BLOCK_COLS
+    words = torch.empty((num_experts, row_blocks, col_blocks * BLOCK_BYTES), dtype=torch.uint8,
+                        device=q_ENP.device)
+    scales = torch.empty((num_experts, row_blocks, col_blocks * BLOCK_SCALES),
+                         dtype=torch.uint8, device=q_ENP.device)
     step = max(1, CHUNK_BYTES // (num_rows * num_packed))
     for first in range(0, num_experts, step):
         chunk = slice(first, first + step)
