@@ -1063,8 +1063,8 @@ def raw_table(raw: dict) -> str:
     lines = ["| collective | for | rows per peer | there us | back us | total us | MB | GB/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in raw.values():
-        tuned = (f" (default config {r['default_us']:.1f} us; NVL chunks "
-                 f"{r['dispatch_chunk']}/{r['combine_chunk']}: {r['tuned_us']:.1f} us)"
+        tuned = (f" ({r['num_sms']} SMs; the backend's config {r['default_us']:.1f} us; NVL "
+                 f"chunks {r['dispatch_chunk']}/{r['combine_chunk']}: {r['tuned_us']:.1f} us)"
                  if "tuned_us" in r else "")
         lines.append(f"| {r['collective']}{tuned} | {r['for']} | {r['rows_per_peer']} | "
                      f"{_fmt(r['there_us'])} | "
@@ -1219,7 +1219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated expert counts of the transport phase "
                              "(default: 64,256; smoke: 8)")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer phase")
-    parser.add_argument("--chunks", default="auto",
+    parser.add_argument("--chunks", default="auto", type=chunk_counts,
                         help="comma-separated chunk counts of the layer rows moved in chunks, "
                              "beside the whole layer's ('auto': the plan's own choice; '': "
                              "none)")
@@ -1253,11 +1253,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def chunk_counts(text: str) -> list[int | None]:
-    """``--chunks``: each count, None for ``auto``; a clear error for anything else."""
+    """``--chunks``: each count, None for ``auto``; for anything else an error that argparse
+    reports before any case runs."""
     counts = []
     for word in filter(None, text.split(",")):
         if word != "auto" and not (word.isdigit() and int(word) >= 1):
-            sys.exit(f"--chunks takes comma-separated positive ints or 'auto', got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"takes comma-separated positive ints or 'auto', got {text!r}")
         counts.append(None if word == "auto" else int(word))
     return counts
 
@@ -1302,7 +1304,7 @@ def main(argv=None) -> None:
         results = Results()
         transport_phase(run, sizes, a2a_names, results)
         if not (args.no_layer or args.one_rank):
-            layer_phase(run, sizes, a2a_names, results, chunk_counts(args.chunks))
+            layer_phase(run, sizes, a2a_names, results, args.chunks)
         summary = results.save(run, sizes)
         if run.rank == 0:
             print("\n" + summary, flush=True)

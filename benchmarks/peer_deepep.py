@@ -5,8 +5,9 @@ same buffer sizes and NVSHMEM state), but none of the backend's ops around its c
 - normal mode: ``get_dispatch_layout`` + ``dispatch(num_worst_tokens=P*M)`` + ``combine``
   of the received activations, what the tokens format runs per layer (each call computes
   its layout and notifies its peers, as a model's layer must), captured as a pair, at
-  DeepEP's default config for P ranks and at the best NVL chunk sizes of a small sweep
-  (DeepEP's own test tunes them the same way, on a cached handle);
+  the backend's configs (`configs.normal_configs`: DeepEP's default chunk sizes for P ranks
+  on the backend's SM count, which DeepEP's own test sets too) and at the best NVL chunk
+  sizes of a small sweep (DeepEP's own test tunes them the same way, on a cached handle);
 - low-latency mode (decode sizes): ``low_latency_dispatch`` (bf16) +
   ``low_latency_combine`` of its per-expert receive buffer, captured as a pair.
 
@@ -21,15 +22,13 @@ from collections.abc import Callable
 import torch
 
 from torch_moe_ops.backends import deepep
+from torch_moe_ops.backends.deepep import configs
 from torch_moe_ops.backends.deepep.buffer import import_deep_ep
 from torch_moe_ops.backends.deepep.modes import LOW_LATENCY, NORMAL
 
 # DeepEP's own tuning sweeps (tests/test_intranode.py): dispatch chunks 4..32, combine 1..16.
 DISPATCH_CHUNKS = (4, 8, 12, 16, 24, 32)
 COMBINE_CHUNKS = (1, 2, 4, 6, 9, 12, 16)
-# The other fields of DeepEP's intranode default configs (Buffer.get_dispatch_config for
-# 2, 4 and 8 ranks): NVL receive chunk, RDMA send and receive chunks (unused intranode).
-NVL_RECV_TOKENS, RDMA_SEND_TOKENS, RDMA_RECV_TOKENS = 256, 6, 128
 
 
 def _routed(hidden_TH, weights_TK, ids_TK, topk_idx_dtype):
@@ -56,7 +55,7 @@ def normal_round_trip(buffer, num_experts: int, worst_tokens: int, hidden_TH, we
 
 
 def time_normal(run, sizes, case, routing, capture_and_time) -> dict:
-    """DeepEP's normal-mode round trip at its default config and at the best chunk sizes
+    """DeepEP's normal-mode round trip at the backend's configs and at the best chunk sizes
     of the sweep (dispatch chunk, then combine chunk, each tuned with the other at
     default). ``capture_and_time(fn) -> seconds`` times a captured pair on every rank."""
     deep_ep, _ = import_deep_ep()  # deepep runs here: bench_ep found it available
@@ -73,15 +72,14 @@ def time_normal(run, sizes, case, routing, capture_and_time) -> dict:
 
     def config(chunk):
         # Only the NVL send chunk moves (DeepEP's Config exposes no fields to copy).
-        return deep_ep.Config(deep_ep.Buffer.num_sms, chunk, NVL_RECV_TOKENS, RDMA_SEND_TOKENS,
-                              RDMA_RECV_TOKENS)
+        return deep_ep.Config(comm.num_sms, chunk, *configs.SHARED_FIELDS)
 
     best_d = min((capture_and_time(normal_round_trip(*args, config(c), default_c)), c)
                  for c in DISPATCH_CHUNKS)
     best_c = min((capture_and_time(normal_round_trip(*args, config(best_d[1]), config(c))), c)
                  for c in COMBINE_CHUNKS)
     row.update(tuned_us=best_c[0] * 1e6, dispatch_chunk=best_d[1], combine_chunk=best_c[1],
-               num_sms=deep_ep.Buffer.num_sms, total_us=min(row["default_us"], best_c[0] * 1e6))
+               num_sms=comm.num_sms, total_us=min(row["default_us"], best_c[0] * 1e6))
     return row
 
 

@@ -53,7 +53,8 @@ from ep_problems import (
 )
 from torch_moe_ops import quant
 from torch_moe_ops.backends.common.kernels.rows import masked_valid
-from torch_moe_ops.backends.deepep import ROWS_NAMESPACES, fp8_transport_reason
+from torch_moe_ops.backends.deepep import ROWS_NAMESPACES, configs, fp8_transport_reason
+from torch_moe_ops.backends.deepep.modes import INTRANODE_RANKS
 from torch_moe_ops.backends.registry import REGISTRY
 from torch_moe_ops.config import QuantSpec
 from torch_moe_ops.lowering import plan
@@ -212,8 +213,10 @@ def test_ops_match_single_process(world_size):
 
 def _modes_cases(rank, world_size):
     """Each mode's rows ops (`ROWS_NAMESPACES`) run that mode with only the other mode's
-    communicator of the layer's shape open: they open their own, and the other takes no call."""
+    communicator of the layer's shape open: they open their own, and the other takes no call.
+    Normal mode's kernels take the SMs set before its communicator opened."""
     deepep = deepep_emulator.install()
+    deepep.set_num_sms(24)
     group, num_experts, top_k = dist.group.WORLD.group_name, 4 * world_size, 2
     hidden_NH, weights_NK, ids_NK, _ = _full_problem(world_size, num_experts, top_k, "random")
     mine = _my_tokens(rank, world_size)
@@ -228,11 +231,30 @@ def _modes_cases(rank, world_size):
         rows_ops.combine(x_RH, weight_R, src_R, combine_map_TK, *ep_args)
         ran = {comm.mode: comm for comm in deepep.open_communicators()}
         assert not open_before.buffer.calls and ran[mode].buffer.calls, ran
+        normal = ran["normal"]
+        assert (normal.num_sms, normal.dispatch_config.num_sms,
+                normal.combine_config.num_sms) == (24, 24, 24)
+        assert "24 SMs" in repr(normal) and ran["low_latency"].num_sms is None
         deepep.close_all()
 
 
 def test_rows_ops_run_their_namespaces_mode_whatever_is_open():
     run_on_ranks(2, _modes_cases)
+
+
+def test_normal_mode_configs_by_world_size(monkeypatch):
+    monkeypatch.setattr(configs, "NUM_SMS", configs.NUM_SMS)
+    for world_size in INTRANODE_RANKS:
+        dispatch, combine = configs.normal_configs(deepep_emulator, world_size)
+        assert dispatch.num_sms == combine.num_sms == configs.NUM_SMS
+    configs.set_num_sms(32)
+    assert configs.normal_configs(deepep_emulator, 2)[0].num_sms == 32
+    with pytest.raises(ValueError, match="got 3"):
+        configs.normal_configs(deepep_emulator, 3)
+    for wrong in (7, 0, True, 24.0):
+        with pytest.raises(ValueError, match=f"num_sms must be an even int >= 2.*got {wrong!r}"):
+            configs.set_num_sms(wrong)
+    assert configs.NUM_SMS == 32
 
 
 def test_compiled_layers_match_single_process():

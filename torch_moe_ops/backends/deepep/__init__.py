@@ -41,6 +41,7 @@ from torch_moe_ops.backends.deepep.buffer import (
     on,
     open_communicators,
 )
+from torch_moe_ops.backends.deepep.configs import set_num_sms
 from torch_moe_ops.backends.deepep.modes import (
     LOW_LATENCY,
     LOW_LATENCY_MAX_TOKENS,
@@ -98,4 +99,4 @@ REGISTRY.register_a2a(A2ABackend(
 __all__ = ["LOW_LATENCY", "LOW_LATENCY_MAX_TOKENS", "NAMESPACE", "NORMAL", "NOT_INSTALLED",
            "ROWS_NAMESPACES", "DeepEPCommunicator", "choose_mode", "close_all", "communicator",
            "fp8_transport_reason", "low_latency_mode_reason", "normal_mode_reason",
-           "open_communicators", "supports"]
+           "open_communicators", "set_num_sms", "supports"]

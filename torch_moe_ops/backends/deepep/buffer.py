@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from torch_moe_ops.backends.common.transport import collectives
 from torch_moe_ops.backends.common.transport.communicators import Communicators
+from torch_moe_ops.backends.deepep import configs
 from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
     LOW_LATENCY,
@@ -136,8 +137,11 @@ class DeepEPCommunicator:
         self.in_flight: dict[int, tuple] = {}
         buffer_cls = deep_ep.Buffer
         normal = mode == NORMAL
-        self.dispatch_config = buffer_cls.get_dispatch_config(self.ep_size) if normal else None
-        self.combine_config = buffer_cls.get_combine_config(self.ep_size) if normal else None
+        # Normal mode's kernels take `configs.NUM_SMS` SMs as it stands at opening: the
+        # buffer is sized for that many channels.
+        self.num_sms = configs.NUM_SMS if normal else None
+        self.dispatch_config, self.combine_config = (
+            configs.normal_configs(deep_ep, self.ep_size) if normal else (None, None))
         with on(device):
             if mode == LOW_LATENCY:
                 num_nvl_bytes = 0
@@ -148,9 +152,8 @@ class DeepEPCommunicator:
             else:
                 _check_one_host(group, group_name)
                 hidden_bytes = hidden_size * max(dtype.itemsize, 2)
-                configs = (self.dispatch_config, self.combine_config)
                 num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, self.ep_size)
-                                    for c in configs)
+                                    for c in (self.dispatch_config, self.combine_config))
                 # Intranode (`modes.normal_mode_reason`): NVLink buffers only.
                 num_rdma_bytes, num_qps = 0, 1
             self.uses_nvshmem = num_rdma_bytes > 0
@@ -164,7 +167,8 @@ class DeepEPCommunicator:
         state = "closed" if self.buffer is None else "open"
         return (f"DeepEPCommunicator(group={self.group_name!r}, mode={self.mode!r}, "
                 f"H={self.hidden_size}, E={self.num_experts}, K={self.top_k}, "
-                f"max_tokens_per_rank={self.max_tokens_per_rank}, {state})")
+                f"max_tokens_per_rank={self.max_tokens_per_rank}"
+                f"{'' if self.num_sms is None else f', {self.num_sms} SMs'}, {state})")
 
     def matches(self, group_name, hidden_size, top_k, max_tokens_per_rank, dtype) -> bool:
         return (self.group_name, self.hidden_size, self.top_k, self.max_tokens_per_rank,
