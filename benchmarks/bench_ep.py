@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --a2a all_to_all \
         --experts 256 --chunks 2,4                   # the layer whole and in 2 and 4 chunks
     torchrun --nproc-per-node 1 benchmarks/bench_ep.py --out DIR --one-rank  # one GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out DIR --a2a deepep \
+        --experts 256 --tokens-only --no-layer --deepep-sms 24   # DeepEP on 24 SMs
 
 Legend: P ranks, T tokens per rank (M = max_tokens_per_rank = T here), H hidden
 size, I expert intermediate size, K experts per token, E experts, E_l = E / P,
@@ -1223,6 +1225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated chunk counts of the layer rows moved in chunks, "
                              "beside the whole layer's ('auto': the plan's own choice; '': "
                              "none)")
+    parser.add_argument("--deepep-sms", type=int, default=None,
+                        help="SMs of DeepEP's normal-mode kernels, for the backend and its "
+                             "yardstick alike (`deepep.set_num_sms`; default: the backend's)")
     parser.add_argument("--overlap", action="store_true",
                         help="tmo.backend(overlap=True): the layer's transfers in flight under "
                              "the work that needs no routed tokens (its shared expert), where "
@@ -1249,7 +1254,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--one-rank", action="store_true",
                         help="one process on one GPU: the flashinfer transport cases at P=1 "
                              "(the backend's cost over FlashInfer's round trip), no layer")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.deepep_sms is not None:
+        try:
+            deepep.set_num_sms(args.deepep_sms)
+        except ValueError as error:
+            parser.error(f"argument --deepep-sms: {error}")
+    return args
 
 
 def chunk_counts(text: str) -> list[int | None]:

@@ -21,14 +21,18 @@ REPO = Path(__file__).resolve().parent.parent
 EAGER_ERROR_BOUND = 2e-2
 
 
-def test_bad_chunks_fail_before_any_case_runs(tmp_path):
+@pytest.mark.parametrize("flag, value, error", [
+    ("--chunks", "''", ("argument --chunks: takes comma-separated positive ints or 'auto', "
+                       "got \"''\"")),
+    ("--deepep-sms", "7", "argument --deepep-sms: num_sms must be an even int >= 2"),
+])
+def test_bad_arguments_fail_before_any_case_runs(tmp_path, flag, value, error):
     # A wrong --chunks used to be read at the layer phase, after the transport phase ran.
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "bench_ep.py"), "--out", str(tmp_path),
-         "--chunks", "''"], capture_output=True, text=True, timeout=120, check=False)
+         flag, value], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "argument --chunks: takes comma-separated positive ints or 'auto', got \"''\"" in (
-        result.stderr)
+    assert error in result.stderr, result.stderr
 
 
 def test_smoke_times_the_layer_whole_and_in_chunks(tmp_path):
