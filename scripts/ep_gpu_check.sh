@@ -5,6 +5,9 @@
 # benchmarks/bench_ep.py at each world size in NPROCS; each step under `timeout`.
 #
 #   DEEPEP=0, TESTS=0, BENCH=0        skip a step
+#   PACK=1                            also $OUT/deep_ep_build.tgz, DeepEP's built extension:
+#                                     unpacked into .peers/DeepEP and carried, a later
+#                                     call skips the build (70-90 s on 2 H200s)
 #   TRAIN_BENCH=1                     also benchmarks/bench_ep_train.py at each world size
 #                                     (one layer trained per a2a backend, and flashinfer's
 #                                     trainable transport against MoeAlltoAll's round trip)

@@ -251,6 +251,9 @@ def test_normal_mode_configs_by_world_size(monkeypatch):
     assert configs.normal_configs(deepep_emulator, 2)[0].num_sms == 32
     with pytest.raises(ValueError, match="got 3"):
         configs.normal_configs(deepep_emulator, 3)
+    assert configs.normal_configs(deepep_emulator, 2, device_sms=33)[0].num_sms == 32
+    with pytest.raises(ValueError, match="num_sms must be below the GPU's 32 SMs.*got 32"):
+        configs.normal_configs(deepep_emulator, 2, device_sms=32)
     for wrong in (7, 0, True, 24.0):
         with pytest.raises(ValueError, match=f"num_sms must be an even int >= 2.*got {wrong!r}"):
             configs.set_num_sms(wrong)

@@ -140,8 +140,11 @@ class DeepEPCommunicator:
         # Normal mode's kernels take `configs.NUM_SMS` SMs as it stands at opening: the
         # buffer is sized for that many channels.
         self.num_sms = configs.NUM_SMS if normal else None
+        device_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                      if device.type == "cuda" else None)
         self.dispatch_config, self.combine_config = (
-            configs.normal_configs(deep_ep, self.ep_size) if normal else (None, None))
+            configs.normal_configs(deep_ep, self.ep_size, device_sms) if normal
+            else (None, None))
         with on(device):
             if mode == LOW_LATENCY:
                 num_nvl_bytes = 0

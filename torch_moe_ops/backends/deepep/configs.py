@@ -41,11 +41,16 @@ def set_num_sms(num_sms: int) -> None:
     NUM_SMS = num_sms
 
 
-def normal_configs(deep_ep, ep_size: int) -> tuple:
+def normal_configs(deep_ep, ep_size: int, device_sms: int | None = None) -> tuple:
     """``(dispatch_config, combine_config)`` of normal mode for ``ep_size`` ranks of one
-    host (2, 4 or 8), on `NUM_SMS` SMs."""
+    host (2, 4 or 8), on `NUM_SMS` SMs, which must be below ``device_sms`` (the GPU's SM
+    count, where known): DeepEP's channels wait for each other, so its kernels must all be
+    resident at once, beside at least one SM of other work."""
     if ep_size not in _SEND_CHUNKS:
         raise ValueError(f"DeepEP's normal mode runs on 2, 4 or 8 ranks of one host, got "
                          f"{ep_size}")
+    if device_sms is not None and NUM_SMS >= device_sms:
+        raise ValueError(f"num_sms must be below the GPU's {device_sms} SMs (set_num_sms), "
+                         f"got {NUM_SMS}")
     return tuple(deep_ep.Config(NUM_SMS, chunk, *SHARED_FIELDS)
                  for chunk in _SEND_CHUNKS[ep_size])
