@@ -389,6 +389,62 @@ def test_weights_are_prepared_once_per_version(emulated, expert_inputs, monkeypa
     assert len(backend._PREPARED) == 1
 
 
+def _layer(expert_inputs, quant_inputs, spec, bias):
+    """``(name of the op, args, prepare_weights' arguments)`` of one small layer in
+    ``spec``."""
+    if spec is None:
+        inputs = bf16_inputs(expert_inputs, bias)
+        return ("experts", inputs.args(),
+                (inputs.w13_EFH, inputs.w2_EHI, inputs.b13_EF, inputs.b2_EH))
+    inputs = (mxfp4_inputs(quant_inputs, bias=bias) if spec is MXFP4 else
+              quant_inputs(spec, num_tokens=9, hidden_size=256, intermediate_size=128,
+                           dtype=torch.bfloat16, bias=bias))
+    f = inputs.float_inputs
+    return ("experts_quant", inputs.args(),
+            (inputs.w13, inputs.w2, f.b13_EF, f.b2_EH, inputs.w13_scale, inputs.w2_scale))
+
+
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_copy_bytes_counts_what_prepare_allocates(emulated, expert_inputs, quant_inputs, spec,
+                                                  bias):
+    *_, sources = _layer(expert_inputs, quant_inputs, spec, bias)
+    if bias:  # one bias given: prepare_weights makes zeros for the other
+        sources = (*sources[:3], None, *sources[4:])
+    prepared = backend.prepare_weights(*sources, spec=spec)
+    held = {t.untyped_storage().data_ptr() for t in sources if t is not None}
+    made = [t for t in (prepared.fc1, prepared.fc2, prepared.fc1_bias, prepared.fc2_bias,
+                        *prepared.quant_scales)
+            if t is not None and t.untyped_storage().data_ptr() not in held]
+    made_bytes = sum(t.numel() * t.element_size() for t in made)
+    counted = backend.copy_bytes(*sources, spec=spec)
+    if spec is MXFP4:  # the padded matrices and scales live beside their interleaved copies
+        biases = [t for t in (prepared.fc1_bias, prepared.fc2_bias) if t is not None]
+        made_bytes = 2 * made_bytes - sum(t.numel() * t.element_size() for t in biases)
+    assert counted == made_bytes
+
+
+@pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
+def test_a_copy_without_memory_to_spare_is_refused_before_allocating(
+        emulated, expert_inputs, quant_inputs, monkeypatch, spec):
+    name, args, sources = _layer(expert_inputs, quant_inputs, spec, bias=True)
+    op = getattr(torch.ops.moe_flashinfer, name)
+    needed = backend.copy_bytes(*sources, spec=spec)
+    monkeypatch.setattr(backend, "spare_bytes", lambda device: needed - 1)
+    real = backend.prepare_weights
+    monkeypatch.setattr(backend, "prepare_weights", None)  # a conversion would fail
+    with pytest.raises(torch.OutOfMemoryError,
+                       match=(f"experts backend 'flashinfer' converts each layer's weights once"
+                              f".*this layer's takes {needed / 2**30:.2f} GiB.*has 0.00 GiB to "
+                              "spare.*6.25% of its memory free.*experts='triton'")):
+        op(*args)
+    assert len(backend._PREPARED) == 0 and emulated.CALLS == []
+    monkeypatch.setattr(backend, "spare_bytes", lambda device: needed)
+    monkeypatch.setattr(backend, "prepare_weights", real)
+    assert relative_error(op(*args), getattr(torch.ops.moe_reference, name)(*args)) < (
+        FP8_BOUND if spec is FP8_BLOCK else BF16_BOUND)
+
+
 @pytest.mark.parametrize("freed_first", ["w13", "w2"])
 def test_cache_entries_go_with_their_weights(emulated, expert_inputs, freed_first):
     """An entry goes when its weights go, and holds none of them alive (it holds

@@ -2,7 +2,8 @@
 version), as docs/architecture.md ("State") asks of a backend whose kernels read another
 layout. Each such backend keeps one `WeightCache` in its own module (the ``flashinfer``
 experts' converted weights, the ``triton`` experts' MXFP4 fragments), and makes what
-outlives a call inside `outside_graph_pools`."""
+outlives a call inside `outside_graph_pools`, where the GPU has the memory to spare for it
+(`spare_bytes`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ import torch
 from torch_moe_ops import torch_compat
 
 T = TypeVar("T")
+
+# What a layer's copy must leave free of the GPU's memory (activations, the KV cache and the
+# allocator's slack of whatever runs the model): 5 GB of an 80 GB GPU.
+RESERVE_FRACTION = 1 / 16
+
+
+def spare_bytes(device: torch.device) -> int | None:
+    """Bytes a copy may take on ``device`` and leave `RESERVE_FRACTION` of its memory free
+    (what the driver has free and the caching allocator holds unused); None: no limit
+    (not a GPU)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + unused - int(total * RESERVE_FRACTION)
 
 
 @dataclasses.dataclass(frozen=True)

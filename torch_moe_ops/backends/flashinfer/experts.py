@@ -41,7 +41,10 @@ one row per (token, expert): a repeated expert's sum is wrong); -1 may repeat.
 Weights are converted once per (tensor, version) and kept in this module's one cache
 (`weight_cache.WeightCache`; `clear_prepared_weights` empties it): the ``fc1`` copy takes
 as much memory as ``w13`` (and ``b13``, and the scales of quantized ``w13``); mxfp4 copies
-``w2`` too. The first call of a layer makes it, outside CUDA-graph capture (a miss during
+``w2`` too. Where the copy would leave less than `weight_cache.RESERVE_FRACTION` of the
+GPU's memory free, the call raises ``torch.OutOfMemoryError`` before allocating, naming
+the copy's size and the ``triton`` backend, which needs none. The first call of a layer
+makes it, outside CUDA-graph capture (a miss during
 capture raises: run the layer once first). The first call of each layer shape also runs
 FlashInfer's autotuner (`tuning`). An empty batch (T = 0, an idle rank) returns ``[0, H]``
 and launches nothing.
@@ -65,12 +68,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_moe_ops.backends.common.weight_cache import WeightCache
+from torch_moe_ops.backends.common.weight_cache import RESERVE_FRACTION, WeightCache, spare_bytes
 from torch_moe_ops.backends.flashinfer import cutlass_module, library, tuning
 from torch_moe_ops.backends.flashinfer.layout import (
     ACTIVATION_TYPES,
     MXFP4_ALIGNMENT,
     PreparedWeights,
+    copy_bytes,
     prepare_weights,
 )
 from torch_moe_ops.backends.registry import REGISTRY, ExpertsBackend
@@ -175,13 +179,29 @@ def clear_prepared_weights() -> None:
     _PREPARED.clear()
 
 
+def _converted(sources: tuple, spec: QuantSpec | None) -> PreparedWeights:
+    """`prepare_weights` of ``sources`` where the GPU has the memory to spare for the copy
+    (`weight_cache.spare_bytes`); else an out-of-memory error that says what to do, before
+    anything is allocated."""
+    needed = copy_bytes(*sources, spec)
+    spare = spare_bytes(sources[0].device)
+    if spare is not None and needed > spare:
+        raise torch.OutOfMemoryError(
+            f"experts backend 'flashinfer' converts each layer's weights once into "
+            f"FlashInfer's layout and keeps the copy: this layer's takes {needed / 2**30:.2f} "
+            f"GiB, and the GPU has {max(spare, 0) / 2**30:.2f} GiB to spare if it is to keep "
+            f"{RESERVE_FRACTION:.2%} of its memory free. Free memory, or use "
+            f"tmo.backend(experts='triton'), which reads the weights as stored")
+    return prepare_weights(*sources, spec)
+
+
 def _prepared(w13, w2, b13, b2, w13_scale, w2_scale, spec) -> PreparedWeights:
     sources = (w13, w2, b13, b2, w13_scale, w2_scale)
     # mxfp4's interleave runs a kernel of the module: the trimmed one must be the one loaded,
     # and load with what the backend calls.
     cutlass_module.use_trimmed_module()
     cutlass_module.check_symbols()
-    return _PREPARED.get(sources, lambda: prepare_weights(*sources, spec))
+    return _PREPARED.get(sources, lambda: _converted(sources, spec))
 
 
 def _run(x_NH, weights_NK, ids_NK, weights: tuple, spec: QuantSpec | None, activation, alpha,

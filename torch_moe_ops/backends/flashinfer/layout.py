@@ -156,6 +156,31 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, b13_EF: torch.Tensor | 
                                hidden, hidden, kwargs)
 
 
+def copy_bytes(w13: torch.Tensor, w2: torch.Tensor, b13_EF: torch.Tensor | None,
+               b2_EH: torch.Tensor | None, w13_scale: torch.Tensor | None = None,
+               w2_scale: torch.Tensor | None = None, spec: QuantSpec | None = None) -> int:
+    """The bytes `prepare_weights` allocates for these weights (its arguments), at its
+    peak: bf16 and fp8 copy ``w13``, the biases (zeros for an absent one beside a present
+    one) and ``w13``'s scales, and ``w2`` and its scales where not contiguous; mxfp4 makes
+    every tensor padded, and keeps each padded matrix and its scales beside their
+    interleaved copies until it returns."""
+    num_experts, hidden = w2.shape[:2]
+    like = b13_EF if b13_EF is not None else b2_EH
+    if spec is not None and spec.weights == "mxfp4":
+        padded_hidden, padded_inter = padded(hidden), padded(2 * w2.shape[2])
+        # fc1 [E, Fp, Hp/2] and fc2 [E, Hp, Ip/2] packed bytes, one scale byte per 32 values.
+        values = num_experts * 3 * padded_inter * padded_hidden // 2
+        bias_rows = 2 * padded_inter + padded_hidden
+        return (2 * (values + values // (MXFP4_GROUP // 2))
+                + (0 if like is None else num_experts * bias_rows * like.element_size()))
+    copied = [w13, b13_EF, b2_EH, w13_scale,
+              *(t for t in (w2, w2_scale) if t is not None and not t.is_contiguous())]
+    size = sum(t.numel() * t.element_size() for t in copied if t is not None)
+    if (b13_EF is None) != (b2_EH is None):
+        size += num_experts * (hidden if b2_EH is None else w13.shape[1]) * like.element_size()
+    return size
+
+
 def _folded_scales(scale_ENg: torch.Tensor) -> torch.Tensor:
     """e8m0 scales ``[E, N, K/32]`` folded per 64 x 128 block, each block's 16-byte rows
     viewed as int32 (``[E, N/64, K/128, 16, 4]``), as FlashInfer's W4A16 tests pass them."""

@@ -45,7 +45,7 @@ import warnings
 
 import torch
 
-from torch_moe_ops.backends.common.weight_cache import WeightCache
+from torch_moe_ops.backends.common.weight_cache import RESERVE_FRACTION, WeightCache, spare_bytes
 
 # Rows and columns of one block, and its bytes: 128 threads x 16 bytes.
 BLOCK_ROWS = 64
@@ -65,9 +65,6 @@ NAN_SCALE_BYTE = 255
 
 # Set to 0, the GEMM kernels read MXFP4 weights as stored and no fragments are made.
 ENABLE_ENV = "TORCH_MOE_OPS_MXFP4_FRAGMENTS"
-# What a layer's copy must leave free of the GPU's memory (activations, the KV cache and the
-# allocator's slack of whatever runs the model): 5 GB of an 80 GB GPU.
-RESERVE_FRACTION = 1 / 16
 # Packed bytes made into fragments at a time, and what making them takes beside the copy:
 # `prepare`'s int32 intermediates (measured on an H200, 2026-11-29: 0.56 GiB for three
 # experts of GPT-OSS-120B's w13, 25 MB; the whole layer at once took 8.96 GiB).
@@ -130,17 +127,6 @@ def _laid_out(q_ENP: torch.Tensor, scale_ENG: torch.Tensor
     s = s.view(num_experts, row_blocks, 4, 2, 8, col_blocks, 2).permute(0, 1, 5, 2, 4, 6, 3)
     scales = s.to(torch.uint8).reshape(num_experts, row_blocks, col_blocks * BLOCK_SCALES)
     return words, scales
-
-
-def spare_bytes(device: torch.device) -> int | None:
-    """Bytes a copy may take on ``device`` and leave `RESERVE_FRACTION` of its memory free
-    (what the driver has free and the caching allocator holds unused); None: no limit
-    (not a GPU)."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free + unused - int(total * RESERVE_FRACTION)
 
 
 def _layer_copy(w13, w13_scale, w2, w2_scale):
