@@ -257,7 +257,11 @@ class Run:
         else:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+            options = dist.ProcessGroupNCCL.Options()
+            # NCCL's kernels scheduled ahead of waiting compute blocks as SMs free up.
+            options.is_high_priority_stream = args.nccl_high_priority
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device,
+                                    pg_options=options)
         self.group = dist.group.WORLD
         self.group_name = self.group.group_name
         self.dtype = torch.bfloat16
@@ -1157,6 +1161,8 @@ def meta(run: Run, sizes: Sizes) -> dict:
             "python": platform.python_version(), "ranks": run.world,
             "dtype": str(run.dtype).removeprefix("torch."), "sizes": dataclasses.asdict(sizes),
             "capacity_factor": run.args.capacity_factor, "smoke": run.smoke,
+            "nccl_high_priority": run.args.nccl_high_priority,
+            "deepep_sms": deepep.configs.NUM_SMS,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",
                                                   "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                   "NVSHMEM_DISABLE_NVLS")}}
@@ -1185,7 +1191,9 @@ def write_results(run: Run, sizes: Sizes, transport: list, raw: dict, layers: li
                    "skipped": run.skipped}, f, indent=1)
     header = (f"{info['device']}, {info['date']}, torch {info['torch']}, "
               f"NCCL {info.get('nccl', '-')}, {run.world} ranks, {info['dtype']}, "
-              f"H={sizes.hidden}, K={sizes.top_k}, uniformly random routing")
+              f"H={sizes.hidden}, K={sizes.top_k}, uniformly random routing; DeepEP's "
+              f"normal mode on {info['deepep_sms']} SMs"
+              + ("; NCCL streams at high priority" if info["nccl_high_priority"] else ""))
     text = "\n\n".join([
         f"# Expert-parallel transport and layer step\n\n{header}",
         (f"Targets: all_to_all dispatch + combine within {TARGET_TRANSPORT}x raw NCCL on the "
@@ -1228,6 +1236,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deepep-sms", type=int, default=None,
                         help="SMs of DeepEP's normal-mode kernels, for the backend and its "
                              "yardstick alike (`deepep.set_num_sms`; default: the backend's)")
+    parser.add_argument("--nccl-high-priority", action="store_true",
+                        help="the NCCL process group's streams at high priority "
+                             "(ProcessGroupNCCL.Options.is_high_priority_stream): its "
+                             "transfers' blocks start before compute running beside them")
     parser.add_argument("--overlap", action="store_true",
                         help="tmo.backend(overlap=True): the layer's transfers in flight under "
                              "the work that needs no routed tokens (its shared expert), where "
