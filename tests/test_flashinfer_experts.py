@@ -405,12 +405,14 @@ def _layer(expert_inputs, quant_inputs, spec, bias):
 
 
 @pytest.mark.parametrize("spec", [None, FP8_BLOCK, MXFP4], ids=["bf16", "fp8_block", "mxfp4"])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("biases", ["none", "b13", "b2", "both"])
 def test_copy_bytes_counts_what_prepare_allocates(emulated, expert_inputs, quant_inputs, spec,
-                                                  bias):
-    *_, sources = _layer(expert_inputs, quant_inputs, spec, bias)
-    if bias:  # one bias given: prepare_weights makes zeros for the other
-        sources = (*sources[:3], None, *sources[4:])
+                                                  biases):
+    *_, sources = _layer(expert_inputs, quant_inputs, spec, biases != "none")
+    # One bias given: prepare_weights makes zeros for the other.
+    b13, b2 = (sources[2] if biases in ("b13", "both") else None,
+               sources[3] if biases in ("b2", "both") else None)
+    sources = (*sources[:2], b13, b2, *sources[4:])
     prepared = backend.prepare_weights(*sources, spec=spec)
     held = {t.untyped_storage().data_ptr() for t in sources if t is not None}
     made = [t for t in (prepared.fc1, prepared.fc2, prepared.fc1_bias, prepared.fc2_bias,

@@ -160,8 +160,9 @@ def copy_bytes(w13: torch.Tensor, w2: torch.Tensor, b13_EF: torch.Tensor | None,
                b2_EH: torch.Tensor | None, w13_scale: torch.Tensor | None = None,
                w2_scale: torch.Tensor | None = None, spec: QuantSpec | None = None) -> int:
     """The bytes `prepare_weights` allocates for these weights (its arguments), at its
-    peak: bf16 and fp8 copy ``w13``, the biases (zeros for an absent one beside a present
-    one) and ``w13``'s scales, and ``w2`` and its scales where not contiguous; mxfp4 makes
+    peak: bf16 and fp8 copy ``w13``, ``b13`` (zeros where only ``b2`` is given) and
+    ``w13``'s scales, and ``w2``, ``b2`` (zeros where only ``b13`` is given) and ``w2``'s
+    scales where not contiguous; mxfp4 makes
     every tensor padded, and keeps each padded matrix and its scales beside their
     interleaved copies until it returns."""
     num_experts, hidden = w2.shape[:2]
@@ -173,8 +174,8 @@ def copy_bytes(w13: torch.Tensor, w2: torch.Tensor, b13_EF: torch.Tensor | None,
         bias_rows = 2 * padded_inter + padded_hidden
         return (2 * (values + values // (MXFP4_GROUP // 2))
                 + (0 if like is None else num_experts * bias_rows * like.element_size()))
-    copied = [w13, b13_EF, b2_EH, w13_scale,
-              *(t for t in (w2, w2_scale) if t is not None and not t.is_contiguous())]
+    copied = [w13, b13_EF, w13_scale,
+              *(t for t in (w2, b2_EH, w2_scale) if t is not None and not t.is_contiguous())]
     size = sum(t.numel() * t.element_size() for t in copied if t is not None)
     if (b13_EF is None) != (b2_EH is None):
         size += num_experts * (hidden if b2_EH is None else w13.shape[1]) * like.element_size()
