@@ -173,14 +173,17 @@ def test_deepep_refuses_normal_mode_over_hosts(deepep_runs_here):
 
 @pytest.mark.parametrize("fields, mode, namespace, why", [
     ({}, "low_latency", "moe_deepep", "the masked format is its own layout"),
-    ({"max_tokens_per_rank": 512}, "normal", "moe_deepep", "the tokens format runs normal"),
+    ({"max_tokens_per_rank": 512}, "normal", "moe_deepep",
+     "the tokens format runs normal mode; its kernels on 48 SMs (deepep.set_num_sms)"),
     ({"training": True}, "low_latency", "moe_deepep_low_latency", "64) <= 128: a decode size"),
     ({"training": True, "max_tokens_per_rank": 512}, "normal", "moe_deepep",
      "max_tokens_per_rank (512) is not a decode size"),
+    ({"training": True, "max_tokens_per_rank": 512}, "normal", "moe_deepep", "on 48 SMs"),
     # 2 * 7 positions: not a multiple of 4, which low-latency mode needs.
     ({"training": True, "max_tokens_per_rank": 7}, "normal", "moe_deepep",
      "low-latency mode cannot run it: DeepEP's low-latency kernels need ep_size"),
-], ids=["masked", "tokens", "decode_rows", "prefill_rows", "rows_low_latency_cannot_run"])
+], ids=["masked", "tokens", "decode_rows", "prefill_rows", "prefill_rows_sms",
+        "rows_low_latency_cannot_run"])
 def test_the_plan_fixes_deepeps_mode_and_the_namespace_that_runs_it(deepep_runs_here, fields,
                                                                     mode, namespace, why):
     plan = plan_layer(BackendSpec(a2a="deepep", experts="reference"), _problem(**fields), CPU)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch_moe_ops.backends.deepep import configs
 from torch_moe_ops.backends.deepep.buffer import import_deep_ep
 from torch_moe_ops.backends.deepep.modes import (
     DTYPE,
@@ -103,7 +104,11 @@ def mode_of(fmt: Format, problem) -> TransportMode:
     if fmt is MASKED:
         return TransportMode(LOW_LATENCY, NAMESPACE, "the masked format is its own layout")
     if fmt is TOKENS:
-        return TransportMode(NORMAL, NAMESPACE, "the tokens format runs normal mode")
-    mode, why = chosen_mode(problem.ep_size, problem.hidden_size, problem.top_k,
-                            problem.max_tokens_per_rank)
-    return TransportMode(mode, ROWS_NAMESPACES[mode], why)
+        mode, namespace, why = NORMAL, NAMESPACE, "the tokens format runs normal mode"
+    else:
+        mode, why = chosen_mode(problem.ep_size, problem.hidden_size, problem.top_k,
+                                problem.max_tokens_per_rank)
+        namespace = ROWS_NAMESPACES[mode]
+    if mode == NORMAL:
+        why += f"; its kernels on {configs.NUM_SMS} SMs (deepep.set_num_sms)"
+    return TransportMode(mode, namespace, why)
