@@ -162,9 +162,8 @@ def copy_bytes(w13: torch.Tensor, w2: torch.Tensor, b13_EF: torch.Tensor | None,
     """The bytes `prepare_weights` allocates for these weights (its arguments), at its
     peak: bf16 and fp8 copy ``w13``, ``b13`` (zeros where only ``b2`` is given) and
     ``w13``'s scales, and ``w2``, ``b2`` (zeros where only ``b13`` is given) and ``w2``'s
-    scales where not contiguous; mxfp4 makes
-    every tensor padded, and keeps each padded matrix and its scales beside their
-    interleaved copies until it returns."""
+    scales where not contiguous; mxfp4 makes every tensor padded, and keeps each padded
+    matrix and its scales beside their interleaved copies until it returns."""
     num_experts, hidden = w2.shape[:2]
     like = b13_EF if b13_EF is not None else b2_EH
     if spec is not None and spec.weights == "mxfp4":
