@@ -87,7 +87,8 @@ def parts(shape, tokens: int, args) -> list[tuple[str, object]]:
              ("  moe::experts", lambda: torch.ops.moe.experts(*experts_args)),
              ("  call(moe::experts)", lambda: call(torch.ops.moe.experts, *experts_args))]
     if args.device == "cuda":
-        from torch_moe_ops.backends.triton import align, fused
+        from torch_moe_ops.backends.common.kernels import align
+        from torch_moe_ops.backends.triton import fused
 
         config = fused._plan(x_TH, ids_TK, experts_args[3])
         calls += [(f"  triton fused_experts ({config.path})",

@@ -1,9 +1,9 @@
-"""Where the time of a few-token experts call goes, kernel by kernel.
+"""Where the time of an experts call goes, kernel by kernel.
 
     python benchmarks/decode_breakdown.py [--shapes qwen3-30b-a3b,olmoe] [--tokens 1,4]
-        [--formats bf16,mxfp4]
+        [--formats bf16,mxfp4] [--backend deepgemm]
 
-For each shape and token count, the `triton` backend's call is captured in a
+For each shape and token count, the backend's call (`triton` unless told) is captured in a
 CUDA graph and timed three ways: with ``do_bench`` (whose L2 flush writes 256 MB, so the
 call starts with that much dirty L2 to write back), as bench_experts.py does
 (after a flush that only reads: clean L2, as after other layers' kernels), and
@@ -28,6 +28,8 @@ from bench_experts import (
     measure_ceilings,
 )
 from weight_formats import FORMATS, expert_weights, why_not
+
+from torch_moe_ops.backends.registry import REGISTRY
 
 REPLAYS = 50
 
@@ -63,7 +65,10 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", default="1,4,16")
     parser.add_argument("--formats", default="bf16", help=f"of {', '.join(FORMATS)}")
+    parser.add_argument("--backend", default="triton", choices=sorted(REGISTRY.experts),
+                        help="whose experts op to break down")
     args = parser.parse_args()
+    namespace = REGISTRY.experts[args.backend].namespace
     ceilings = measure_ceilings()
     flush_buffer = torch.empty(2**28, device="cuda", dtype=torch.float32)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -75,7 +80,7 @@ def main() -> None:
             if why_not(fmt, shape.hidden, shape.inter) is not None:
                 continue
             weights = expert_weights(fmt, *float_weights)
-            op = weights.op("moe_triton")
+            op = weights.op(namespace)
             for num_tokens in map(int, args.tokens.split(",")):
                 routing = make_problem(shape, num_tokens, float_weights, generator)[:3]
                 problem = (*routing, *weights.op_args())

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from torch_moe_ops import quant
-from torch_moe_ops.backends.triton.align import align_rows
+from torch_moe_ops.backends.common.kernels.align import align_rows
 from torch_moe_ops.config import QuantSpec
 
 KERNEL = "fused_moe_kernel"

@@ -119,7 +119,7 @@ def test_vllm_fp8_gemm_reads_our_scales(peer_vllm, name, num_tokens):
     strides and scale layouts as the peer passes them (at T=1 the one-block-per-slot
     path, at 16 the aligned one)."""
     _needs_vllm_source(peer_vllm)
-    from torch_moe_ops.backends.triton.align import align_rows
+    from torch_moe_ops.backends.common.kernels.align import align_rows
 
     spec = FP8_MODES[name]
     generator = torch.Generator().manual_seed(num_tokens)

@@ -23,7 +23,8 @@ from torch_moe_ops.backends.common.kernels.launch import cdiv, next_power_of_2
 if TRITON_INSTALLED:  # otherwise every test here skips (the `triton` marker)
     import triton
 
-    from torch_moe_ops.backends.triton import align, configs, fused, tune
+    from torch_moe_ops.backends.common.kernels import align
+    from torch_moe_ops.backends.triton import configs, fused, tune
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,14 +104,23 @@ def test_align_rows(T, K, E, block_m, id_dtype, programs, poisoned_empty, monkey
     # Whatever the size: all three steps in one program, or three launches.
     monkeypatch.setattr(align, "ONE_PROGRAM_MAX_WORK", 10**9 if programs == "one" else -1)
     _, topk_ids_TK = make_routing(T, E, K, id_dtype, seed=T + E)
-    sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align.align_rows(topk_ids_TK, E,
-                                                                          block_m)
+    sorted_row_ids_P, block_expert_B, num_padded_rows_1, slot_row_S = align.align_rows(
+        topk_ids_TK, E, block_m, slot_rows=True)
     rows, blocks, num_padded = expected_alignment(topk_ids_TK, E, block_m)
     assert sorted_row_ids_P.dtype == block_expert_B.dtype == num_padded_rows_1.dtype \
-        == torch.int32
+        == slot_row_S.dtype == torch.int32
     assert sorted_row_ids_P.tolist() == rows
     assert block_expert_B.tolist() == blocks
     assert num_padded_rows_1.tolist() == [num_padded]
+    # The inverse: each slot's row, -1 for the slots skipped.
+    expected_slot_rows = [-1] * topk_ids_TK.numel()
+    for row, slot in enumerate(rows):
+        if slot < len(expected_slot_rows):
+            expected_slot_rows[slot] = row
+    assert slot_row_S.tolist() == expected_slot_rows
+    # Without the inverse, the same three outputs.
+    assert [t.tolist() for t in align.align_rows(topk_ids_TK, E, block_m)] == [
+        rows, blocks, [num_padded]]
 
 
 @pytest.mark.parametrize("programs", ["one", "three"])
@@ -119,10 +129,12 @@ def test_align_rows_skips_ids_outside_the_experts(programs, monkeypatch):
     monkeypatch.setattr(align, "ONE_PROGRAM_MAX_WORK", 10**9 if programs == "one" else -1)
     topk_ids_TK = torch.tensor([[0, 6], [7, 5], [-1, 0], [9, 5]], dtype=torch.int32,
                                device=DEVICE)
-    sorted_row_ids_P, block_expert_B, num_padded_rows_1 = align.align_rows(topk_ids_TK, 6, 16)
+    sorted_row_ids_P, block_expert_B, num_padded_rows_1, slot_row_S = align.align_rows(
+        topk_ids_TK, 6, 16, slot_rows=True)
     assert sorted_row_ids_P[:32].tolist() == [0, 5] + [8] * 14 + [3, 7] + [8] * 14
     assert block_expert_B[:3].tolist() == [0, 5, -1]
     assert num_padded_rows_1.tolist() == [32]
+    assert slot_row_S.tolist() == [0, -1, -1, 16, -1, 1, -1, 17]
 
 
 def test_align_rows_all_skipped():

@@ -249,6 +249,53 @@ def test_experts_rows_quant(fmt, prequantized, kernel_path, generator, poisoned_
     assert (out[args[2] < 0] == 0).all()
 
 
+if TRITON_INSTALLED:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_mismatches_kernel(x_ptr, amax_ptr, scale_ptr, count_ptr, num_scales,
+                               BLOCK_S: tl.constexpr, BLOCK_X: tl.constexpr):
+        # How many of this program's (group amax, x) pairs, |x| <= amax as in a group, get
+        # another fp8 value from `_fp8_values` than from div_rn's quotient (NaN equal to NaN).
+        scales = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        amax = tl.load(amax_ptr + scales, mask=scales < num_scales, other=0.0)
+        scale = tl.load(scale_ptr + scales, mask=scales < num_scales, other=1.0)
+        x = tl.load(x_ptr + tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X))[None, :]
+        x = x + tl.zeros((BLOCK_S, BLOCK_X), tl.float32)
+        fast = act_quant._fp8_values(x, scale)
+        exact = act_quant._round_to_e4m3(
+            tl.clamp(tl.math.div_rn(x, scale[:, None]), -act_quant.FP8_MAX, act_quant.FP8_MAX))
+        in_group = (tl.abs(x) <= amax[:, None]) & (scales < num_scales)[:, None]
+        both_nan = (fast != fast) & (exact != exact)  # noqa: PLR0124 (NaN's test)
+        differ = (fast != exact) & ~both_nan & in_group
+        tl.store(count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
+
+
+@pytest.mark.parametrize("every", [
+    pytest.param(1, marks=gpu, id="every-group"),
+    pytest.param(2039, id="sampled-groups")])
+def test_fp8_values_divide_as_div_rn(every):
+    """`act_quant._fp8_values` (one division a row, `_divide_rows`) gives the fp8 values of
+    div_rn's quotient: on a GPU every bf16 value (NaN and infinities too) in every group of
+    bf16 values it can be in (scale ``max(amax, 1e-12) / 448`` for each bf16 amax, infinite
+    included, torch's division); on the CPU every 2039th amax, and amaxes whose scale is not a
+    power of two but whose quotients can be e4m3 ties (scales 1.5, 1.25 and 3)."""
+    x_X = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(
+        torch.bfloat16).float()
+    amax_A = torch.cat([torch.arange(0, 0x7F81, every, dtype=torch.int32).to(torch.int16).view(
+        torch.bfloat16).float(), torch.tensor([1.5, 1.25, 3.0]) * quant.FP8_MAX])
+    scale_A = amax_A.clamp(min=quant.MIN_SCALE) / quant.FP8_MAX
+    x_X, amax_A, scale_A = x_X.to(DEVICE), amax_A.to(DEVICE), scale_A.to(DEVICE)
+    block_s, block_x = 16, 1024
+    counts = torch.empty(triton.cdiv(scale_A.numel(), block_s), x_X.numel() // block_x,
+                         dtype=torch.int32, device=DEVICE)
+    _fp8_mismatches_kernel[counts.shape](x_X, amax_A, scale_A, counts, scale_A.numel(),
+                                         BLOCK_S=block_s, BLOCK_X=block_x)
+    assert counts.sum().item() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("spec", [QuantSpec("fp8_channel"), QuantSpec("fp8_block")],
                          ids=["fp8_token", "fp8_group"])

@@ -40,11 +40,11 @@ import torch
 
 from torch_moe_ops.backends.common.kernels import grouped_gemm
 from torch_moe_ops.backends.common.kernels.act_quant import quantize_rows
+from torch_moe_ops.backends.common.kernels.align import align_rows
 from torch_moe_ops.backends.common.kernels.launch import cdiv, launcher
 from torch_moe_ops.backends.common.kernels.triton_activation import ACTIVATION_CODES
 from torch_moe_ops.backends.registry import Problem
 from torch_moe_ops.backends.triton import mxfp4_fragments
-from torch_moe_ops.backends.triton.align import align_rows
 from torch_moe_ops.backends.triton.configs import (
     KERNEL_DTYPES,
     KernelConfig,

@@ -8,6 +8,7 @@ Legend: T tokens, K experts per token, S = T * K slots (slot ``s`` is token
     for e in experts: its slots fill [start_e, start_e + count_e), then
                       the sentinel S up to start_e + round_up(count_e, M)
     block_expert[b] = e if block b lies in e's range, -1 past the last range
+    slot_row[s] = the row slot s fills, -1 for a slot with no row (on request)
 
 P is a static bound (``padded_capacity``), so every size depends only on input
 sizes and nothing waits on the host: the real number of padded rows stays on
@@ -31,6 +32,7 @@ from torch_moe_ops.backends.common.kernels.launch import (
     in_traced_body,
     launcher,
     next_power_of_2,
+    unread_slot,
 )
 
 # Slots per program of the count and scatter kernels. With EXPERT_CHUNK the
@@ -103,9 +105,11 @@ def _scan(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr,
 
 
 @triton.jit
-def _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, tile,
-                num_slots, num_experts, SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
-    """Tile ``tile``'s routed slots to their rows."""
+def _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, slot_row_ptr,
+                tile, num_slots, num_experts, SLOT_TILE: tl.constexpr,
+                EXPERT_CHUNK: tl.constexpr, SLOT_ROWS: tl.constexpr):
+    """Tile ``tile``'s routed slots to their rows (and, given ``SLOT_ROWS``, each slot's row,
+    -1 where it has none, to ``slot_row``)."""
     slots = tile * SLOT_TILE + tl.arange(0, SLOT_TILE)
     ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
     routed = (ids >= 0) & (ids < num_experts)
@@ -117,6 +121,9 @@ def _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr,
     earlier = tl.load(tile_offsets_ptr + tile * num_experts + ids, mask=routed, other=0)
     start = tl.load(expert_start_ptr + ids, mask=routed, other=0)
     tl.store(sorted_row_ids_ptr + start + earlier + rank, slots, mask=routed)
+    if SLOT_ROWS:
+        tl.store(slot_row_ptr + slots, tl.where(routed, start + earlier + rank, -1),
+                 mask=slots < num_slots)
 
 
 @triton.jit
@@ -169,15 +176,17 @@ def moe_align_scan_kernel(tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
 
 @triton.jit
 def moe_align_scatter_kernel(ids_ptr, tile_offsets_ptr, expert_count_ptr, expert_start_ptr,
-                             num_padded_ptr, sorted_row_ids_ptr, block_expert_ptr, num_slots,
-                             num_tiles, num_blocks, num_experts, BLOCK_M: tl.constexpr,
-                             SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+                             num_padded_ptr, sorted_row_ids_ptr, block_expert_ptr, slot_row_ptr,
+                             num_slots, num_tiles, num_blocks, num_experts,
+                             BLOCK_M: tl.constexpr, SLOT_TILE: tl.constexpr,
+                             EXPERT_CHUNK: tl.constexpr, SLOT_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     # Programs [0, num_tiles) place slots and programs [0, num_blocks) write one
     # block's padding and expert; the two sets of rows written never overlap.
     if pid < num_tiles:
-        _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, pid,
-                    num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK)
+        _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr,
+                    slot_row_ptr, pid, num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK,
+                    SLOT_ROWS)
     if pid < num_blocks:
         _write_blocks(expert_count_ptr, expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
                       block_expert_ptr, pid, num_blocks, num_slots, num_experts, BLOCK_M, 1,
@@ -187,11 +196,12 @@ def moe_align_scatter_kernel(ids_ptr, tile_offsets_ptr, expert_count_ptr, expert
 @triton.jit
 def moe_align_one_program_kernel(ids_ptr, tile_counts_ptr, tile_offsets_ptr, expert_count_ptr,
                                   expert_start_ptr, num_padded_ptr, sorted_row_ids_ptr,
-                                  block_expert_ptr, num_slots, num_tiles, num_blocks,
-                                  num_experts, BLOCK_M: tl.constexpr, SLOT_TILE: tl.constexpr,
-                                  EXPERT_CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr,
-                                  SCAN_EXPERT_CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
-                                  BLOCK_EXPERT_CHUNK: tl.constexpr):
+                                  block_expert_ptr, slot_row_ptr, num_slots, num_tiles,
+                                  num_blocks, num_experts, BLOCK_M: tl.constexpr,
+                                  SLOT_TILE: tl.constexpr, EXPERT_CHUNK: tl.constexpr,
+                                  TILE_CHUNK: tl.constexpr, SCAN_EXPERT_CHUNK: tl.constexpr,
+                                  BLOCKS: tl.constexpr, BLOCK_EXPERT_CHUNK: tl.constexpr,
+                                  SLOT_ROWS: tl.constexpr):
     # The three kernels' work in one program; a barrier between the steps makes
     # each step's stores visible to the program's other threads.
     for tile in range(num_tiles):
@@ -202,8 +212,9 @@ def moe_align_one_program_kernel(ids_ptr, tile_counts_ptr, tile_offsets_ptr, exp
           num_tiles, num_experts, BLOCK_M, TILE_CHUNK, SCAN_EXPERT_CHUNK)
     tl.debug_barrier()
     for tile in range(num_tiles):
-        _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr, tile,
-                    num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK)
+        _place_tile(ids_ptr, tile_offsets_ptr, expert_start_ptr, sorted_row_ids_ptr,
+                    slot_row_ptr, tile, num_slots, num_experts, SLOT_TILE, EXPERT_CHUNK,
+                    SLOT_ROWS)
     # Many blocks a step: one at a time, the step's chain of loads made this loop
     # most of the call (46.6 of 230 us at 16 tokens of Qwen3-30B-A3B, H200, 2026-11-29).
     for first_block in range(0, num_blocks, BLOCKS):
@@ -239,7 +250,8 @@ def _one_program_tiles(num_slots: int, num_experts: int, num_blocks: int,
             "BLOCK_EXPERT_CHUNK": min(experts, ONE_PROGRAM_TILE_ELEMENTS // blocks)}
 
 
-def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
+def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
+               slot_rows: bool = False):
     """Sort the ``S = T * K`` routed slots by expert into blocks of ``block_m`` rows.
 
     Args:
@@ -256,6 +268,8 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
         ``block_expert_B`` int32 ``[P // block_m]``: each block's expert, -1 for
         blocks from ``num_padded_rows`` on.
         ``num_padded_rows_1`` int32 ``[1]``: rows in use, a multiple of ``block_m``.
+        Given ``slot_rows``, also ``slot_row_S`` int32 ``[S]``: the row each slot fills
+        (the inverse of ``sorted_row_ids_P``), -1 for a slot that gets none.
     """
     if topk_ids_TK.dim() != 2 or topk_ids_TK.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be a 2-D int32 or int64 tensor, got shape "
@@ -279,7 +293,8 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     table = num_tiles * num_experts
     # The outputs, per-tile counts and offsets [tiles, E], per-expert counts and padded
     # starts [E].
-    sizes = (capacity, num_blocks, 1, table, table, num_experts, num_experts)
+    sizes = (capacity, num_blocks, 1, table, table, num_experts, num_experts) + (
+        (num_slots,) if slot_rows else ())
     if traced:
         # Separate tensors, not views of one workspace. Traced into a training graph,
         # Inductor (torch 2.11) copied views of one workspace that the kernels mutate
@@ -290,14 +305,16 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
         # Eagerly, one allocation (each costs a few us of host time).
         buffers = _int32_views(sizes, device)
     (sorted_row_ids_P, block_expert_B, num_padded_rows_1, tile_counts, tile_offsets,
-     expert_count, expert_start) = buffers
+     expert_count, expert_start) = buffers[:7]
+    outputs = (sorted_row_ids_P, block_expert_B, num_padded_rows_1, *buffers[7:])
+    slot_row_out = buffers[7] if slot_rows else unread_slot(sorted_row_ids_P, torch.int32)
     ids_S = topk_ids_TK.reshape(-1)
     if one_program:
         launcher(moe_align_one_program_kernel)[(1,)](
             ids_S, tile_counts, tile_offsets, expert_count, expert_start, num_padded_rows_1,
-            sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
-            BLOCK_M=block_m, **tiles)
-        return sorted_row_ids_P, block_expert_B, num_padded_rows_1
+            sorted_row_ids_P, block_expert_B, slot_row_out, num_slots, num_tiles, num_blocks,
+            num_experts, BLOCK_M=block_m, SLOT_ROWS=slot_rows, **tiles)
+        return outputs
     if num_tiles:
         launcher(moe_align_count_kernel)[(num_tiles,)](ids_S, tile_counts, num_slots, num_experts,
                                              SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)
@@ -307,6 +324,7 @@ def align_rows(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int):
     if max(num_tiles, num_blocks):
         launcher(moe_align_scatter_kernel)[(max(num_tiles, num_blocks),)](
             ids_S, tile_offsets, expert_count, expert_start, num_padded_rows_1,
-            sorted_row_ids_P, block_expert_B, num_slots, num_tiles, num_blocks, num_experts,
-            BLOCK_M=block_m, SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK)
-    return sorted_row_ids_P, block_expert_B, num_padded_rows_1
+            sorted_row_ids_P, block_expert_B, slot_row_out, num_slots, num_tiles, num_blocks,
+            num_experts, BLOCK_M=block_m, SLOT_TILE=SLOT_TILE, EXPERT_CHUNK=EXPERT_CHUNK,
+            SLOT_ROWS=slot_rows)
+    return outputs
