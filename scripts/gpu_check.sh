@@ -6,11 +6,12 @@
 # durations_<shard>.log files it writes to $OUT, one after the other, or pytest's --durations
 # lines; by default scripts/gpu_durations.log, the per-test times of the whole suite on
 # one H200, 2026-11-29: four shards there took 130-279 s); then the multigpu tests on all
-# of them (MULTIGPU=0 skips them); TEST_SECONDS bounds each part. Then with TUNE=<shapes> the config tuning
-# of those benchmark shapes (BENCH=1 then benchmarks on them), and with BENCH=1 the bf16 experts
-# benchmark, one shape at a time (BENCH_ARGS="--formats ..." for others; quantized
-# formats: scripts/quant_gpu_check.sh); with MODEL=<shapes> the whole-model benchmark
-# (bench_model.py, MODEL_ARGS passed on). Logs go to $OUT when it is set.
+# of them (MULTIGPU=0 skips them); TEST_SECONDS bounds each part. Then with TUNE=<shapes>
+# the config tuning of those benchmark shapes (BENCH=1 then benchmarks on them), and with
+# BENCH=1 the bf16 experts benchmark, one shape at a time (BENCH_ARGS="--formats ..." for
+# others; quantized formats: scripts/quant_gpu_check.sh); with MODEL=<shapes> the
+# whole-model benchmark (bench_model.py, MODEL_ARGS passed on). Logs go to $OUT when it is
+# set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
